@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (set up and run the main job) and `make test` (set up and run the tests).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Pin torch so pip takes the CPU wheel this machine ships instead of the newest multi-GB CUDA build;
+# on a GPU host pass e.g. TORCH_SPEC='torch>=2.11'.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= demo
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+
+.PHONY: demo test lint bench clean-demo
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) '$(TORCH_SPEC)'
+	$(PIP) -e '.[dali,test]'
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/vitctl data synth $(DEMO_DIR)/archives --classes 10 --train-per-class 40 --val-per-class 10
+	$(BIN)/vitctl data extract --train-tar $(DEMO_DIR)/archives/ILSVRC2012_img_train.tar \
+		--val-tar $(DEMO_DIR)/archives/ILSVRC2012_img_val.tar --out $(DEMO_DIR)/imagenet
+	$(BIN)/vitctl data valprep $(DEMO_DIR)/imagenet/val --devkit $(DEMO_DIR)/archives/ILSVRC2012_devkit_t12.tar.gz
+	$(BIN)/vitctl data shard $(DEMO_DIR)/imagenet --out $(DEMO_DIR)/shards --maxcount 128
+	$(BIN)/vitctl data index $(DEMO_DIR)/shards
+	$(BIN)/vitctl data verify $(DEMO_DIR)/shards --decode 64
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not gpu"
+
+bench: $(BIN)/.installed
+	$(BIN)/python bench/bench_data.py
+
+clean-demo:
+	rm -rf $(DEMO_DIR)

@@ -1,0 +1,47 @@
+"""Rich consoles, progress bars and value types shared by the commands."""
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console()
+err_console = Console(stderr=True)
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class ByteSize(click.ParamType):
+    """Sizes such as 1GB, 500MB, 64KiB or a plain number of bytes."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).upper() if match else None
+        if unit not in _UNITS:
+            self.fail(f"{value!r} is not a size; write e.g. 1GB, 500MB, 64KiB or a number of bytes", param, ctx)
+        return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Bar:
+    advance: Callable[[int], None]
+    set_total: Callable[[int], None]
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None = None, unit: str = "") -> Iterator[Bar]:
+    """A rich progress bar on stderr (plain and quiet when stderr is not a terminal)."""
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn(unit), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err_console) as progress:
+        task = progress.add_task(description, total=total)
+        yield Bar(lambda n: progress.advance(task, n), lambda n: progress.update(task, total=n))

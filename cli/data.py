@@ -1,0 +1,151 @@
+"""`vitctl data ...`: ImageNet-1k preparation from the original archives to verified shards."""
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+from vitctl.datasets import extract as ex
+from vitctl.datasets import ilsvrc, manifest, valprep
+from vitctl.datasets.errors import DataError
+from vitctl.datasets.index import build_index
+from vitctl.datasets.parallel import default_workers, run_tasks
+from vitctl.datasets.shard import ShardSpec, shard_split
+from vitctl.datasets.synth import SynthSpec, write_synthetic
+from vitctl.datasets.verify import verify as verify_folder
+
+from .console import ByteSize, console, progress_bar
+
+FULL_IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
+workers_option = click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="CPUs",
+                              help="Worker processes.")
+existing = click.Path(exists=True, path_type=Path)
+
+
+@click.group()
+def data() -> None:
+    """Prepare ImageNet-1k: synth, extract, valprep, shard, index, verify."""
+
+
+@data.command()
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--classes", default=10, show_default=True, help="Number of classes (3 to 36 real WNIDs).")
+@click.option("--train-per-class", default=20, show_default=True)
+@click.option("--val-per-class", default=5, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def synth(out: Path, classes: int, train_per_class: int, val_per_class: int, seed: int) -> None:
+    """Write a small dataset in the real ILSVRC2012 archive formats into OUT."""
+    paths = write_synthetic(out, SynthSpec(classes, train_per_class, val_per_class, seed))
+    table = Table("archive", "bytes", title=f"synthetic ILSVRC2012 ({classes} classes)")
+    for path in paths.values():
+        table.add_row(str(path), f"{path.stat().st_size:,}")
+    console.print(table)
+
+
+@data.command()
+@click.option("--train-tar", type=existing, help="ILSVRC2012_img_train.tar (nested per-class tars).")
+@click.option("--val-tar", type=existing, help="ILSVRC2012_img_val.tar (flat).")
+@click.option("--out", "root", required=True, type=click.Path(file_okay=False, path_type=Path), help="Dataset root.")
+@workers_option
+def extract(train_tar: Path | None, val_tar: Path | None, root: Path, workers: int) -> None:
+    """Extract the archives into ROOT/train/<wnid>/ and ROOT/val/; a rerun resumes."""
+    if train_tar is None and val_tar is None:
+        raise click.UsageError("pass --train-tar, --val-tar or both")
+    root.mkdir(parents=True, exist_ok=True)
+    table = Table("split", "classes", "images", "resumed", title=f"extracted into {root}")
+    if train_tar:
+        with progress_bar("train", unit="bytes") as bar:
+            report = ex.extract_train(train_tar, root, workers, bar.advance, bar.set_total)
+        ex.check_counts(report, root)
+        table.add_row("train", str(len(report.classes)), f"{report.train_images:,}", f"{len(report.skipped)} classes")
+    if val_tar:
+        with progress_bar("val", unit="bytes") as bar:
+            count = ex.extract_val(val_tar, root, workers, bar.advance, bar.set_total)
+        table.add_row("val", "", f"{count:,}", "")
+    console.print(table)
+    if train_tar and (len(report.classes), report.train_images) != (FULL_IMAGENET["classes"], FULL_IMAGENET["train"]):
+        console.print(f"note: not the full ImageNet-1k train set ({FULL_IMAGENET['classes']} classes, "
+                      f"{FULL_IMAGENET['train']:,} images)")
+
+
+@data.command(name="valprep")
+@click.argument("val_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--devkit", type=existing, help="ILSVRC2012_devkit_t12.tar.gz")
+@click.option("--solution", type=existing, help="Kaggle's LOC_val_solution.csv")
+def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -> None:
+    """Move VAL_DIR's flat images into WNID folders (no network; idempotent)."""
+    if (devkit is None) == (solution is None):
+        raise click.UsageError("pass exactly one of --devkit and --solution")
+    labels = ilsvrc.val_labels_from_devkit(devkit) if devkit else ilsvrc.val_labels_from_solution(solution)
+    moves = valprep.plan_moves(val_dir, labels)
+    valprep.move_into_folders(val_dir, moves)
+    done = len(labels) - len(moves)
+    console.print(f"valprep: moved {len(moves):,} images into {len(set(labels.values()))} WNID folders"
+                  + (f" ({done:,} were already in place)" if done else ""))
+
+
+@data.command()
+@click.argument("root", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Shard folder.")
+@click.option("--split", type=click.Choice(["train", "val", "both"]), default="both", show_default=True)
+@click.option("--maxsize", type=ByteSize(), default="1GB", show_default=True, help="Target bytes per shard.")
+@click.option("--maxcount", type=click.IntRange(min=1), default=10_000, show_default=True, help="Samples per shard.")
+@click.option("--seed", default=0, show_default=True, help="Shuffle seed.")
+@click.option("--on-bad-image", type=click.Choice(["skip", "fail"]), default="skip", show_default=True)
+@workers_option
+def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: int, on_bad_image: str,
+          workers: int) -> None:
+    """Write WebDataset shards imagenet-{split}-%06d.tar and SHARDS/manifest.json; a rerun resumes."""
+    spec = ShardSpec(maxsize, maxcount, seed, on_bad_image)
+    table = Table("split", "shards", "samples", "bytes", "converted", "skipped", title=f"shards in {out}")
+    for name in ("train", "val") if split == "both" else (split,):
+        with progress_bar(name, unit="samples") as bar:
+            info = shard_split(root, out, name, spec, workers, bar.advance, bar.set_total)
+        shards = info["shards"]
+        table.add_row(name, str(len(shards)), f"{sum(s['samples'] for s in shards):,}",
+                      f"{sum(s['bytes'] for s in shards):,}", str(sum(len(s["conversions"]) for s in shards)),
+                      str(sum(len(s["skipped"]) for s in shards)))
+    console.print(table)
+
+
+@data.command()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@workers_option
+def index(shards: Path, workers: int) -> None:
+    """Write a DALI index file (v1.2) beside each shard."""
+    found = manifest.load(shards)
+    if found is None:
+        raise DataError("no manifest.json", str(shards), "pass a folder written by `vitctl data shard`")
+    paths = [shards / entry["name"] for _, entry in manifest.all_shards(found)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise DataError(f"{len(missing)} shards in the manifest are missing, e.g. {missing[0]}", str(shards),
+                        "rerun `vitctl data shard`")
+    with progress_bar("index", len(paths), "shards") as bar:
+        samples = 0
+        for _, count in run_tasks(build_index, [(p,) for p in paths], workers):
+            samples += count
+            bar.advance(1)
+    console.print(f"index: {len(paths)} index files, {samples:,} samples")
+
+
+@data.command(name="verify")
+@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--decode", default=32, show_default=True, help="Random images to decode.")
+@workers_option
+def verify_command(shards: Path, decode: int, workers: int) -> None:
+    """Check manifest vs shards, each index vs its shard, and decode random images; exit 1 on any problem."""
+    problems, found = verify_folder(shards, decode, workers)
+    table = Table("split", "shards", "samples", "bytes", "converted", "skipped",
+                  title=f"{shards} ({len(found['classes'])} classes, labels: {found['label_convention']})")
+    for split, info in sorted(found["splits"].items()):
+        entries = info["shards"]
+        table.add_row(split, str(len(entries)), f"{sum(e['samples'] for e in entries):,}",
+                      f"{sum(e['bytes'] for e in entries):,}", str(sum(len(e["conversions"]) for e in entries)),
+                      str(sum(len(e["skipped"]) for e in entries)))
+    console.print(table)
+    if problems:
+        for name, found_problems in sorted(problems.items()):
+            for problem in found_problems:
+                console.print(f"[red]FAIL[/] {name}: {problem}", highlight=False)
+        raise SystemExit(1)
+    console.print(f"[green]OK[/] every shard matches the manifest and its index; {decode} images decoded")

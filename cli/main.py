@@ -1,0 +1,34 @@
+"""Entry point of the `vitctl` command."""
+
+from importlib.metadata import version
+
+import click
+from rich.markup import escape
+from vitctl.datasets.errors import DataError
+
+from .console import err_console
+from .data import data
+
+
+class VitctlGroup(click.Group):
+    """Turns a DataError anywhere below into a one-screen message and exit status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DataError as e:
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+            ctx.exit(1)
+
+
+@click.group(cls=VitctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version("vitctl"), prog_name="vitctl")
+def cli() -> None:
+    """vitctl: prepare ImageNet, train Swin and ViT, launch on Slurm, watch the jobs."""
+
+
+cli.add_command(data)
+
+
+def main() -> None:
+    cli()

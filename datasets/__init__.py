@@ -1,0 +1,1 @@
+"""ImageNet-1k archives, WebDataset shards and DALI index files."""

@@ -1,0 +1,39 @@
+"""Atomic file writes: a temporary name in the same folder, fsync, then rename."""
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def partial_path(path: Path) -> Path:
+    """The hidden temporary name a file is written under before it is renamed to `path`."""
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open `path` for writing so that it appears under its name only once complete."""
+    tmp = partial_path(path)
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")

@@ -1,0 +1,114 @@
+"""ILSVRC2012 naming and the devkit: meta.mat synsets and the validation ground truth."""
+
+import csv
+import io
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.io
+
+from .errors import DataError
+
+WNID = re.compile(r"n\d{8}")
+VAL_NAME = "ILSVRC2012_val_{:08d}.JPEG"
+VAL_PATTERN = re.compile(r"ILSVRC2012_val_(\d{8})\.JPEG")
+META_MAT = "data/meta.mat"
+GROUND_TRUTH = "data/ILSVRC2012_validation_ground_truth.txt"
+SYNSET_FIELDS = ("ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children",
+                 "wordnet_height", "num_train_images")
+LABEL_CONVENTION = "sorted-wnid-index"  # 0 = n01440764, as torchvision ImageFolder, timm and webdataset
+
+
+@dataclass(frozen=True)
+class Synset:
+    ilsvrc_id: int
+    wnid: str
+    words: str
+    num_children: int
+
+
+def _find(tar: tarfile.TarFile, suffix: str) -> tarfile.TarInfo | None:
+    return next((m for m in tar.getmembers() if m.isfile() and m.name.endswith(suffix)), None)
+
+
+def _year_hint(tar: tarfile.TarFile) -> str:
+    years = sorted({m for m in re.findall(r"ILSVRC(\d{4})", " ".join(tar.getnames()))})
+    return f" (it names ILSVRC{', ILSVRC'.join(years)})" if years else ""
+
+
+def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
+    """Synsets from meta.mat and the ILSVRC2012_ID of each validation image, in filename order."""
+    where = str(path)
+    if not path.is_file():
+        raise DataError("devkit not found", where, "pass the path of ILSVRC2012_devkit_t12.tar.gz")
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            meta, truth = _find(tar, META_MAT), _find(tar, GROUND_TRUTH)
+            if meta is None or truth is None:
+                missing = META_MAT if meta is None else GROUND_TRUTH
+                raise DataError(f"not an ILSVRC2012 devkit: no {missing}{_year_hint(tar)}", where,
+                                "use ILSVRC2012_devkit_t12.tar.gz (md5 fa75699e90414af021442c21a62c3abf)")
+            mat_bytes = tar.extractfile(meta).read()
+            truth_text = tar.extractfile(truth).read().decode()
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise DataError(f"cannot read the devkit archive ({e})", where,
+                        "the file is damaged or truncated; download it again") from None
+    return parse_meta(mat_bytes, where), parse_ground_truth(truth_text, where)
+
+
+def parse_meta(mat_bytes: bytes, where: str) -> list[Synset]:
+    try:
+        synsets = scipy.io.loadmat(io.BytesIO(mat_bytes), squeeze_me=True)["synsets"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"meta.mat has no readable 'synsets' struct ({e})", where) from None
+    fields = synsets.dtype.names or ()
+    if "ILSVRC2012_ID" not in fields:
+        other = [f for f in fields if f.endswith("_ID")]
+        raise DataError(f"meta.mat is not from ILSVRC2012 (its synsets have {other or list(fields)})", where,
+                        "use ILSVRC2012_devkit_t12.tar.gz")
+    return [Synset(int(s["ILSVRC2012_ID"]), str(s["WNID"]), str(s["words"]), int(s["num_children"]))
+            for s in np.atleast_1d(synsets)]
+
+
+def parse_ground_truth(text: str, where: str) -> list[int]:
+    try:
+        return [int(line) for line in text.split()]
+    except ValueError as e:
+        raise DataError(f"{GROUND_TRUTH} holds a non-integer line ({e})", where) from None
+
+
+def leaf_wnids(synsets: list[Synset]) -> dict[int, str]:
+    """ILSVRC2012_ID -> WNID for the leaf classes (the ones images are labelled with)."""
+    return {s.ilsvrc_id: s.wnid for s in synsets if s.num_children == 0}
+
+
+def val_labels_from_devkit(path: Path) -> dict[str, str]:
+    """Validation file name -> WNID, from the devkit."""
+    synsets, truth = read_devkit(path)
+    by_id = leaf_wnids(synsets)
+    unknown = sorted({i for i in truth if i not in by_id})
+    if unknown:
+        raise DataError(f"ground truth names ILSVRC2012_IDs that are not leaf synsets in meta.mat: {unknown[:5]}",
+                        str(path), "the devkit is damaged; download it again")
+    return {VAL_NAME.format(i + 1): by_id[label] for i, label in enumerate(truth)}
+
+
+def val_labels_from_solution(path: Path) -> dict[str, str]:
+    """Validation file name -> WNID, from Kaggle's LOC_val_solution.csv (first WNID of each row)."""
+    if not path.is_file():
+        raise DataError("solution file not found", str(path), "pass the path of LOC_val_solution.csv")
+    labels = {}
+    with open(path, newline="") as f:
+        for row_number, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                image_id, prediction = row["ImageId"], row["PredictionString"]
+            except KeyError:
+                raise DataError("expected the columns ImageId,PredictionString", str(path)) from None
+            wnid = prediction.split()[0] if prediction else ""
+            if not WNID.fullmatch(wnid):
+                raise DataError(f"row {row_number}: no WNID in {prediction!r}", str(path))
+            labels[f"{image_id}.JPEG"] = wnid
+    return labels

@@ -1,0 +1,64 @@
+"""Checks on image bytes, and conversion of what is not an RGB JPEG into one."""
+
+import io
+
+from PIL import Image
+
+from .errors import DataError
+
+_SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
+JPEG_QUALITY = 95
+
+
+def jpeg_components(data: bytes) -> int | None:
+    """Colour components of a JPEG read from its frame header (1 gray, 3 YCbCr/RGB, 4 CMYK); None if not JPEG."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if marker in _SOF_MARKERS:
+            return data[pos + 9] if pos + 9 < end else None
+        if marker == 0xDA:  # start of scan before any frame header
+            return None
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return None
+
+
+def has_jpeg_end(data: bytes) -> bool:
+    """A complete JPEG has its EOI marker near the end; a truncated one has none.
+
+    Entropy-coded data never holds FF D9 (FF is byte-stuffed), so only a real EOI matches; some cameras
+    append a few bytes after it, hence the search in the tail rather than at the very end.
+    """
+    return b"\xff\xd9" in data[-1024:]
+
+
+def to_rgb_jpeg(data: bytes, source: str) -> tuple[bytes, str | None]:
+    """Return RGB JPEG bytes for `data` and the conversion done (None when the original bytes are kept).
+
+    Raises DataError for an image that cannot be read (corrupt or truncated).
+    """
+    components = jpeg_components(data)
+    if components == 3:
+        if not has_jpeg_end(data):
+            raise DataError("truncated JPEG (no end-of-image marker)", source)
+        return data, None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            kind = f"{(image.format or 'unknown').lower()} {image.mode} -> RGB JPEG"
+            out = io.BytesIO()
+            image.convert("RGB").save(out, format="JPEG", quality=JPEG_QUALITY)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"unreadable image ({e})", source) from None
+    return out.getvalue(), kind

@@ -1,0 +1,49 @@
+"""The shard folder's manifest.json: label convention, classes, and what each complete shard holds."""
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .atomic import write_json_atomic
+from .errors import DataError
+from .ilsvrc import LABEL_CONVENTION
+
+MANIFEST = "manifest.json"
+FORMAT = "vitctl-shards/1"
+SHARD_NAME = re.compile(r"imagenet-(train|val)-(\d{6})\.tar")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"imagenet-{split}-{index:06d}.tar"
+
+
+def index_name(shard: str) -> str:
+    return shard.removesuffix(".tar") + ".idx"
+
+
+def load(out: Path) -> dict[str, Any] | None:
+    path = out / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"manifest is not valid JSON ({e})", str(path),
+                        "restore it or shard into a new folder") from None
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"manifest format {manifest.get('format')!r} is not {FORMAT!r}", str(path))
+    return manifest
+
+
+def new(classes: list[str]) -> dict[str, Any]:
+    return {"format": FORMAT, "label_convention": LABEL_CONVENTION, "classes": classes, "splits": {}}
+
+
+def save(out: Path, manifest: dict[str, Any]) -> None:
+    write_json_atomic(out / MANIFEST, manifest)
+
+
+def all_shards(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(split, shard entry) for every shard the manifest records as complete, in name order."""
+    return [(split, entry) for split, info in sorted(manifest["splits"].items()) for entry in info["shards"]]

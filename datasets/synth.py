@@ -1,0 +1,136 @@
+"""A small dataset in the real ILSVRC2012 archive formats, with learnable class-dependent images."""
+
+import io
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.io
+from PIL import Image
+
+from .atomic import atomic_open
+from .errors import DataError
+from .ilsvrc import GROUND_TRUTH, META_MAT, SYNSET_FIELDS, VAL_NAME
+
+TRAIN_TAR, VAL_TAR, DEVKIT = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz"
+DEVKIT_DIR = "ILSVRC2012_devkit_t12"
+
+# Real ImageNet-1k leaf WNIDs. IDs are given in this order, which (like the real devkit, where ID 1 is
+# kit fox) is not sorted-WNID order, so code that confuses the two conventions fails on this data.
+LEAVES = [
+    ("n02119789", "kit fox"), ("n02100735", "English setter"), ("n02110185", "Siberian husky"),
+    ("n02096294", "Australian terrier"), ("n02102040", "English springer"), ("n02066245", "grey whale"),
+    ("n02509815", "lesser panda"), ("n02124075", "Egyptian cat"), ("n02417914", "ibex"),
+    ("n02123394", "Persian cat"), ("n01440764", "tench"), ("n01443537", "goldfish"),
+    ("n01484850", "great white shark"), ("n01491361", "tiger shark"), ("n01494475", "hammerhead"),
+    ("n01496331", "electric ray"), ("n01498041", "stingray"), ("n01514668", "cock"), ("n01514859", "hen"),
+    ("n01518878", "ostrich"), ("n01530575", "brambling"), ("n01531178", "goldfinch"),
+    ("n01532829", "house finch"), ("n01534433", "junco"), ("n01537544", "indigo bunting"),
+    ("n01558993", "robin"), ("n01560419", "bulbul"), ("n01580077", "jay"), ("n01582220", "magpie"),
+    ("n01592084", "chickadee"), ("n02105855", "Shetland sheepdog"), ("n01739381", "vine snake"),
+    ("n02077923", "sea lion"), ("n03018349", "china cabinet"), ("n04596742", "wok"), ("n13037406", "gyromitra"),
+]
+# Real internal (non-leaf) synsets; each synthetic dataset hangs its leaves under them.
+INTERNAL = [("n00001740", "entity"), ("n01861778", "mammal"), ("n02075296", "carnivore")]
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    classes: int = 10
+    train_per_class: int = 20
+    val_per_class: int = 5
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 1 <= self.classes <= len(LEAVES):
+            raise DataError(f"--classes must be between 1 and {len(LEAVES)}, got {self.classes}")
+        if self.train_per_class < 1 or self.val_per_class < 1:
+            raise DataError("--train-per-class and --val-per-class must be at least 1")
+        if self.classes < 3:
+            raise DataError("--classes must be at least 3 to hold the PNG, CMYK and grayscale gotchas")
+
+
+def class_image(rng: np.random.Generator, label: int, classes: int) -> Image.Image:
+    """An RGB image whose colour and stripe direction identify the class, with noise and random size."""
+    h, w = int(rng.integers(64, 97)), int(rng.integers(64, 97))
+    hue = label / classes
+    base = np.array([np.sin(2 * np.pi * (hue + k / 3)) * 0.5 + 0.5 for k in range(3)]) * 200 + 25
+    angle = np.pi * label / classes
+    yy, xx = np.mgrid[0:h, 0:w]
+    stripes = np.sin((xx * np.cos(angle) + yy * np.sin(angle)) * 0.5 + rng.uniform(0, 2 * np.pi))
+    pixels = base[None, None, :] * (0.75 + 0.25 * stripes[..., None]) + rng.normal(0, 12, (h, w, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
+
+
+def encode(image: Image.Image, gotcha: str | None) -> bytes:
+    out = io.BytesIO()
+    if gotcha == "png":
+        image.save(out, format="PNG")
+    else:
+        mode = {"cmyk": "CMYK", "gray": "L"}.get(gotcha or "", "RGB")
+        image.convert(mode).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 1330000000, 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _inner_tar(rng: np.random.Generator, wnid: str, label: int, spec: SynthSpec, gotcha: str | None) -> bytes:
+    # Real member numbers are neither fixed-width nor consecutive.
+    numbers = np.sort(rng.choice(np.arange(1, 40000), size=spec.train_per_class, replace=False))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for i, k in enumerate(numbers):
+            image = class_image(rng, label, spec.classes)
+            _add(tar, f"{wnid}_{k}.JPEG", encode(image, gotcha if i == 0 else None))
+    return buf.getvalue()
+
+
+def synset_struct(leaves: list[tuple[str, str]]) -> np.ndarray:
+    """meta.mat's `synsets` struct array: leaves with IDs 1..K, then internal synsets above them."""
+    k = len(leaves)
+    rows = [(i + 1, wnid, words, "", 0, np.zeros(0, np.uint16), 0, 1300) for i, (wnid, words) in enumerate(leaves)]
+    child_ids = [[k + 2], [k + 3], list(range(1, k + 1))]  # entity -> mammal -> carnivore -> leaves
+    for j, (wnid, words) in enumerate(INTERNAL):
+        children = np.array(child_ids[j], np.uint16)
+        rows.append((k + 1 + j, wnid, words, "", len(children), children, len(INTERNAL) - j, 0))
+    struct = np.zeros((len(rows), 1), dtype=[(f, "O") for f in SYNSET_FIELDS])
+    for i, row in enumerate(rows):
+        for field, value in zip(SYNSET_FIELDS, row, strict=True):
+            struct[i, 0][field] = value
+    return struct
+
+
+def devkit_bytes(leaves: list[tuple[str, str]], ground_truth: list[int]) -> bytes:
+    mat = io.BytesIO()
+    scipy.io.savemat(mat, {"synsets": synset_struct(leaves)}, format="5")
+    truth = "".join(f"{i}\n" for i in ground_truth).encode()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.GNU_FORMAT) as tar:
+        _add(tar, f"{DEVKIT_DIR}/{META_MAT}", mat.getvalue())
+        _add(tar, f"{DEVKIT_DIR}/{GROUND_TRUTH}", truth)
+    return buf.getvalue()
+
+
+def write_synthetic(out: Path, spec: SynthSpec) -> dict[str, Path]:
+    """Write the three archives into `out`; each appears only when complete. Returns their paths."""
+    spec.validate()
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    leaves = LEAVES[:spec.classes]
+    gotchas = {0: "png", 1: "cmyk", 2: "gray"}
+    paths = {"train": out / TRAIN_TAR, "val": out / VAL_TAR, "devkit": out / DEVKIT}
+    with atomic_open(paths["train"]) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as outer:
+        for label, (wnid, _) in enumerate(leaves):
+            _add(outer, f"{wnid}.tar", _inner_tar(rng, wnid, label, spec, gotchas.get(label)))
+    labels = rng.permutation(np.repeat(np.arange(spec.classes), spec.val_per_class))
+    with atomic_open(paths["val"]) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for i, label in enumerate(labels):
+            _add(tar, VAL_NAME.format(i + 1), encode(class_image(rng, int(label), spec.classes), None))
+    with atomic_open(paths["devkit"]) as f:
+        f.write(devkit_bytes(leaves, [int(label) + 1 for label in labels]))
+    return paths

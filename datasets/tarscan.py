@@ -1,0 +1,127 @@
+"""Read tar member headers without reading member data: ustar, GNU long names and PAX headers."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from .errors import DataError
+
+BLOCK = 512
+REGULAR = frozenset(b"0\0")
+_GNU_LONGNAME, _GNU_LONGLINK, _PAX, _PAX_GLOBAL = ord("L"), ord("K"), ord("x"), ord("g")
+TYPE_NAMES = {ord("1"): "hard link", ord("2"): "symbolic link", ord("3"): "character device",
+              ord("4"): "block device", ord("5"): "directory", ord("6"): "FIFO"}
+
+
+@dataclass(frozen=True, slots=True)
+class TarMember:
+    name: str
+    type: int  # the typeflag byte
+    offset: int  # offset of the data (after all headers), a multiple of 512
+    size: int
+
+    @property
+    def is_file(self) -> bool:
+        return self.type in REGULAR
+
+    @property
+    def type_name(self) -> str:
+        return "regular file" if self.is_file else TYPE_NAMES.get(self.type, f"type {chr(self.type)!r}")
+
+
+def padded(size: int) -> int:
+    return (size + BLOCK - 1) // BLOCK * BLOCK
+
+
+def _octal(field: bytes, where: str) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes of 8 GiB and more
+        return int.from_bytes(field[1:], "big")
+    digits = field.split(b"\0", 1)[0].strip()
+    try:
+        return int(digits, 8) if digits else 0
+    except ValueError:
+        raise DataError(f"corrupt tar header (bad number {digits!r})", where) from None
+
+
+def _cstr(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _pax_records(data: bytes, where: str) -> dict[str, str]:
+    records, pos = {}, 0
+    while pos < len(data) and data[pos:pos + 1] != b"\0":
+        length_text, _, _ = data[pos:pos + 20].partition(b" ")
+        try:
+            length = int(length_text)
+        except ValueError:
+            raise DataError("corrupt PAX header", where) from None
+        key, _, value = data[pos + len(length_text) + 1:pos + length - 1].partition(b"=")
+        records[key.decode()] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return records
+
+
+def scan(f: BinaryIO, file_size: int, where: str) -> Iterator[TarMember]:
+    """Yield the members of the tar open as `f`, checking each lies inside its `file_size` bytes.
+
+    Raises DataError for a truncated archive (data past the end, or no end-of-archive block).
+    """
+    pos = 0
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        f.seek(pos)
+        header = f.read(BLOCK)
+        if len(header) < BLOCK:
+            raise DataError(f"truncated: ends at byte {file_size} inside or before a tar header "
+                            "(no end-of-archive marker)", where, "the file is incomplete; copy or download it again")
+        if header == bytes(BLOCK):
+            return
+        checksum = _octal(header[148:156], where)
+        if checksum != sum(header) - sum(header[148:156]) + 8 * 32:
+            raise DataError(f"not a tar archive or corrupt header at byte {pos} (checksum mismatch)", where,
+                            "check that this is the right file and that it is not damaged")
+        size = _octal(header[124:136], where)
+        kind = header[156]
+        data_at = pos + BLOCK
+        if data_at + size > file_size:
+            raise DataError(f"truncated: member at byte {pos} needs {size} bytes but the file ends at byte "
+                            f"{file_size}", where, "the file is incomplete; copy or download it again")
+        pos = data_at + padded(size)
+        if kind in (_GNU_LONGNAME, _GNU_LONGLINK, _PAX, _PAX_GLOBAL):
+            f.seek(data_at)
+            data = f.read(size)
+            if kind == _GNU_LONGNAME:
+                long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            elif kind == _PAX:
+                pax = _pax_records(data, where)
+            continue
+        name = pax.get("path") or long_name
+        if name is None:
+            name = _cstr(header[0:100])
+            prefix = _cstr(header[345:500]) if header[257:262] == b"ustar" else ""
+            if prefix:
+                name = f"{prefix}/{name}"
+        if "size" in pax:
+            size = int(pax["size"])
+            pos = data_at + padded(size)
+        yield TarMember(name, kind, data_at, size)
+        long_name, pax = None, {}
+
+
+def scan_path(path: Path) -> list[TarMember]:
+    """All members of the tar file at `path`."""
+    with open(path, "rb", buffering=0) as f:
+        return list(scan(f, path.stat().st_size, str(path)))
+
+
+def check_safe(member: TarMember, archive: str, flat: bool = True) -> None:
+    """Reject links, devices, absolute paths and `..`; with `flat`, any path with a folder."""
+    if not member.is_file:
+        raise DataError(f"member {member.name!r} is a {member.type_name}; only regular files are accepted",
+                        archive, "this is not a genuine ILSVRC2012 archive, or it was repacked; use the original")
+    parts = member.name.split("/")
+    if member.name.startswith("/") or ".." in parts or (flat and len(parts) > 1):
+        raise DataError(f"unsafe member path {member.name!r} (absolute, '..' or nested)", archive,
+                        "refusing to extract it; use the original archive")

@@ -1,0 +1,1 @@
+"""Swin and ViT models, fused ops, the training loop and checkpoints."""

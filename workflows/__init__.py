@@ -1,0 +1,1 @@
+"""Turn a config into a runnable job, locally or on Slurm through submitit."""
