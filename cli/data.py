@@ -4,6 +4,7 @@ from pathlib import Path
 
 import click
 from rich.table import Table
+
 from vitctl.datasets import extract as ex
 from vitctl.datasets import ilsvrc, manifest, valprep
 from vitctl.datasets.errors import DataError
@@ -96,6 +97,7 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
           workers: int) -> None:
     """Write WebDataset shards imagenet-{split}-%06d.tar and SHARDS/manifest.json; a rerun resumes."""
     spec = ShardSpec(maxsize, maxcount, seed, on_bad_image)
+    spec.validate()
     table = Table("split", "shards", "samples", "bytes", "converted", "skipped", title=f"shards in {out}")
     for name in ("train", "val") if split == "both" else (split,):
         with progress_bar(name, unit="samples") as bar:
@@ -146,6 +148,6 @@ def verify_command(shards: Path, decode: int, workers: int) -> None:
     if problems:
         for name, found_problems in sorted(problems.items()):
             for problem in found_problems:
-                console.print(f"[red]FAIL[/] {name}: {problem}", highlight=False)
+                console.print(f"[red]FAIL[/] {name}: {problem}", highlight=False, soft_wrap=True)
         raise SystemExit(1)
     console.print(f"[green]OK[/] every shard matches the manifest and its index; {decode} images decoded")

@@ -4,6 +4,7 @@ from importlib.metadata import version
 
 import click
 from rich.markup import escape
+
 from vitctl.datasets.errors import DataError
 
 from .console import err_console
@@ -17,7 +18,7 @@ class VitctlGroup(click.Group):
         try:
             return super().invoke(ctx)
         except DataError as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
 
 

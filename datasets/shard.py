@@ -30,8 +30,8 @@ class ShardSpec:
     on_bad_image: str = "skip"
 
     def validate(self) -> None:
-        if self.maxsize < 64 * 1024:
-            raise DataError(f"--maxsize must be at least 64KB, got {self.maxsize} bytes")
+        if self.maxsize < 10_000:
+            raise DataError(f"--maxsize must be at least 10KB, got {self.maxsize} bytes")
         if self.maxcount < 1:
             raise DataError(f"--maxcount must be at least 1, got {self.maxcount}")
         if self.on_bad_image not in ("skip", "fail"):

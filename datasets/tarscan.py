@@ -34,14 +34,15 @@ def padded(size: int) -> int:
     return (size + BLOCK - 1) // BLOCK * BLOCK
 
 
-def _octal(field: bytes, where: str) -> int:
+def _octal(field: bytes, where: str, pos: int) -> int:
     if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes of 8 GiB and more
         return int.from_bytes(field[1:], "big")
     digits = field.split(b"\0", 1)[0].strip()
     try:
         return int(digits, 8) if digits else 0
     except ValueError:
-        raise DataError(f"corrupt tar header (bad number {digits!r})", where) from None
+        raise DataError(f"not a tar archive or corrupt header at byte {pos} (bad number {digits!r})", where,
+                        "check that this is the right file and that it is not damaged") from None
 
 
 def _cstr(field: bytes) -> str:
@@ -78,11 +79,11 @@ def scan(f: BinaryIO, file_size: int, where: str) -> Iterator[TarMember]:
                             "(no end-of-archive marker)", where, "the file is incomplete; copy or download it again")
         if header == bytes(BLOCK):
             return
-        checksum = _octal(header[148:156], where)
+        checksum = _octal(header[148:156], where, pos)
         if checksum != sum(header) - sum(header[148:156]) + 8 * 32:
             raise DataError(f"not a tar archive or corrupt header at byte {pos} (checksum mismatch)", where,
                             "check that this is the right file and that it is not damaged")
-        size = _octal(header[124:136], where)
+        size = _octal(header[124:136], where, pos)
         kind = header[156]
         data_at = pos + BLOCK
         if data_at + size > file_size:

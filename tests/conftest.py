@@ -1,0 +1,60 @@
+"""Shared fixtures: one small synthetic ImageNet, prepared once per session and copied where a test mutates it."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from vitctl.cli.main import cli
+from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
+
+CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 5, 12, 4
+
+
+def vitctl(*args: object) -> Result:
+    """Run the real CLI in-process; returns click's result (exit_code, stdout, stderr)."""
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def ok(*args: object) -> Result:
+    result = vitctl(*args)
+    assert result.exit_code == 0, result.output + result.stderr
+    return result
+
+
+@pytest.fixture(scope="session")
+def archives(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("archives")
+    ok("data", "synth", out, "--classes", CLASSES, "--train-per-class", TRAIN_PER_CLASS,
+       "--val-per-class", VAL_PER_CLASS, "--seed", 7)
+    return out
+
+
+@pytest.fixture(scope="session")
+def prepared_root(archives, tmp_path_factory) -> Path:
+    """Extracted and valprepped dataset root (read-only for tests: copy before changing it)."""
+    root = tmp_path_factory.mktemp("prepared") / "imagenet"
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--val-tar", archives / VAL_TAR, "--out", root,
+       "--workers", 2)
+    ok("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+    return root
+
+
+@pytest.fixture(scope="session")
+def prepared_shards(prepared_root, tmp_path_factory) -> Path:
+    """Shards with index files (read-only for tests: use `shards_copy` to change them)."""
+    out = tmp_path_factory.mktemp("shards") / "shards"
+    ok("data", "shard", prepared_root, "--out", out, "--maxcount", 16, "--workers", 2)
+    ok("data", "index", out, "--workers", 2)
+    return out
+
+
+@pytest.fixture
+def root_copy(prepared_root, tmp_path) -> Path:
+    return Path(shutil.copytree(prepared_root, tmp_path / "imagenet"))
+
+
+@pytest.fixture
+def shards_copy(prepared_shards, tmp_path) -> Path:
+    return Path(shutil.copytree(prepared_shards, tmp_path / "shards"))

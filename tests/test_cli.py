@@ -1,0 +1,37 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import vitctl
+
+COMMANDS = ["synth", "extract", "valprep", "shard", "index", "verify"]
+
+
+def test_version_from_the_installed_console_script():
+    out = subprocess.run([str(Path(sys.executable).parent / "vitctl"), "--version"], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "vitctl, version 0.1.0"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_data_command_has_help(command):
+    result = vitctl("data", command, "--help")
+    assert result.exit_code == 0 and "Usage: cli data " + command in result.output
+
+
+def test_data_group_lists_every_command():
+    output = vitctl("data", "--help").output
+    assert all(f"  {c} " in output for c in COMMANDS)
+
+
+def test_bad_synth_arguments_are_explained(tmp_path):
+    result = vitctl("data", "synth", tmp_path, "--classes", 500)
+    assert result.exit_code == 1 and "--classes must be between 1 and 36" in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_verify_of_a_folder_without_manifest(tmp_path):
+    result = vitctl("data", "verify", tmp_path)
+    assert result.exit_code == 1 and "no manifest.json" in result.stderr and "vitctl data shard" in result.stderr

@@ -1,0 +1,104 @@
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import ok, vitctl
+from vitctl.datasets.errors import DataError
+from vitctl.datasets.index import build_index, format_index, parse_index, shard_samples
+
+WDS2IDX = str(Path(sys.executable).parent / "wds2idx")
+
+
+def _check_index_against_tar(shard: Path, index: Path) -> int:
+    samples = parse_index(index.read_text(), str(index))
+    raw = shard.read_bytes()
+    with tarfile.open(shard) as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        flat = [c for sample in samples for c in sample]
+        assert [c[3] for c in flat] == [m.name for m in members]
+        for (ext, offset, size, name), m in zip(flat, members, strict=True):
+            assert offset % 512 == 0 and raw[offset:offset + size] == tar.extractfile(m).read()
+            assert ext == name.rsplit("/", 1)[-1].split(".", 1)[1]
+    return len(samples)
+
+
+def test_index_points_at_every_member_of_every_shard(prepared_shards):
+    shards = sorted(prepared_shards.glob("*.tar"))
+    total = sum(_check_index_against_tar(s, s.with_suffix(".idx")) for s in shards)
+    assert total == sum(e["samples"] for split in __import__("json").loads(
+        (prepared_shards / "manifest.json").read_text())["splits"].values() for e in split["shards"])
+    first = (prepared_shards / "imagenet-train-000000.idx").read_text().splitlines()
+    assert first[0] == "v1.2 16" and first[1].startswith("cls 512 1 ")
+
+
+def test_index_equals_dali_wds2idx_on_our_shards(prepared_shards, tmp_path):
+    for shard in sorted(prepared_shards.glob("*.tar")):
+        theirs = tmp_path / f"{shard.stem}.wds2idx"
+        subprocess.run([WDS2IDX, str(shard), str(theirs)], check=True, capture_output=True)
+        assert shard.with_suffix(".idx").read_text().split() == theirs.read_text().split()
+
+
+def _tar_with(fmt: int, names: list[str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for i, name in enumerate(names):
+            data = bytes([i]) * (100 + 700 * i)
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 1.25
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+LONG = "folder_" + "x" * 120  # GNU tar and PAX both need an extra header for names past 100 bytes
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_names_and_pax_headers_get_correct_offsets(tmp_path, fmt):
+    names = [f"{LONG}/a.cls", f"{LONG}/a.jpg", "b.cls", "b.jpg", "ünïcode.cls", "ünïcode.jpg"]
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(_tar_with(fmt, names))
+    build_index(shard)
+    assert _check_index_against_tar(shard, tmp_path / "x.idx") == 3
+    keys = [[c[3].split(".")[0] for c in s] for s in shard_samples(shard)]
+    assert keys == [[f"{LONG}/a"] * 2, ["b"] * 2, ["ünïcode"] * 2]
+
+
+def test_whitespace_in_a_member_name_is_refused(tmp_path):
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(_tar_with(tarfile.GNU_FORMAT, ["a b.jpg"]))
+    with pytest.raises(DataError, match="whitespace"):
+        build_index(shard)
+    assert not (tmp_path / "x.idx").exists()
+
+
+def test_split_sample_is_refused(tmp_path):
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(_tar_with(tarfile.GNU_FORMAT, ["a.cls", "b.cls", "a.jpg"]))
+    with pytest.raises(DataError, match="appears in two places"):
+        shard_samples(shard)
+
+
+def test_one_and_two_workers_write_the_same_files(prepared_shards, shards_copy):
+    for idx in shards_copy.glob("*.idx"):
+        idx.unlink()
+    ok("data", "index", shards_copy, "--workers", 1)
+    for idx in prepared_shards.glob("*.idx"):
+        assert (shards_copy / idx.name).read_bytes() == idx.read_bytes()
+
+
+def test_parse_rejects_a_damaged_index():
+    good = format_index([[("cls", 512, 1, "a.cls")]])
+    assert parse_index(good, "x") == [[("cls", 512, 1, "a.cls")]]
+    for bad, message in [("v1.1 1\ncls 512 1\n", "expected 'v1.2"), ("v1.2 2\ncls 512 1 a.cls\n", "header says 2"),
+                         ("v1.2 1\ncls 512 one a.cls\n", "non-integer"), ("v1.2 1\ncls 512 1\n", "groups")]:
+        with pytest.raises(DataError, match=message):
+            parse_index(bad, "x")
+
+
+def test_index_without_manifest_is_a_clear_error(tmp_path):
+    result = vitctl("data", "index", tmp_path)
+    assert result.exit_code == 1 and "no manifest.json" in result.stderr

@@ -1,0 +1,121 @@
+import io
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import scipy.io
+
+from conftest import ok, vitctl
+from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
+
+
+def _val_dir(archives: Path, tmp_path: Path) -> Path:
+    ok("data", "extract", "--val-tar", archives / VAL_TAR, "--out", tmp_path / "r")
+    return tmp_path / "r/val"
+
+
+def _truth(archives: Path) -> list[int]:
+    with tarfile.open(archives / DEVKIT) as tar:
+        return [int(x) for x in tar.extractfile(
+            "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt").read().split()]
+
+
+def _layout(val: Path) -> dict[str, str]:
+    return {p.name: p.parent.name for p in val.rglob("*.JPEG")}
+
+
+def test_images_land_in_the_folder_of_their_ilsvrc_id(archives, tmp_path, prepared_root):
+    val = _val_dir(archives, tmp_path)
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
+    with tarfile.open(archives / DEVKIT) as tar:
+        synsets = scipy.io.loadmat(io.BytesIO(tar.extractfile("ILSVRC2012_devkit_t12/data/meta.mat").read()),
+                                   squeeze_me=True)["synsets"]
+    wnid_of_id = {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets}
+    expected = {f"ILSVRC2012_val_{i + 1:08d}.JPEG": wnid_of_id[t] for i, t in enumerate(_truth(archives))}
+    assert _layout(val) == expected
+    assert not [p for p in val.iterdir() if p.is_file()]
+    # Every val WNID is a train class, so sorted-WNID labels agree between the splits.
+    assert set(expected.values()) <= {p.name for p in (prepared_root / "train").iterdir()}
+
+
+def test_valprep_is_idempotent_and_resumes_a_partial_run(archives, tmp_path):
+    val = _val_dir(archives, tmp_path)
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
+    done = _layout(val)
+    # Undo half of the moves, as an interrupted run would leave it.
+    for name, wnid in list(done.items())[::2]:
+        (val / wnid / name).rename(val / name)
+    assert "already in place" in ok("data", "valprep", val, "--devkit", archives / DEVKIT).output
+    assert _layout(val) == done
+    assert "moved 0 images" in ok("data", "valprep", val, "--devkit", archives / DEVKIT).output
+
+
+def test_solution_csv_gives_the_same_layout(archives, tmp_path, prepared_root):
+    val = _val_dir(archives, tmp_path)
+    reference = _layout(prepared_root / "val")
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text("ImageId,PredictionString\n" + "".join(
+        f"{name[:-5]},{wnid} 1 2 30 40 {wnid} 5 6 70 80\n" for name, wnid in sorted(reference.items())))
+    ok("data", "valprep", val, "--solution", csv)
+    assert _layout(val) == reference
+
+
+def test_count_mismatch_is_refused_and_nothing_moves(archives, tmp_path):
+    val = _val_dir(archives, tmp_path)
+    victim = sorted(val.iterdir())[3]
+    victim.unlink()
+    before = sorted(p.name for p in val.iterdir())
+    result = vitctl("data", "valprep", val, "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1
+    assert "1 images named by the labels are missing" in result.stderr and victim.name in result.stderr
+    assert "nothing was moved" in result.stderr
+    assert sorted(p.name for p in val.iterdir()) == before
+
+
+def test_foreign_file_is_refused_and_nothing_moves(archives, tmp_path):
+    val = _val_dir(archives, tmp_path)
+    (val / "notes").mkdir()
+    result = vitctl("data", "valprep", val, "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1 and "notes" in result.stderr
+    assert not [p for p in val.iterdir() if p.is_dir() and p.name != "notes"]
+
+
+def test_devkit_from_another_year_is_refused(archives, tmp_path):
+    val = _val_dir(archives, tmp_path)
+    synsets = np.zeros((2, 1), dtype=[("ILSVRC2010_ID", "O"), ("WNID", "O"), ("num_children", "O")])
+    for i in range(2):
+        synsets[i, 0]["ILSVRC2010_ID"], synsets[i, 0]["WNID"], synsets[i, 0]["num_children"] = i + 1, "n01440764", 0
+    mat = io.BytesIO()
+    scipy.io.savemat(mat, {"synsets": synsets})
+    devkit = tmp_path / "ILSVRC2010_devkit-1.0.tar.gz"
+    with tarfile.open(devkit, "w:gz") as tar:
+        for name, data in [("ILSVRC2010_devkit-1.0/data/meta.mat", mat.getvalue()),
+                           ("ILSVRC2010_devkit-1.0/data/ILSVRC2010_validation_ground_truth.txt", b"1\n")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    result = vitctl("data", "valprep", val, "--devkit", devkit)
+    assert result.exit_code == 1 and "ILSVRC2010" in result.stderr and "ILSVRC2012_devkit_t12" in result.stderr
+    assert not [p for p in val.iterdir() if p.is_dir()]
+
+
+def test_truncated_devkit_is_refused(archives, tmp_path):
+    val = _val_dir(archives, tmp_path)
+    cut = tmp_path / DEVKIT
+    raw = (archives / DEVKIT).read_bytes()
+    cut.write_bytes(raw[: len(raw) // 2])
+    result = vitctl("data", "valprep", val, "--devkit", cut)
+    assert result.exit_code == 1 and "damaged or truncated" in result.stderr
+
+
+def test_devkit_or_solution_is_required(tmp_path):
+    (tmp_path / "val").mkdir()
+    assert vitctl("data", "valprep", tmp_path / "val").exit_code == 2
+
+
+def test_wrong_archive_as_devkit_is_refused(archives, tmp_path):
+    val = _val_dir(archives, tmp_path)
+    shutil.copy(archives / TRAIN_TAR, tmp_path / "devkit.tar.gz")
+    result = vitctl("data", "valprep", val, "--devkit", tmp_path / "devkit.tar.gz")
+    assert result.exit_code == 1 and "not an ILSVRC2012 devkit" in result.stderr
