@@ -136,7 +136,8 @@ def index(shards: Path, workers: int) -> None:
 @workers_option
 def verify_command(shards: Path, decode: int, workers: int) -> None:
     """Check manifest vs shards, each index vs its shard, and decode random images; exit 1 on any problem."""
-    problems, found = verify_folder(shards, decode, workers)
+    report = verify_folder(shards, decode, workers)
+    found = report.manifest
     table = Table("split", "shards", "samples", "bytes", "converted", "skipped",
                   title=f"{shards} ({len(found['classes'])} classes, labels: {found['label_convention']})")
     for split, info in sorted(found["splits"].items()):
@@ -145,9 +146,9 @@ def verify_command(shards: Path, decode: int, workers: int) -> None:
                       f"{sum(e['bytes'] for e in entries):,}", str(sum(len(e["conversions"]) for e in entries)),
                       str(sum(len(e["skipped"]) for e in entries)))
     console.print(table)
-    if problems:
-        for name, found_problems in sorted(problems.items()):
-            for problem in found_problems:
-                console.print(f"[red]FAIL[/] {name}: {problem}", highlight=False, soft_wrap=True)
+    for name, problems in sorted(report.problems.items()):
+        for problem in problems:
+            console.print(f"[red]FAIL[/] {name}: {problem}", highlight=False, soft_wrap=True)
+    if report.problems:
         raise SystemExit(1)
-    console.print(f"[green]OK[/] every shard matches the manifest and its index; {decode} images decoded")
+    console.print(f"[green]OK[/] every shard matches the manifest and its index; {report.decoded} images decoded")

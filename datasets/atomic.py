@@ -16,18 +16,33 @@ def partial_path(path: Path) -> Path:
 
 
 @contextmanager
-def atomic_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open `path` for writing so that it appears under its name only once complete."""
+def partial_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open the temporary name of `path` for writing; the file is removed again if the block fails."""
     tmp = partial_path(path)
     try:
         with open(tmp, mode) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def publish(path: Path) -> None:
+    """Make the file written by `partial_open(path)` durable (fsync), then give it its name."""
+    fd = os.open(partial_path(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial_path(path), path)
+
+
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open `path` for writing so that it appears under its name only once complete and durable."""
+    with partial_open(path, mode) as f:
+        yield f
+    publish(path)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -136,6 +136,9 @@ def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_
     chunks = [members[i::workers] for i in range(workers)]
     for chunk_bytes in run_tasks(_copy_chunk, [(archive, c, partial) for c in chunks if c], workers):
         progress(chunk_bytes)
+    if _count_files(partial) != len(members):
+        raise DataError(f"{_count_files(partial)} files written, {len(members)} in the archive (repeated names?)",
+                        str(archive), "use the original archive")
     os.replace(partial, dest)
     ledger["val"] = len(members)
     write_json_atomic(root / LEDGER, ledger)

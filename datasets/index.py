@@ -1,5 +1,6 @@
 """DALI webdataset index files (format v1.2), computed in-process from the shard's tar headers."""
 
+import re
 from pathlib import Path
 
 from .atomic import write_text_atomic
@@ -8,6 +9,7 @@ from .manifest import index_name
 from .tarscan import scan_path
 
 VERSION = "v1.2"
+_WHITESPACE = re.compile(r"\s").search
 # One component of a sample: (extension, data offset, size, member name).
 Component = tuple[str, int, int, str]
 
@@ -27,7 +29,7 @@ def shard_samples(shard: Path) -> list[list[Component]]:
     for m in scan_path(shard):
         if not m.is_file:
             continue
-        if any(c.isspace() for c in m.name):
+        if _WHITESPACE(m.name):
             raise DataError(f"member name {m.name!r} holds whitespace, which index files cannot express", str(shard))
         key, ext = split_name(m.name)
         if key != last_key:

@@ -5,12 +5,13 @@ import json
 import os
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from . import manifest as mf
-from .atomic import PARTIAL_SUFFIX, atomic_open, partial_path
+from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
 from .errors import DataError
 from .ilsvrc import WNID
 from .images import to_rgb_jpeg
@@ -118,9 +119,9 @@ class _HashingFile:
 
 
 def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str], on_bad_image: str) -> dict[str, Any]:
-    """Write one shard under a temporary name and rename it when complete; returns its manifest entry."""
+    """Write one shard under its temporary name (`publish` names it); returns its manifest entry."""
     conversions, skipped = [], []
-    with atomic_open(path) as f:
+    with partial_open(path) as f:
         out = _HashingFile(f)
         tar = UstarWriter(out)
         for source, key, label, _ in samples:
@@ -193,10 +194,19 @@ def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int
         todo.append((root, path, samples, classes, spec.on_bad_image))
     info["shards"] = sorted(done.values(), key=lambda e: e["name"])
     mf.save(out, manifest)
-    for entry in run_tasks(write_shard, todo, workers):
+
+
+    def finish(entry: dict[str, Any]) -> None:
+        publish(out / entry["name"])
         info["shards"] = sorted([*info["shards"], entry], key=lambda e: e["name"])
         mf.save(out, manifest)
         progress(entry["samples"] + len(entry["skipped"]))
+
+    # One thread fsyncs and renames finished shards (and records them) while the writers go on with the next.
+    with ThreadPoolExecutor(max_workers=1) as finisher:
+        finished = [finisher.submit(finish, entry) for entry in run_tasks(write_shard, todo, workers)]
+    for future in finished:
+        future.result()
     info["complete"] = True
     mf.save(out, manifest)
     return info

@@ -108,8 +108,15 @@ def decode_check(shard: Path, offset: int, size: int, label: int, classes: int) 
     return None
 
 
-def verify(folder: Path, decode: int, workers: int, seed: int = 0) -> tuple[dict[str, list[str]], dict]:
-    """Problems by shard name (empty when all is well), and the manifest."""
+@dataclass
+class VerifyReport:
+    manifest: dict
+    problems: dict[str, list[str]]  # by shard name (or "split <name>"); empty when all is well
+    decoded: int
+
+
+def verify(folder: Path, decode: int, workers: int, seed: int = 0) -> VerifyReport:
+    """Check everything in `folder`; decode `decode` random images."""
     manifest = mf.load(folder)
     if manifest is None:
         raise DataError("no manifest.json", str(folder), "pass a folder written by `vitctl data shard`")
@@ -128,8 +135,9 @@ def verify(folder: Path, decode: int, workers: int, seed: int = 0) -> tuple[dict
         if check.problems:
             problems[check.name] = check.problems
     pool = [(c.name, *jpg) for c in checks if not c.problems for jpg in c.jpg]
-    for name, offset, size, label in random.Random(seed).sample(pool, min(decode, len(pool))):
+    chosen = random.Random(seed).sample(pool, min(decode, len(pool)))
+    for name, offset, size, label in chosen:
         problem = decode_check(folder / name, offset, size, label, len(manifest["classes"]))
         if problem:
             problems.setdefault(name, []).append(problem)
-    return problems, manifest
+    return VerifyReport(manifest, problems, len(chosen))
