@@ -2,9 +2,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Pin torch so pip takes the CPU wheel this machine ships instead of the newest multi-GB CUDA build;
-# on a GPU host pass e.g. TORCH_SPEC='torch>=2.11'.
-TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
@@ -12,7 +9,6 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) '$(TORCH_SPEC)'
 	$(PIP) -e '.[dali,test]'
 	touch $@
 

@@ -6,18 +6,20 @@ import click
 from rich.markup import escape
 
 from vitctl.datasets.errors import DataError
+from vitctl.workflows.train import ConfigError, LaunchError
 
 from .console import err_console
 from .data import data
+from .train import finetune, train
 
 
 class VitctlGroup(click.Group):
-    """Turns a DataError anywhere below into a one-screen message and exit status 1."""
+    """Turns bad input (data, config, a failed rank) anywhere below into a one-screen message and exit status 1."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except DataError as e:
+        except (DataError, ConfigError, LaunchError) as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
 
@@ -29,6 +31,8 @@ def cli() -> None:
 
 
 cli.add_command(data)
+cli.add_command(train)
+cli.add_command(finetune)
 
 
 def main() -> None:

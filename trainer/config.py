@@ -1,0 +1,214 @@
+"""Typed run configuration: YAML presets, `--set a.b=value` overrides, validation up front."""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PRESETS = Path(__file__).parent / "presets"
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work, named by its dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vit_b16"
+    num_classes: int = 1000
+    img_size: int = 224
+    window_size: int | None = None  # Swin only; None = the variant's default
+    drop_path: float = 0.1
+    pre_logits: bool = False  # ViT pretraining's MLP head (Linear + Tanh before the classifier)
+
+
+@dataclass
+class DataConfig:
+    source: str = "auto"  # auto | dali | webdataset | synthetic
+    path: str | None = None  # shard folder written by `vitctl data shard`
+    batch_size: int = 128  # per rank
+    workers: int = 4  # loader processes per rank
+    shuffle_buffer: int = 2000
+    train_samples: int = 1_281_167  # synthetic data only: the epoch length it pretends to have
+
+
+@dataclass
+class AugmentConfig:
+    mixup: float = 0.8
+    cutmix: float = 1.0
+    label_smoothing: float = 0.1
+    min_crop_scale: float = 0.08
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  # for a global batch of 1024; scaled linearly with the real global batch
+    min_lr: float = 1e-5
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_epochs: float = 5.0
+    clip_grad: float | None = 5.0
+    accum_steps: int = 1
+    layer_decay: float | None = None  # layer-wise LR decay, finetuning
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 300.0
+    max_steps: int | None = None  # stop early (demos, benchmarks)
+    precision: str = "bf16"
+    fused: str = "all"  # all | none | comma-separated seams
+    parallel: str = "ddp"  # ddp | fsdp
+    compile: bool = False
+    activation_checkpointing: bool = False
+    ema_decay: float | None = None
+    seed: int = 0
+    log_every: int = 20
+    eval_every_epochs: float = 1.0
+    checkpoint_every: int = 1000  # steps
+    keep_checkpoints: int = 3
+    out_dir: str = "runs/default"
+
+
+@dataclass
+class FinetuneConfig:
+    from_ckpt: str | None = None
+    reset_head: bool | None = None  # None: reset when the class count differs
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        kind = next(t for t in options if t is not type(None))
+        origin = typing.get_origin(kind)
+    if origin is tuple:
+        items = typing.get_args(kind)
+        if not isinstance(value, list | tuple) or len(value) != len(items):
+            raise ConfigError(f"{key}: expected a list of {len(items)} values, got {value!r}")
+        return tuple(_coerce(v, t, key) for v, t in zip(value, items, strict=True))
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads 5e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    unknown = set(values) - set(hints)
+    if unknown:
+        raise ConfigError(f"unknown keys {sorted(f'{prefix}{k}' for k in unknown)}; known: {sorted(hints)}")
+    kwargs = {}
+    for name, value in values.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{name}: expected a mapping, got {value!r}")
+            kwargs[name] = _build(kind, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, kind, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """`optim.lr=1e-3` -> {"optim": {"lr": 0.001}}; the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    value: Any = yaml.safe_load(raw) if raw else None
+    for part in reversed(key.strip().split(".")):
+        value = {part: value}
+    return value
+
+
+def preset_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    path = PRESETS / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+        raise ConfigError(f"no preset {name!r}; presets: {', '.join(known)} (or pass a .yaml path)")
+    return path
+
+
+def load_config(preset: str | None, overrides: list[str] = (), extra: dict[str, Any] | None = None) -> RunConfig:
+    """Preset, then `extra` (from CLI flags), then `--set` overrides; validated."""
+    values: dict[str, Any] = {}
+    if preset:
+        values = yaml.safe_load(preset_path(preset).read_text()) or {}
+    values = _merge(values, extra or {})
+    for text in overrides:
+        values = _merge(values, parse_override(text))
+    config = _build(RunConfig, values, "")
+    validate(config)
+    return config
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    config = _build(RunConfig, values, "")
+    validate(config)
+    return config
+
+
+def validate(c: RunConfig) -> None:
+    checks = [
+        (c.train.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS}, got {c.train.precision!r}"),
+        (c.train.parallel in ("ddp", "fsdp"), f"train.parallel must be ddp or fsdp, got {c.train.parallel!r}"),
+        (c.data.source in ("auto", "dali", "webdataset", "synthetic"),
+         f"data.source must be auto, dali, webdataset or synthetic, got {c.data.source!r}"),
+        (c.data.source == "synthetic" or c.data.path is not None, "data.path is required (or data.source=synthetic)"),
+        (c.data.batch_size >= 1, "data.batch_size must be at least 1"),
+        (c.data.workers >= 0, "data.workers must be at least 0"),
+        (c.model.num_classes >= 2, "model.num_classes must be at least 2"),
+        (c.model.img_size >= 32, "model.img_size must be at least 32"),
+        (0 <= c.model.drop_path < 1, "model.drop_path must be in [0, 1)"),
+        (c.optim.lr > 0 and c.optim.min_lr >= 0, "optim.lr must be positive and optim.min_lr not negative"),
+        (c.optim.accum_steps >= 1, "optim.accum_steps must be at least 1"),
+        (c.optim.layer_decay is None or 0 < c.optim.layer_decay <= 1, "optim.layer_decay must be in (0, 1]"),
+        (c.train.epochs > 0, "train.epochs must be positive"),
+        (c.train.max_steps is None or c.train.max_steps >= 1, "train.max_steps must be at least 1"),
+        (c.train.keep_checkpoints >= 1, "train.keep_checkpoints must be at least 1"),
+        (c.train.ema_decay is None or 0 < c.train.ema_decay < 1, "train.ema_decay must be in (0, 1)"),
+        (0 <= c.augment.label_smoothing < 1, "augment.label_smoothing must be in [0, 1)"),
+        (0 < c.augment.min_crop_scale <= 1, "augment.min_crop_scale must be in (0, 1]"),
+    ]
+    problems = [message for ok, message in checks if not ok]
+    if problems:
+        raise ConfigError("; ".join(problems))

@@ -1,0 +1,64 @@
+"""Rank-0 metrics as JSON lines in the run folder (and TensorBoard when it is installed); MFU estimates."""
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("vitctl.metrics")
+METRICS_FILE = "metrics.jsonl"
+# Dense bf16 peak per GPU, from the vendors' datasheets; MFU is reported against it.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def mfu(train_flops_per_image: float, images_per_second: float, device: torch.device) -> float | None:
+    peak = peak_flops(device)
+    return None if peak is None else train_flops_per_image * images_per_second / peak
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled, self.path = enabled, run_dir / METRICS_FILE
+        self.tensorboard = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if isinstance(value, int | float) and key not in ("time", "step"):
+                    self.tensorboard.add_scalar(key, value, record.get("step", 0))
+        log.info("%s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+                                if k != "time"))
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,71 @@
+"""Model registry: a name maps to a model family and its hyperparameters."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..ops import Ops
+from .swin import SwinTransformer
+from .vit import VisionTransformer
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: Callable[..., nn.Module]
+    kwargs: dict = field(default_factory=dict)
+    timm_name: str | None = None  # the same architecture in timm (224 px), for weight loading and benchmarks
+
+
+def _vit(patch: int, dim: int, depth: int, heads: int, timm_name: str | None, mlp_ratio: float = 4.0) -> ModelSpec:
+    return ModelSpec(VisionTransformer, dict(patch=patch, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio),
+                     timm_name)
+
+
+def _swin(dim: int, depths: tuple, heads: tuple, timm_name: str | None) -> ModelSpec:
+    return ModelSpec(SwinTransformer, dict(dim=dim, depths=depths, heads=heads), timm_name)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "vit_s16": _vit(16, 384, 12, 6, "vit_small_patch16_224"),
+    "vit_b16": _vit(16, 768, 12, 12, "vit_base_patch16_224"),
+    "vit_l16": _vit(16, 1024, 24, 16, "vit_large_patch16_224"),
+    "vit_h14": _vit(14, 1280, 32, 16, "vit_huge_patch14_224"),
+    "vit_g14": _vit(14, 1408, 40, 16, "vit_giant_patch14_224", mlp_ratio=48 / 11),
+    "swin_t": _swin(96, (2, 2, 6, 2), (3, 6, 12, 24), "swin_tiny_patch4_window7_224"),
+    "swin_s": _swin(96, (2, 2, 18, 2), (3, 6, 12, 24), "swin_small_patch4_window7_224"),
+    "swin_b": _swin(128, (2, 2, 18, 2), (4, 8, 16, 32), "swin_base_patch4_window7_224"),
+    "swin_l": _swin(192, (2, 2, 18, 2), (6, 12, 24, 48), "swin_large_patch4_window7_224"),
+    "swin_h": _swin(320, (2, 2, 42, 2), (8, 16, 32, 64), None),
+    # Small models for CPU tests and the demo.
+    "vit_micro": _vit(8, 96, 4, 3, None),
+    "swin_micro": _swin(32, (1, 1, 2, 1), (1, 2, 4, 8), None),
+}
+
+
+def default_window(img_size: int) -> int:
+    return 12 if img_size % 384 == 0 else 7
+
+
+def build_model(config: ModelConfig, ops: Ops) -> nn.Module:
+    spec = MODELS.get(config.name)
+    if spec is None:
+        raise ConfigError(f"model.name {config.name!r} is unknown; models: {', '.join(MODELS)}")
+    kwargs = dict(spec.kwargs, img_size=config.img_size, num_classes=config.num_classes, drop_path=config.drop_path)
+    if spec.family is SwinTransformer:
+        kwargs["window"] = config.window_size or default_window(config.img_size)
+    elif config.pre_logits:
+        kwargs["pre_logits"] = True
+    try:
+        return spec.family(ops, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"model {config.name}: {e}") from None
+
+
+def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+    from .layers import CheckpointableBlock
+
+    for module in model.modules():
+        if isinstance(module, CheckpointableBlock):
+            module.checkpointed = enabled

@@ -1,0 +1,94 @@
+"""Vision Transformer (Dosovitskiy et al.), parameter names as timm's so timm checkpoints load as they are."""
+
+import torch
+from torch import nn
+
+from ..ops import Ops
+from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, init_weights
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, ops: Ops) -> None:
+        super().__init__()
+        self.heads, self.ops = heads, ops
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(self.ops.attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+class Block(CheckpointableBlock):
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, drop_path: float, ops: Ops) -> None:
+        super().__init__()
+        self.norm1, self.attn = LayerNorm(dim, ops, 1e-6), Attention(dim, heads, ops)
+        self.norm2, self.mlp = LayerNorm(dim, ops, 1e-6), Mlp(dim, int(dim * mlp_ratio), ops)
+        self.drop_path = DropPath(drop_path)
+
+    def block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch, patch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class PreLogits(nn.Module):
+    """The MLP head of supervised ViT pretraining: Linear + Tanh before the classifier."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, ops: Ops, img_size: int = 224, patch: int = 16, dim: int = 768, depth: int = 12,
+                 heads: int = 12, mlp_ratio: float = 4.0, num_classes: int = 1000, drop_path: float = 0.0,
+                 pre_logits: bool = False) -> None:
+        super().__init__()
+        if img_size % patch:
+            raise ValueError(f"image size {img_size} is not a multiple of the patch size {patch}")
+        self.img_size, self.patch, self.dim = img_size, patch, dim
+        self.patch_embed = PatchEmbed(patch, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + (img_size // patch) ** 2, dim))
+        rates = torch.linspace(0, drop_path, depth).tolist()
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, rate, ops) for rate in rates)
+        self.norm = LayerNorm(dim, ops, 1e-6)
+        self.pre_logits = PreLogits(dim) if pre_logits else nn.Identity()
+        self.head = nn.Linear(dim, num_classes)
+        self.apply(init_weights)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.pre_logits(self.norm(x)[:, 0]))
+
+    def layer_id(self, name: str) -> int:
+        """Depth of a parameter for layer-wise LR decay: 0 for the embeddings, depth + 1 for the head."""
+        if name.startswith(("cls_token", "pos_embed", "patch_embed")):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return len(self.blocks) + 1
+
+    def flops_per_image(self) -> float:
+        """Forward FLOPs (2 x MACs) of the matmuls, for the MFU estimate."""
+        n, d, depth = 1 + (self.img_size // self.patch) ** 2, self.dim, len(self.blocks)
+        hidden = self.blocks[0].mlp.fc1.out_features
+        per_block = n * d * 3 * d + 2 * n * n * d + n * d * d + 2 * n * d * hidden
+        return 2.0 * (depth * per_block + (n - 1) * 3 * self.patch**2 * d)

@@ -1,0 +1,86 @@
+"""Op seams and the registry that maps each seam to implementations: reference, sdpa, apex, torch-fused, cuda.
+
+A model is built with an `Ops` bundle; `resolve` picks, per seam, the best available implementation that
+`--fused` allows, and logs every fallback.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("vitctl.ops")
+
+SEAMS = ("window_partition", "window_merge", "window_attention", "attention", "layer_norm", "mlp", "optimizer")
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    fn: Callable
+    priority: int  # the best available implementation has the highest
+    unavailable: Callable[[torch.device], str | None]  # why it cannot run on that device, or None
+
+
+REGISTRY: dict[str, dict[str, Impl]] = {seam: {} for seam in SEAMS}
+
+
+def register(seam: str, name: str, priority: int,
+             unavailable: Callable[[torch.device], str | None] = lambda device: None) -> Callable:
+    def add(fn: Callable) -> Callable:
+        REGISTRY[seam][name] = Impl(name, fn, priority, unavailable)
+        return fn
+    return add
+
+
+@dataclass(frozen=True)
+class Ops:
+    window_partition: Callable
+    window_merge: Callable
+    window_attention: Callable
+    attention: Callable
+    layer_norm: Callable
+    mlp: Callable
+    optimizer: Callable
+    chosen: tuple[tuple[str, str], ...]  # (seam, implementation name)
+
+    def describe(self) -> str:
+        return ", ".join(f"{seam}={name}" for seam, name in self.chosen)
+
+
+def parse_fused(spec: str) -> set[str]:
+    """`all`, `none`, or a comma-separated list of seams (or implementation names such as apex)."""
+    if spec == "all":
+        return set(SEAMS)
+    if spec == "none":
+        return set()
+    names = {s.strip() for s in spec.split(",") if s.strip()}
+    unknown = names - set(SEAMS)
+    if unknown:
+        raise ValueError(f"--fused: unknown ops {sorted(unknown)}; choose from all, none, {', '.join(SEAMS)}")
+    return names
+
+
+def _pick(seam: str, device: torch.device) -> Impl:
+    skipped = []
+    for impl in sorted(REGISTRY[seam].values(), key=lambda i: -i.priority):
+        reason = impl.unavailable(device)
+        if reason is None:
+            if skipped:
+                log.warning("op %s: %s; using %s", seam, "; ".join(skipped), impl.name)
+            return impl
+        skipped.append(f"{impl.name} unavailable ({reason})")
+    raise AssertionError(f"no implementation of {seam}")  # reference is always available
+
+
+def resolve(fused: str, device: torch.device) -> Ops:
+    """The Ops bundle for `--fused` on `device`."""
+    from . import apex_ops, reference, sdpa  # noqa: F401  (importing registers the implementations)
+
+    wanted = parse_fused(fused)
+    chosen = {seam: (_pick(seam, device) if seam in wanted else REGISTRY[seam]["reference"]) for seam in SEAMS}
+    ops = Ops(**{seam: impl.fn for seam, impl in chosen.items()},
+              chosen=tuple((seam, impl.name) for seam, impl in chosen.items()))
+    log.info("ops: %s", ops.describe())
+    return ops

@@ -1,0 +1,42 @@
+"""NVIDIA apex's fused LayerNorm, dense-GELU-dense and Adam, when apex imports (it is optional)."""
+
+import importlib
+
+import torch
+
+from . import register
+
+
+def _missing(module: str):
+    def unavailable(device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "needs CUDA"
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"apex not importable: {e}"
+        return None
+    return unavailable
+
+
+@register("layer_norm", "apex", 30, _missing("apex.normalization.fused_layer_norm"))
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+
+    return fused_layer_norm_affine(x, weight, bias, weight.shape, eps)
+
+
+@register("mlp", "apex", 30, _missing("apex.fused_dense"))
+def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    from apex.fused_dense import fused_dense_gelu_dense_function
+
+    shape = x.shape
+    out = fused_dense_gelu_dense_function(x.reshape(-1, shape[-1]), w1, b1, w2, b2)
+    return out.view(*shape[:-1], w2.shape[0])
+
+
+@register("optimizer", "apex", 30, _missing("apex.optimizers"))
+def fused_adam(groups: list[dict], lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    from apex.optimizers import FusedAdam
+
+    return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)

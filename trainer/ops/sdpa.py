@@ -1,0 +1,24 @@
+"""torch scaled_dot_product_attention where it applies (flash / memory-efficient / cuDNN kernels)."""
+
+import torch
+import torch.nn.functional as F
+
+from . import register
+from .reference import relative_position_bias
+
+
+@register("attention", "sdpa", 20)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+@register("window_attention", "sdpa", 20)
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias_table: torch.Tensor,
+                     bias_index: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Bias and shift mask as one additive mask (flash attention takes none, so a masked backend runs)."""
+    bias = relative_position_bias(bias_table, bias_index).to(q.dtype)
+    if mask is not None:
+        nW, N = mask.shape[0], mask.shape[1]
+        bias = (bias[None, None] + mask.to(q.dtype)[None, :, None]).expand(q.shape[0] // nW, -1, -1, -1, -1)
+        bias = bias.reshape(q.shape[0], -1, N, N)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)

@@ -1,0 +1,44 @@
+"""Parameter groups (no weight decay on norms, biases and position tables; layer-wise LR decay), the LR schedule."""
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+from .ops import Ops
+
+NO_DECAY_NAMES = ("pos_embed", "cls_token", "relative_position_bias_table")
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None) -> list[dict]:
+    """Groups keyed by (decay, LR scale); each group's `lr_scale` multiplies the scheduled LR."""
+    layers = getattr(model, "layer_id", lambda name: 0)
+    top = max(layers(name) for name, _ in model.named_parameters())
+    groups: dict[tuple[bool, float], dict] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decay = param.ndim > 1 and not any(n in name for n in NO_DECAY_NAMES)
+        scale = layer_decay ** (top - layers(name)) if layer_decay else 1.0
+        group = groups.setdefault((decay, scale), {"params": [], "weight_decay": weight_decay if decay else 0.0,
+                                                   "lr_scale": scale})
+        group["params"].append(param)
+    return list(groups.values())
+
+
+def build_optimizer(groups: list[dict], config: OptimConfig, ops: Ops, lr: float) -> torch.optim.Optimizer:
+    return ops.optimizer(groups, lr, config.betas, config.eps)
+
+
+def lr_at(step: int, total: int, warmup: int, base: float, minimum: float) -> float:
+    """Linear warmup from 0, then cosine decay to `minimum` at `total`."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return minimum + 0.5 * (base - minimum) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -1,0 +1,61 @@
+"""Mixed precision: fp32, bf16 / fp16 autocast (fp16 with a GradScaler), and bf16-pure with fp32 master weights."""
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": None}
+
+
+@dataclass
+class Precision:
+    mode: str
+    device: torch.device
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.mode == "bf16-pure" else torch.float32
+
+    def autocast(self) -> AbstractContextManager:
+        dtype = AUTOCAST[self.mode]
+        return torch.autocast(self.device.type, dtype=dtype) if dtype else nullcontext()
+
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(self.device.type) if self.mode == "fp16" else None
+
+
+class MasterWeights:
+    """fp32 copies of bf16 model parameters: the optimizer steps these, then they are copied back.
+
+    This is what apex's O2 did; with FSDP2 a MixedPrecisionPolicy does the same and this class is not used.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.pairs = [(p, p.detach().float().clone().requires_grad_(True)) for p in model.parameters()
+                      if p.requires_grad]
+        self.master_of = {id(p): m for p, m in self.pairs}
+
+    def swap_groups(self, groups: list[dict]) -> list[dict]:
+        """The same groups over the fp32 master parameters."""
+        return [dict(g, params=[self.master_of[id(p)] for p in g["params"]]) for g in groups]
+
+    def grads_to_master(self) -> None:
+        for p, m in self.pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def master_to_model(self) -> None:
+        for p, m in self.pairs:
+            p.copy_(m)
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [m.detach() for _, m in self.pairs]
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors: list[torch.Tensor]) -> None:
+        for (_, m), t in zip(self.pairs, tensors, strict=True):
+            m.copy_(t)
+        self.master_to_model()
