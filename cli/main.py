@@ -8,6 +8,7 @@ from rich.markup import escape
 from vitctl.datasets.errors import DataError
 from vitctl.workflows.train import ConfigError, LaunchError
 
+from .bench import bench
 from .console import err_console
 from .data import data
 from .train import finetune, train
@@ -33,6 +34,7 @@ def cli() -> None:
 cli.add_command(data)
 cli.add_command(train)
 cli.add_command(finetune)
+cli.add_command(bench)
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ class AugmentConfig:
     cutmix: float = 1.0
     label_smoothing: float = 0.1
     min_crop_scale: float = 0.08
+    hflip: bool = True  # off for data where mirroring changes the class (digits, text)
 
 
 @dataclass

@@ -52,13 +52,12 @@ def build_data(config: RunConfig, env: DistEnv) -> Data:
         raise ConfigError(f"data.batch_size {batch} is more than a rank's share of the train set; lower it")
     mine = read_table(folder, rank_shards(shards, env.rank, env.world_size))
     source = _source(c.source)
-    spec = LoaderSpec(config.model.img_size, config.augment.min_crop_scale, config.train.seed, c.workers,
-                      env.device, gpu_decode=env.device.type == "cuda")
+    spec = LoaderSpec(config.model.img_size, config.augment.min_crop_scale, config.augment.hflip, config.train.seed,
+                      c.workers, env.device, gpu_decode=env.device.type == "cuda")
     if source == "dali":
         from .dali import DaliTrainBatches
 
-        train = DaliTrainBatches(mine, batch, batches, config.model.img_size, config.augment.min_crop_scale,
-                                 config.train.seed, env.rank, env.device, max(1, c.workers))
+        train = DaliTrainBatches(mine, batch, batches, spec, env.rank, max(1, c.workers))
     else:
         train = TrainBatches(mine, spec, batch, batches, env.rank)
     return Data(source, train, batches, _eval_batches(folder, spec, batch, env), len(classes))

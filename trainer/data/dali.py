@@ -9,15 +9,16 @@ import numpy as np
 import torch
 
 from .images import MEAN, STD
+from .loader import LoaderSpec
 from .shards import SampleTable
 
 LABEL_BYTES = 8  # cls members are ASCII integers; padded to a fixed width so batches are dense
 
 
-def _train_pipeline(paths: list[str], batch: int, img_size: int, min_scale: float, seed: int,
-                    device_id: int | None, threads: int):
+def _train_pipeline(paths: list[str], batch: int, spec: LoaderSpec, seed: int, threads: int):
     from nvidia.dali import fn, pipeline_def, types
 
+    device_id = spec.device.index if spec.device.type == "cuda" else None
     decode_device = "mixed" if device_id is not None else "cpu"
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, seed=seed)
@@ -26,10 +27,11 @@ def _train_pipeline(paths: list[str], batch: int, img_size: int, min_scale: floa
                                          ext=["jpg", "cls"], missing_component_behavior="error",
                                          random_shuffle=True, initial_fill=4 * batch, name="reader")
         images = fn.decoders.image_random_crop(jpg, device=decode_device, output_type=types.RGB,
-                                               random_area=[min_scale, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
-        images = fn.resize(images, resize_x=img_size, resize_y=img_size)
+                                               random_area=[spec.min_scale, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+        images = fn.resize(images, resize_x=spec.img_size, resize_y=spec.img_size)
+        mirror = fn.random.coin_flip() if spec.hflip else 0
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                          mean=MEAN.tolist(), std=STD.tolist(), mirror=fn.random.coin_flip())
+                                          mean=MEAN.tolist(), std=STD.tolist(), mirror=mirror)
         return images, fn.pad(cls, fill_value=0, shape=[LABEL_BYTES])
 
     return pipe()
@@ -45,21 +47,19 @@ def _labels(padded: np.ndarray) -> torch.Tensor:
 class DaliTrainBatches:
     """One pipeline per epoch, seeded by (seed, epoch), so a resumed epoch repeats its first batches exactly."""
 
-    def __init__(self, table: SampleTable, batch: int, batches: int, img_size: int, min_scale: float, seed: int,
-                 rank: int, device: torch.device, threads: int) -> None:
+    def __init__(self, table: SampleTable, batch: int, batches: int, spec: LoaderSpec, rank: int,
+                 threads: int) -> None:
         self.paths, self.batch, self.batches_per_epoch = table.paths, batch, batches
-        self.img_size, self.min_scale, self.seed, self.rank = img_size, min_scale, seed, rank
-        self.device, self.threads = device, threads
+        self.spec, self.rank, self.threads = spec, rank, threads
 
     def __call__(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        seed = int(np.random.default_rng([self.seed, epoch, self.rank]).integers(2**31))
-        pipe = _train_pipeline(self.paths, self.batch, self.img_size, self.min_scale, seed, self.device.index,
-                               self.threads)
+        seed = int(np.random.default_rng([self.spec.seed, epoch, self.rank]).integers(2**31))
+        pipe = _train_pipeline(self.paths, self.batch, self.spec, seed, self.threads)
         pipe.build()
         for step in range(self.batches_per_epoch):
             images, labels = pipe.run()
             if step >= start:  # a resumed epoch replays (reads, decodes, drops) the batches done before
-                yield _to_torch(images, self.device), _labels(np.array(labels.as_tensor())).to(self.device)
+                yield _to_torch(images, self.spec.device), _labels(np.array(labels.as_tensor())).to(self.spec.device)
 
 
 def _to_torch(images, device: torch.device) -> torch.Tensor:

@@ -39,7 +39,8 @@ def center_box(width: int, height: int) -> tuple[int, int, int, int]:
     return (width - side) // 2, (height - side) // 2, side, side
 
 
-def decode_pil(data: bytes, size: int, train: bool, rng: np.random.Generator, min_scale: float) -> torch.Tensor:
+def decode_pil(data: bytes, size: int, train: bool, rng: np.random.Generator, min_scale: float,
+               hflip: bool) -> torch.Tensor:
     """JPEG bytes -> (3, size, size) uint8."""
     with Image.open(io.BytesIO(data)) as image:
         image.draft("RGB", (size, size))  # let libjpeg decode at a reduced scale when the image is large
@@ -47,13 +48,13 @@ def decode_pil(data: bytes, size: int, train: bool, rng: np.random.Generator, mi
         box = crop_box(rng, *image.size, min_scale) if train else center_box(*image.size)
         left, top, w, h = box
         image = image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
-        if train and rng.random() < 0.5:
+        if train and hflip and rng.random() < 0.5:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
         return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
 def decode_gpu(datas: list[torch.Tensor], size: int, train: bool, rngs: list[np.random.Generator],
-               min_scale: float, device: torch.device) -> torch.Tensor:
+               min_scale: float, hflip: bool, device: torch.device) -> torch.Tensor:
     """A batch of JPEG byte tensors -> (B, 3, size, size) uint8 on `device`, decoded by nvjpeg."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -64,7 +65,7 @@ def decode_gpu(datas: list[torch.Tensor], size: int, train: bool, rngs: list[np.
         left, top, w, h = crop_box(rng, width, height, min_scale) if train else center_box(width, height)
         crop = image[None, :, top:top + h, left:left + w].float()
         crop = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        if train and rng.random() < 0.5:
+        if train and hflip and rng.random() < 0.5:
             crop = crop.flip(-1)
         out[i] = crop[0].round_().clamp_(0, 255).to(torch.uint8)
     return out

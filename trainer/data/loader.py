@@ -21,6 +21,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class LoaderSpec:
     img_size: int
     min_scale: float
+    hflip: bool
     seed: int
     workers: int
     device: torch.device
@@ -51,7 +52,8 @@ class ShardImages(Dataset):
         if self.spec.gpu_decode:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, (epoch, row)
         rng = sample_rng(self.spec.seed, epoch, row)
-        return decode_pil(data, self.spec.img_size, self.train, rng, self.spec.min_scale), label, (epoch, row)
+        image = decode_pil(data, self.spec.img_size, self.train, rng, self.spec.min_scale, self.spec.hflip)
+        return image, label, (epoch, row)
 
 
 def _collate(items: list) -> tuple:
@@ -100,6 +102,6 @@ def _run(dataset: ShardImages, plan: list[list[tuple[int, int]]], spec: LoaderSp
     for images, labels, keys in loader:
         if spec.gpu_decode:
             rngs = [sample_rng(spec.seed, epoch, row) for epoch, row in keys]
-            images = decode_gpu([d for d in images], spec.img_size, train, rngs, spec.min_scale, spec.device)
+            images = decode_gpu(list(images), spec.img_size, train, rngs, spec.min_scale, spec.hflip, spec.device)
         images = images.to(spec.device, non_blocking=True)
         yield normalize(images), labels.to(spec.device, non_blocking=True)

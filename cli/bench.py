@@ -1,0 +1,45 @@
+"""`vitctl bench train`: our training step against timm's, side by side in one process."""
+
+import click
+from rich.table import Table
+
+from vitctl.workflows.bench import MODEL_NAMES, bench_train
+
+from .console import console
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks (GPU)."""
+
+
+@bench.command(name="train")
+@click.option("--model", "model_name", type=click.Choice(MODEL_NAMES), default="vit_b16", show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or bf16-pure.")
+@click.option("--precisions", help="Several, comma-separated: prints the memory / speed table per precision.")
+@click.option("--compile/--no-compile", "compile_", default=False)
+@click.option("--fused", default="all", show_default=True, help="all, none, or comma-separated seams.")
+@click.option("--compare", type=click.Choice(["timm"]), help="Also run timm's same model with the same loop.")
+@click.option("--timm-setting", type=click.Choice(["strongest", "same"]), default="strongest", show_default=True,
+              help="strongest: bf16 + compile + fused attention; same: our precision and compile flags.")
+@click.option("--img-size", type=int, default=224, show_default=True)
+@click.option("--steps", type=click.IntRange(min=5), default=30, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=1), default=10, show_default=True)
+def train_bench(model_name, batch, precision, precisions, compile_, fused, compare, timm_setting, img_size, steps,
+                warmup) -> None:
+    """Images/s, ms/step, peak memory and MFU of a training step."""
+    chosen = [p.strip() for p in (precisions or precision).split(",")]
+    results = bench_train(model_name, batch, chosen, compile_, fused, compare, timm_setting, img_size, steps, warmup)
+    table = Table("model", "setting", "images/s", "ms/step (median)", "peak GiB", "MFU", "vs first",
+                  title=f"{model_name}, batch {batch}, {img_size} px, {steps} timed steps after {warmup}")
+    for r in results:
+        table.add_row(r.name, r.setting, f"{r.images_per_s:,.0f}", f"{r.ms_per_step:.1f}", f"{r.peak_gib:.1f}",
+                      f"{r.mfu:.1%}" if r.mfu is not None else "-", f"{r.images_per_s / results[0].images_per_s:.2f}x")
+    console.print(table)
+    for ops in sorted({r.ops for r in results if r.ops}):
+        console.print(f"vitctl ops: {ops}; optimizer (every row): torch fused AdamW", highlight=False)
+    if compare:
+        ours = max(results[:-1], key=lambda r: r.images_per_s)
+        console.print(f"ours / timm: {ours.images_per_s / results[-1].images_per_s:.2f}x "
+                      f"({ours.setting} vs {results[-1].setting})", highlight=False)

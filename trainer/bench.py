@@ -1,0 +1,127 @@
+"""Training-step benchmark: our model and timm's same model, the same loop, synthetic data resident on the GPU."""
+
+import gc
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .metrics import mfu
+from .models import MODELS, build_model
+from .ops import resolve
+from .precision import MasterWeights, Precision
+
+TIMM_STRONGEST = "bf16 autocast + torch.compile + fused attention (TIMM_FUSED_ATTN=2)"
+
+
+@dataclass
+class BenchResult:
+    name: str
+    setting: str
+    images_per_s: float
+    ms_per_step: float  # median
+    peak_gib: float
+    mfu: float | None
+    ops: str = ""  # the op implementations ours ran
+
+
+def timm_model(name: str, img_size: int, fused_attn: bool) -> nn.Module:
+    import timm
+    from timm.layers import set_fused_attn
+
+    timm_name = MODELS[name].timm_name
+    if timm_name is None:
+        raise ValueError(f"{name} has no timm counterpart")
+    set_fused_attn(fused_attn, experimental=fused_attn)  # experimental: Swin's masked SDPA path
+    kwargs = {"img_size": img_size} if img_size != 224 else {}
+    return timm.create_model(timm_name, pretrained=False, **kwargs)
+
+
+def _step_fn(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable) -> Callable:
+    """One training step (forward, loss, backward, optimizer) as the trainer runs it."""
+    master = MasterWeights(model) if precision.mode == "bf16-pure" else None
+    if master:
+        model.to(torch.bfloat16)
+        master.master_to_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = fused_optimizer([{"params": [master.master_of[id(p)] for p in params] if master else params,
+                                  "weight_decay": 0.05}], 1e-4, (0.9, 0.999), 1e-8)
+    scaler = precision.scaler()
+    forward = torch.compile(model) if compile_ else model
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(images: torch.Tensor, labels: torch.Tensor) -> None:
+        with precision.autocast():
+            loss = loss_fn(forward(images.to(torch.bfloat16) if master else images).float(), labels)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if master:
+            master.grads_to_master()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if master:
+            master.master_to_model()
+
+    return step
+
+
+def measure(name: str, setting: str, model: nn.Module, precision: Precision, compile_: bool, batch: int,
+            img_size: int, flops: float, steps: int, warmup: int) -> BenchResult:
+    device = precision.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    ops = resolve("optimizer", device)  # both sides step the same optimizer (torch's fused AdamW on CUDA)
+    step = _step_fn(model.to(device).train(), precision, compile_, ops.optimizer)
+    images = torch.randn(batch, 3, img_size, img_size, device=device)
+    labels = torch.randint(0, 1000, (batch,), device=device)
+    for _ in range(warmup):
+        step(images, labels)
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        step(images, labels)
+        end.record()
+    torch.cuda.synchronize(device)
+    times = [start.elapsed_time(end) for start, end in events]
+    total_s = events[0][0].elapsed_time(events[-1][1]) / 1000
+    rate = steps * batch / total_s
+    return BenchResult(name, setting, rate, statistics.median(times),
+                       torch.cuda.max_memory_allocated(device) / 2**30, mfu(flops, rate, device))
+
+
+def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bool, fused: str,
+                compare: str | None, timm_setting: str, img_size: int = 224, steps: int = 30,
+                warmup: int = 10) -> list[BenchResult]:
+    """Ours at each precision, then (with compare="timm") timm's same model; one process, one GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("vitctl bench train needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    results = []
+    for precision in precisions:
+        ops = resolve(fused, device)
+        model = build_model(ModelConfig(name=model_name, img_size=img_size, drop_path=0.0), ops)
+        flops = 3 * model.flops_per_image()
+        setting = f"{precision}{' + compile' if compile_ else ''}, fused {fused}"
+        result = measure(f"vitctl {model_name}", setting, model, Precision(precision, device), compile_, batch,
+                         img_size, flops, steps, warmup)
+        result.ops = ", ".join(f"{seam}={name}" for seam, name in ops.chosen if seam != "optimizer")
+        results.append(result)
+        del model
+        gc.collect()
+    if compare == "timm":
+        strongest = timm_setting == "strongest"
+        precision = "bf16" if strongest else precisions[0]
+        use_compile = True if strongest else compile_
+        model = timm_model(model_name, img_size, fused_attn=strongest)
+        setting = TIMM_STRONGEST if strongest else f"{precision}{' + compile' if use_compile else ''}, timm defaults"
+        results.append(measure(f"timm {MODELS[model_name].timm_name}", setting, model, Precision(precision, device),
+                               use_compile, batch, img_size, flops, steps, warmup))
+    return results
