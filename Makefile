@@ -20,6 +20,10 @@ demo: $(BIN)/.installed
 	$(BIN)/vitctl data shard $(DEMO_DIR)/imagenet --out $(DEMO_DIR)/shards --maxcount 128
 	$(BIN)/vitctl data index $(DEMO_DIR)/shards
 	$(BIN)/vitctl data verify $(DEMO_DIR)/shards --decode 64
+	$(BIN)/vitctl train --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/pretrain --resume
+	$(BIN)/vitctl finetune --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/finetune --resume \
+		--from-ckpt "$$(ls $(DEMO_DIR)/runs/pretrain/checkpoints/step-*.pt | tail -n 1)" \
+		--epochs 3 --set model.img_size=48 --set optim.warmup_epochs=0
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -44,22 +44,27 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": list(np.random.get_state())}
-    state["numpy"][1] = torch.from_numpy(state["numpy"][1].copy())  # tensors keep the file weights_only-loadable
+    """This process's random streams as plain bytes and numbers (safe to gather across ranks and to load)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate(),
+             "numpy": (kind, keys.tobytes(), pos, has_gauss, gauss)}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
 
 
+def _byte_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    numpy_state = list(state["numpy"])
-    numpy_state[1] = numpy_state[1].numpy()
-    np.random.set_state(tuple(numpy_state))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(_byte_tensor(state["cuda"]))
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -97,8 +97,10 @@ class EvalBatches:
 def _run(dataset: ShardImages, plan: list[list[tuple[int, int]]], spec: LoaderSpec, train: bool) -> Iterator[Batch]:
     if not plan:
         return
+    # Its own generator: a DataLoader otherwise draws a seed from the global RNG whenever an epoch starts,
+    # which would shift the model's random stream (drop path) differently in a resumed run.
     loader = DataLoader(dataset, batch_sampler=plan, num_workers=spec.workers, collate_fn=_collate,
-                        pin_memory=spec.device.type == "cuda", persistent_workers=False)
+                        pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed))
     for images, labels, keys in loader:
         if spec.gpu_decode:
             rngs = [sample_rng(spec.seed, epoch, row) for epoch, row in keys]

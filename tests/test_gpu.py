@@ -1,0 +1,42 @@
+"""GPU checks (marked gpu; CI has no GPU and skips them; run them on the device machine)."""
+
+import pytest
+import torch
+
+from vitctl.trainer.config import ModelConfig, load_config
+from vitctl.trainer.loop import train
+from vitctl.trainer.models import build_model
+from vitctl.trainer.ops import resolve
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("name", ["vit_s16", "swin_t"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fused_ops_match_reference_forward_and_backward(name, dtype, tol):
+    torch.manual_seed(0)
+    ref = build_model(ModelConfig(name=name, drop_path=0.0), resolve("none", CUDA)).to(CUDA)
+    fused = build_model(ModelConfig(name=name, drop_path=0.0), resolve("all", CUDA)).to(CUDA)
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3, 224, 224, device=CUDA)
+    outputs = []
+    for model in (ref, fused):
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            out = model(x).float()
+        out.square().mean().backward()
+        outputs.append((out, [p.grad.float() for p in model.parameters()]))
+    (a, grads_a), (b, grads_b) = outputs
+    assert (a - b).norm() / a.norm() < tol
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        assert (ga - gb).norm() <= tol * ga.norm() + 1e-6
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-pure"])
+def test_trains_on_the_gpu(prepared_shards, tmp_path, precision):
+    config = load_config(None, ["model.name=vit_micro", "model.img_size=32", "model.num_classes=5",
+                                f"data.path={prepared_shards}", "data.source=webdataset", "data.batch_size=8",
+                                "data.workers=2", f"train.precision={precision}", "train.max_steps=4",
+                                f"train.out_dir={tmp_path}", "augment.mixup=0", "augment.cutmix=0"])
+    result = train(config, use_cuda=True)
+    assert result["step"] == 4 and result["eval_samples"] == 20

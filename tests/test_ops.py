@@ -1,0 +1,53 @@
+import logging
+
+import pytest
+import torch
+
+from vitctl.trainer.models.swin import relative_position_index, shift_mask
+from vitctl.trainer.ops import parse_fused, reference, resolve, sdpa
+
+
+def test_partition_then_merge_is_the_identity_and_matches_a_loop():
+    x = torch.randn(2, 12, 8, 5)  # H != W
+    for shift in (0, 2):
+        windows = reference.window_partition(x, 4, shift)
+        assert windows.shape == (2 * 3 * 2, 16, 5)
+        assert torch.equal(reference.window_merge(windows, 4, shift, 12, 8), x)
+        rolled = torch.roll(x, (-shift, -shift), (1, 2))
+        assert torch.equal(windows[1 * 6 + 2 * 2 + 1], rolled[1, 8:12, 4:8].reshape(16, 5))  # batch 1, window (2, 1)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_window_attention_matches_reference(masked):
+    torch.manual_seed(0)
+    heads, window, n_windows = 3, 4, 4
+    q, k, v = (torch.randn(2 * n_windows, heads, window**2, 8) for _ in range(3))
+    table = torch.randn((2 * window - 1) ** 2, heads)
+    index = relative_position_index(window)
+    mask = shift_mask(8, 8, window, 2) if masked else None
+    expected = reference.window_attention(q, k, v, 8**-0.5, table, index, mask)
+    torch.testing.assert_close(sdpa.window_attention(q, k, v, 8**-0.5, table, index, mask), expected)
+
+
+def test_sdpa_attention_matches_reference():
+    q, k, v = (torch.randn(2, 3, 17, 8) for _ in range(3))
+    torch.testing.assert_close(sdpa.attention(q, k, v), reference.attention(q, k, v))
+
+
+def test_fused_spec_parsing():
+    assert parse_fused("none") == set()
+    assert parse_fused("layer_norm, mlp") == {"layer_norm", "mlp"}
+    with pytest.raises(ValueError, match="unknown ops \\['flash'\\]"):
+        parse_fused("flash")
+
+
+def test_unavailable_ops_fall_back_with_one_log_line_each(caplog):
+    with caplog.at_level(logging.INFO, logger="vitctl.ops"):
+        ops = resolve("all", torch.device("cpu"))
+    chosen = dict(ops.chosen)
+    assert chosen["layer_norm"] == "reference" and chosen["attention"] == "sdpa"
+    fallbacks = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert any(m.startswith("op layer_norm: apex unavailable (needs CUDA); using reference") for m in fallbacks)
+    assert len([m for m in fallbacks if m.startswith("op optimizer")]) == 1
+    none = resolve("none", torch.device("cpu"))
+    assert set(dict(none.chosen).values()) == {"reference"}

@@ -1,0 +1,131 @@
+"""The training loop on the CPU: exact resume, checkpoints, ranks, precisions, finetuning through the CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CLASSES, ok, vitctl
+from vitctl.trainer import checkpoint as ckpt
+from vitctl.trainer.config import ConfigError, load_config
+from vitctl.trainer.loop import train
+
+TINY = ["model.name=vit_micro", "model.img_size=32", f"model.num_classes={CLASSES}", "model.drop_path=0.1",
+        "data.batch_size=8", "data.workers=0", "data.source=webdataset", "train.precision=fp32",
+        "train.fused=none", "train.epochs=3", "train.log_every=2", "train.checkpoint_every=3",
+        "optim.warmup_epochs=1", "optim.lr=5e-3", "augment.mixup=0.5", "augment.cutmix=0.5"]
+
+
+def tiny(shards: Path, out: Path, *extra: str):
+    return load_config(None, [*TINY, f"data.path={shards}", f"train.out_dir={out}", *extra])
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return ckpt.load(ckpt.list_checkpoints(out)[-1])["model"]
+
+
+def test_resume_continues_exactly(prepared_shards, tmp_path):
+    """N steps in one go == N/2 steps, stop, resume, N/2 more: bitwise, on CPU in fp32 (mixup, drop path on)."""
+    train(tiny(prepared_shards, tmp_path / "whole", "train.max_steps=10"))
+    train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=5"))
+    with pytest.raises(ConfigError, match="pass --resume"):
+        train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=10"))
+    train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=10"), resume=True)
+    whole, split = final_weights(tmp_path / "whole"), final_weights(tmp_path / "split")
+    assert whole.keys() == split.keys()
+    assert all(torch.equal(whole[k], split[k]) for k in whole)
+    first = ckpt.load(ckpt.list_checkpoints(tmp_path / "split")[-1])
+    assert first["position"] == {"step": 10, "epoch": 1, "batch": 3}  # 7 batches per epoch
+    assert first["optimizer"]["state"] and first["rng"] and first["config"]["train"]["max_steps"] == 10
+
+
+def test_checkpoints_are_atomic_and_only_the_last_k_kept(prepared_shards, tmp_path):
+    train(tiny(prepared_shards, tmp_path / "r", "train.max_steps=12", "train.checkpoint_every=2",
+               "train.keep_checkpoints=2"))
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path / "r")]
+    assert names == ["step-00000010.pt", "step-00000012.pt"]
+    assert sorted(p.name for p in (tmp_path / "r/checkpoints").iterdir()) == names  # no temporary files
+
+
+def test_metrics_are_json_lines_with_the_promised_fields(prepared_shards, tmp_path):
+    train(tiny(prepared_shards, tmp_path / "r", "train.max_steps=7", "train.eval_every_epochs=1"))
+    records = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_top1" in r]
+    assert {"step", "loss", "lr", "images_per_s", "step_time_s", "data_wait_s"} <= steps[0].keys()
+    assert evals[-1]["step"] == 7 and evals[-1]["eval_samples"] == 20  # every val sample, once
+    assert 0 <= evals[-1]["eval_top1"] <= evals[-1]["eval_top5"] <= 100
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16-pure"])
+def test_mixed_precisions_train(prepared_shards, tmp_path, precision):
+    result = train(tiny(prepared_shards, tmp_path / "r", "train.max_steps=3", f"train.precision={precision}"))
+    assert torch.isfinite(torch.tensor(result["loss"]))
+    weights = final_weights(tmp_path / "r")
+    assert all(w.dtype == torch.float32 for w in weights.values())  # fp32 master weights are what is saved
+
+
+def test_accumulation_ema_and_activation_checkpointing_run(prepared_shards, tmp_path):
+    result = train(tiny(prepared_shards, tmp_path / "r", "train.max_steps=3", "optim.accum_steps=2",
+                        "train.ema_decay=0.9", "train.activation_checkpointing=true", "optim.layer_decay=0.75"))
+    assert result["step"] == 3
+    payload = ckpt.load(ckpt.list_checkpoints(tmp_path / "r")[-1])
+    assert payload["position"]["batch"] == 6 and payload["ema"]
+
+
+def test_activation_checkpointing_does_not_change_the_result(prepared_shards, tmp_path):
+    train(tiny(prepared_shards, tmp_path / "a", "train.max_steps=2"))
+    train(tiny(prepared_shards, tmp_path / "b", "train.max_steps=2", "train.activation_checkpointing=true"))
+    a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_class_count_must_match_the_shards(prepared_shards, tmp_path):
+    with pytest.raises(ConfigError, match=f"--set model.num_classes={CLASSES}"):
+        train(tiny(prepared_shards, tmp_path / "r", "model.num_classes=1000"))
+
+
+def test_two_gloo_ranks_through_the_cli_then_finetune(prepared_shards, tmp_path):
+    args = ["--data", prepared_shards, "--tasks-per-node", 2, *sum((["--set", s] for s in TINY), [])]
+    result = ok("train", "--out", tmp_path / "pre", "--steps", 4, *args)
+    assert "checkpoint:" in result.output
+    records = [json.loads(line) for line in (tmp_path / "pre/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4]
+    assert [r["eval_samples"] for r in records if "eval_top1" in r][-1] == 20  # both ranks' val shards counted
+    source = ckpt.list_checkpoints(tmp_path / "pre")[-1]
+    tuned = ok("finetune", "--from-ckpt", source, "--out", tmp_path / "ft", "--steps", 2, *args,
+               "--set", "model.img_size=48")  # new resolution: position embeddings interpolated
+    assert "checkpoint:" in tuned.output
+
+
+def test_fsdp_on_two_gloo_ranks(prepared_shards, tmp_path):
+    args = ["--data", prepared_shards, "--tasks-per-node", 2, *sum((["--set", s] for s in TINY), [])]
+    ok("train", "--out", tmp_path / "r", "--steps", 3, *args, "--set", "train.parallel=fsdp")
+    weights = final_weights(tmp_path / "r")
+    assert weights["pos_embed"].shape == (1, 17, 96)  # gathered whole, not a shard
+
+
+def test_cli_errors_are_clear(prepared_shards, tmp_path):
+    result = vitctl("train", "--config", "demo_vit", "--data", tmp_path / "missing")
+    assert result.exit_code == 1 and "is not a folder" in result.stderr
+    result = vitctl("finetune", "--from-ckpt", tmp_path / "none.pt", "--config", "demo_vit", "--data", prepared_shards)
+    assert result.exit_code == 1 and "no such file" in result.stderr
+    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--gpus", 1)
+    assert result.exit_code == 1 and "CUDA devices" in result.stderr
+
+
+def test_dali_source_trains_on_the_cpu(prepared_shards, tmp_path):
+    result = train(tiny(prepared_shards, tmp_path / "r", "train.max_steps=3", "data.source=dali", "data.workers=1"))
+    assert result["step"] == 3 and torch.isfinite(torch.tensor(result["loss"]))
+
+
+def test_dali_labels_are_parsed_from_padded_ascii():
+    import numpy as np
+
+    from vitctl.trainer.data.dali import _labels
+
+    padded = np.zeros((4, 8), dtype=np.uint8)
+    for row, text in enumerate([b"0", b"7", b"42", b"999"]):
+        padded[row, :len(text)] = np.frombuffer(text, dtype=np.uint8)
+    assert _labels(padded).tolist() == [0, 7, 42, 999]
