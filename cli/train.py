@@ -26,7 +26,8 @@ def run_options(command):
         click.option("--epochs", type=float),
         click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps."),
         click.option("--precision", type=PRECISIONS),
-        click.option("--fused", help="Fused ops: all, none, or a comma-separated list of seams."),
+        click.option("--fused", help="Fused ops: all, none, or comma-separated seams; seam=impl picks one "
+                     "(e.g. all,optimizer=apex)."),
         click.option("--compile/--no-compile", default=None, help="torch.compile the model."),
         click.option("--resume", is_flag=True, help="Continue the run in --out from its last checkpoint."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",

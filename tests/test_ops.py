@@ -35,10 +35,20 @@ def test_sdpa_attention_matches_reference():
 
 
 def test_fused_spec_parsing():
-    assert parse_fused("none") == set()
-    assert parse_fused("layer_norm, mlp") == {"layer_norm", "mlp"}
-    with pytest.raises(ValueError, match="unknown ops \\['flash'\\]"):
+    assert parse_fused("none") == {}
+    assert parse_fused("layer_norm, mlp") == {"layer_norm": None, "mlp": None}
+    assert parse_fused("all,optimizer=apex")["optimizer"] == "apex"
+    with pytest.raises(ValueError, match="unknown op 'flash'"):
         parse_fused("flash")
+    with pytest.raises(ValueError, match="optimizer has no implementation 'lion'"):
+        parse_fused("optimizer=lion")
+
+
+def test_an_implementation_asked_for_is_used_or_its_absence_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="vitctl.ops"):
+        ops = resolve("window_attention=reference,optimizer=apex", torch.device("cpu"))
+    assert dict(ops.chosen)["window_attention"] == "reference"
+    assert any("op optimizer: apex unavailable (needs CUDA)" in r.getMessage() for r in caplog.records)
 
 
 def test_unavailable_ops_fall_back_with_one_log_line_each(caplog):

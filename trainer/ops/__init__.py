@@ -49,22 +49,32 @@ class Ops:
         return ", ".join(f"{seam}={name}" for seam, name in self.chosen)
 
 
-def parse_fused(spec: str) -> set[str]:
-    """`all`, `none`, or a comma-separated list of seams (or implementation names such as apex)."""
-    if spec == "all":
-        return set(SEAMS)
-    if spec == "none":
-        return set()
-    names = {s.strip() for s in spec.split(",") if s.strip()}
-    unknown = names - set(SEAMS)
-    if unknown:
-        raise ValueError(f"--fused: unknown ops {sorted(unknown)}; choose from all, none, {', '.join(SEAMS)}")
-    return names
+def parse_fused(spec: str) -> dict[str, str | None]:
+    """`all`, `none`, or a comma-separated list of seams, each optionally `seam=implementation`.
+
+    Returns seam -> the implementation asked for (None: the best available). `all,optimizer=apex` asks for
+    the best everywhere and apex's FusedAdam for the optimizer.
+    """
+    wanted: dict[str, str | None] = {}
+    for item in (s.strip() for s in spec.split(",")):
+        seam, _, impl = item.partition("=")
+        if item == "all":
+            wanted |= {s: wanted.get(s) for s in SEAMS}
+        elif item in ("none", ""):
+            continue
+        elif seam not in SEAMS:
+            raise ValueError(f"--fused: unknown op {seam!r}; choose from all, none, {', '.join(SEAMS)}")
+        elif impl and impl not in REGISTRY[seam]:
+            raise ValueError(f"--fused: {seam} has no implementation {impl!r}; it has {', '.join(REGISTRY[seam])}")
+        else:
+            wanted[seam] = impl or None
+    return wanted
 
 
-def _pick(seam: str, device: torch.device) -> Impl:
+def _pick(seam: str, device: torch.device, asked: str | None) -> Impl:
+    candidates = sorted(REGISTRY[seam].values(), key=lambda i: (i.name != asked, -i.priority))
     skipped = []
-    for impl in sorted(REGISTRY[seam].values(), key=lambda i: -i.priority):
+    for impl in candidates:
         reason = impl.unavailable(device)
         if reason is None:
             if skipped:
@@ -76,11 +86,13 @@ def _pick(seam: str, device: torch.device) -> Impl:
 
 def resolve(fused: str, device: torch.device) -> Ops:
     """The Ops bundle for `--fused` on `device`."""
-    from . import apex_ops, reference, sdpa  # noqa: F401  (importing registers the implementations)
-
     wanted = parse_fused(fused)
-    chosen = {seam: (_pick(seam, device) if seam in wanted else REGISTRY[seam]["reference"]) for seam in SEAMS}
+    chosen = {seam: (_pick(seam, device, wanted[seam]) if seam in wanted else REGISTRY[seam]["reference"])
+              for seam in SEAMS}
     ops = Ops(**{seam: impl.fn for seam, impl in chosen.items()},
               chosen=tuple((seam, impl.name) for seam, impl in chosen.items()))
     log.info("ops: %s", ops.describe())
     return ops
+
+
+from . import apex_ops, reference, sdpa  # noqa: E402, F401  (importing them registers the implementations)
