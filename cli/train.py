@@ -17,8 +17,8 @@ def run_options(command):
         click.option("--config", "preset", help="Preset name (e.g. swin_b_pretrain) or a YAML file."),
         click.option("--data", type=click.Path(path_type=Path), help="Shard folder from `vitctl data shard`."),
         click.option("--out", type=click.Path(path_type=Path), help="Run folder (checkpoints, metrics)."),
-        click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="GPUs on this machine, one process each; 0 trains on the CPU."),
+        click.option("--gpus", type=click.IntRange(min=0), default=None,
+                     help="GPUs on this machine, one process each [default: all visible]; 0 trains on the CPU."),
         click.option("--tasks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
                      help="CPU ranks (gloo) when --gpus 0."),
         click.option("--model", help="Model name, e.g. vit_b16, swin_b."),
@@ -49,6 +49,7 @@ def _flags(data, out, model, batch, epochs, steps, precision, fused, compile_, f
 
 def _run(preset, overrides, flags, gpus, tasks_per_node, resume) -> None:
     config = wf.build_config(preset, flags, list(overrides))
+    gpus = wf.visible_gpus() if gpus is None else gpus
     console.print(f"[bold]{config.model.name}[/] on {config.data.path or 'synthetic data'} -> {config.train.out_dir} "
                   f"({gpus or tasks_per_node} {'GPU' if gpus else 'CPU'} rank(s), {config.train.precision}, "
                   f"fused {config.train.fused})", highlight=False)

@@ -12,7 +12,8 @@ from vitctl.trainer.metrics import read_metrics
 from .job import TrainJob
 from .local import LaunchError, launch_local
 
-__all__ = ["ConfigError", "LaunchError", "RunConfig", "build_config", "read_metrics", "run_local", "checkpoint"]
+__all__ = ["ConfigError", "LaunchError", "RunConfig", "build_config", "checkpoint", "read_metrics", "run_local",
+           "visible_gpus"]
 
 
 def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]) -> RunConfig:
@@ -23,6 +24,10 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     if config.finetune.from_ckpt and not Path(config.finetune.from_ckpt).is_file():
         raise ConfigError(f"--from-ckpt {config.finetune.from_ckpt}: no such file")
     return config
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count()
 
 
 def ranks_for(gpus: int, tasks_per_node: int) -> int:
