@@ -6,11 +6,13 @@ import click
 from rich.markup import escape
 
 from vitctl.datasets.errors import DataError
+from vitctl.workflows.registry import UnknownJobError
 from vitctl.workflows.train import ConfigError, LaunchError
 
 from .bench import bench
 from .console import err_console
 from .data import data
+from .jobs import cancel, jobs, logs, status_command
 from .train import finetune, train
 
 
@@ -20,7 +22,7 @@ class VitctlGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (DataError, ConfigError, LaunchError) as e:
+        except (DataError, ConfigError, LaunchError, UnknownJobError) as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
 
@@ -35,6 +37,8 @@ cli.add_command(data)
 cli.add_command(train)
 cli.add_command(finetune)
 cli.add_command(bench)
+for command in (status_command, jobs, logs, cancel):
+    cli.add_command(command)
 
 
 def main() -> None:

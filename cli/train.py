@@ -1,4 +1,4 @@
-"""`vitctl train` and `vitctl finetune`: run a preset on this machine and print its metrics."""
+"""`vitctl train` and `vitctl finetune`: run a preset here or on Slurm (both through submitit)."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from rich.table import Table
 
 from vitctl.workflows import train as wf
 
-from .console import console
+from .console import console, err_console
 
 PRECISIONS = click.Choice(["fp32", "bf16", "fp16", "bf16-pure"])
 
@@ -16,11 +16,7 @@ def run_options(command):
     options = [
         click.option("--config", "preset", help="Preset name (e.g. swin_b_pretrain) or a YAML file."),
         click.option("--data", type=click.Path(path_type=Path), help="Shard folder from `vitctl data shard`."),
-        click.option("--out", type=click.Path(path_type=Path), help="Run folder (checkpoints, metrics)."),
-        click.option("--gpus", type=click.IntRange(min=0), default=None,
-                     help="GPUs on this machine, one process each [default: all visible]; 0 trains on the CPU."),
-        click.option("--tasks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="CPU ranks (gloo) when --gpus 0."),
+        click.option("--out", type=click.Path(path_type=Path), help="Run folder (checkpoints, metrics, logs)."),
         click.option("--model", help="Model name, e.g. vit_b16, swin_b."),
         click.option("--batch", type=click.IntRange(min=1), help="Batch size per rank."),
         click.option("--epochs", type=float),
@@ -32,38 +28,74 @@ def run_options(command):
         click.option("--resume", is_flag=True, help="Continue the run in --out from its last checkpoint."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Override any config value, e.g. --set optim.lr=1e-3 (repeatable)."),
+        # Where and how it runs.
+        click.option("--executor", type=click.Choice(["slurm", "local"]),
+                     help="slurm (sbatch) or local (this machine) [default: slurm when sbatch is found]."),
+        click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True),
+        click.option("--gpus", type=click.IntRange(min=0),
+                     help="GPUs per node, one task each; 0 for CPU ranks [local default: all visible]."),
+        click.option("--tasks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="CPU ranks (gloo) per node when --gpus 0."),
+        click.option("--partition"), click.option("--account"), click.option("--qos"),
+        click.option("--time", default="24:00:00", show_default=True, help="Slurm time limit."),
+        click.option("--cpus-per-gpu", type=click.IntRange(min=1), help="CPUs per task (data loading)."),
+        click.option("--mem", help="Memory per node, e.g. 400G."),
+        click.option("--container-image", help="pyxis/enroot image, e.g. nvcr.io#nvidia/pytorch:25.10-py3."),
+        click.option("--container-mounts", help="pyxis mounts, e.g. /data:/data."),
+        click.option("--max-requeues", type=click.IntRange(min=0), default=3, show_default=True,
+                     help="Times a timed-out job is requeued from its checkpoint."),
+        click.option("--dry-run", is_flag=True, help="Print the sbatch script; submit nothing."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _flags(data, out, model, batch, epochs, steps, precision, fused, compile_, from_ckpt=None) -> dict:
-    flags = {"data": {"path": str(data) if data else None, "batch_size": batch},
-             "model": {"name": model},
-             "train": {"out_dir": str(out) if out else None, "epochs": epochs, "max_steps": steps,
-                       "precision": precision, "fused": fused, "compile": compile_},
-             "finetune": {"from_ckpt": str(from_ckpt) if from_ckpt else None}}
+def _flags(o: dict) -> dict:
+    flags = {"data": {"path": str(o["data"]) if o["data"] else None, "batch_size": o["batch"]},
+             "model": {"name": o["model"]},
+             "train": {"out_dir": str(o["out"]) if o["out"] else None, "epochs": o["epochs"], "max_steps": o["steps"],
+                       "precision": o["precision"], "fused": o["fused"], "compile": o["compile"]},
+             "finetune": {"from_ckpt": str(o["from_ckpt"]) if o.get("from_ckpt") else None}}
     return {section: {k: v for k, v in values.items() if v is not None} for section, values in flags.items()}
 
 
-def _run(preset, overrides, flags, gpus, tasks_per_node, resume) -> None:
-    config = wf.build_config(preset, flags, list(overrides))
-    gpus = wf.visible_gpus() if gpus is None else gpus
-    console.print(f"[bold]{config.model.name}[/] on {config.data.path or 'synthetic data'} -> {config.train.out_dir} "
-                  f"({gpus or tasks_per_node} {'GPU' if gpus else 'CPU'} rank(s), {config.train.precision}, "
-                  f"fused {config.train.fused})", highlight=False)
-    wf.run_local(config, gpus, tasks_per_node, resume)
+def _request(o: dict) -> wf.LaunchRequest:
+    executor = o["executor"] or wf.default_executor()
+    gpus = o["gpus"]
+    if gpus is None:
+        if executor == "slurm":
+            raise wf.ConfigError("--executor slurm needs --gpus N (per node; 0 for CPU ranks with --tasks-per-node)")
+        gpus = wf.visible_gpus()
+    return wf.LaunchRequest(executor, o["nodes"], gpus, o["tasks_per_node"], o["partition"], o["time"],
+                            o["account"], o["qos"], o["cpus_per_gpu"], o["mem"], o["container_image"],
+                            o["container_mounts"], o["max_requeues"])
+
+
+def _run(o: dict) -> None:
+    config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]))
+    request = _request(o)
+    outcome = wf.launch(config, request, o["resume"], o["dry_run"],
+                        lambda text: err_console.print(text, markup=False, highlight=False, soft_wrap=True))
+    if o["dry_run"]:
+        console.print(outcome, highlight=False, markup=False)
+        return
+    if request.executor == "slurm":
+        console.print(f"submitted job {outcome.job_id} ({outcome.name}: {request.nodes} node(s) x "
+                      f"{request.tasks} task(s)) -> {config.train.out_dir}\n"
+                      f"watch it: vitctl status {outcome.job_id} --watch; vitctl logs {outcome.job_id} --follow",
+                      highlight=False)
+        return
     print_summary(Path(config.train.out_dir))
 
 
 def print_summary(run_dir: Path) -> None:
     records = wf.read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_top1" in r]
+    evals = {r["step"]: r for r in records if "eval_top1" in r}
     table = Table("step", "loss", "images/s", "eval top-1", "eval top-5", title=f"{run_dir}")
     for record in steps[-5:]:
-        match = next((e for e in evals if e["step"] == record["step"]), {})
+        match = evals.get(record["step"], {})
         table.add_row(str(record["step"]), f"{record['loss']:.4f}", f"{record['images_per_s']:.1f}",
                       f"{match['eval_top1']:.2f}" if match else "", f"{match['eval_top5']:.2f}" if match else "")
     console.print(table)
@@ -74,19 +106,15 @@ def print_summary(run_dir: Path) -> None:
 
 @click.command()
 @run_options
-def train(preset, data, out, gpus, tasks_per_node, model, batch, epochs, steps, precision, fused, compile, resume,
-          overrides) -> None:
-    """Train a Swin or ViT from a preset on this machine (Slurm launch comes with `--nodes`)."""
-    _run(preset, overrides, _flags(data, out, model, batch, epochs, steps, precision, fused, compile), gpus,
-         tasks_per_node, resume)
+def train(**options) -> None:
+    """Train a Swin or ViT from a preset, on this machine or on Slurm (`--nodes 2 --gpus 8`)."""
+    _run(options)
 
 
 @click.command()
 @click.option("--from-ckpt", required=True, type=click.Path(path_type=Path),
               help="Our checkpoint, a timm or official Swin checkpoint, or a plain state_dict.")
 @run_options
-def finetune(from_ckpt, preset, data, out, gpus, tasks_per_node, model, batch, epochs, steps, precision, fused,
-             compile, resume, overrides) -> None:
+def finetune(**options) -> None:
     """Finetune from a checkpoint: new head when classes differ, position tables resized to the new resolution."""
-    _run(preset, overrides, _flags(data, out, model, batch, epochs, steps, precision, fused, compile, from_ckpt),
-         gpus, tasks_per_node, resume)
+    _run(options)

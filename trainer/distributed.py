@@ -24,7 +24,8 @@ def init_distributed(use_cuda: bool) -> DistEnv:
     """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (torchrun, submitit, `vitctl train --gpus N`)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    # Modulo: a launcher may already have narrowed CUDA_VISIBLE_DEVICES to this rank's GPU.
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():

@@ -4,6 +4,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -172,6 +173,7 @@ class Trainer:
             log.warning("resuming on %d ranks from %d: random streams restart", self.env.world_size,
                         payload["world_size"])
         self.position = Position(**payload["position"])
+        self.metrics.write({"step": self.position.step, "event": "resume", "checkpoint": path.name})
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.position.step, self.position.epoch,
                  self.position.batch)
 
@@ -247,7 +249,12 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
 
-    def run(self) -> dict[str, Any]:
+    def stop_agreed(self, requested: bool) -> bool:
+        """True on every rank when any rank was asked to stop (signals reach ranks at slightly different steps)."""
+        return all_reduce_sum([float(requested)], self.env.device)[0] > 0
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Train to the stop step; when `should_stop` says so (checked at log steps), checkpoint and return."""
         c, p, env = self.c, self.position, self.env
         if env.is_main:
             log.info("run %s: %d steps of %d images (%d per epoch), lr %.3g, ops %s, data %s", self.run_dir,
@@ -268,16 +275,26 @@ class Trainer:
                 if p.step % c.train.log_every == 0 or p.step == self.stop_step:
                     self._log(loss, flops, time.perf_counter() - window_start, window_steps, window_wait)
                     window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
+                    if p.step < self.stop_step and self.stop_agreed(should_stop()):
+                        self._end_epoch_if_done()
+                        self.save()
+                        self.metrics.write({"step": p.step, "event": "stopped"})
+                        self.metrics.close()
+                        return {"step": p.step, "loss": loss, "stopped": True}
                 if p.step % self.eval_interval == 0 or p.step == self.stop_step:
                     last_eval = self.evaluate()
                     if last_eval:
                         self.metrics.write({"step": p.step, "epoch": p.epoch, **last_eval})
                 if p.step % c.train.checkpoint_every == 0 or p.step == self.stop_step:
                     self.save()
-            if p.batch + c.optim.accum_steps > self.steps_per_epoch * c.optim.accum_steps:
-                p.epoch, p.batch = p.epoch + 1, 0
+            self._end_epoch_if_done()
         self.metrics.close()
         return {"step": p.step, "loss": loss, **last_eval}
+
+    def _end_epoch_if_done(self) -> None:
+        p, accum = self.position, self.c.optim.accum_steps
+        if p.batch + accum > self.steps_per_epoch * accum:
+            p.epoch, p.batch = p.epoch + 1, 0
 
     def _log(self, loss: float, flops: float, seconds: float, steps: int, waited: float) -> None:
         loss = all_reduce_sum([loss], self.env.device)[0] / self.env.world_size
@@ -314,14 +331,18 @@ def _mixup_and_loss(config: RunConfig):
     return None, nn.CrossEntropyLoss(label_smoothing=a.label_smoothing)
 
 
-def train(config: RunConfig | dict, resume: bool = False, use_cuda: bool | None = None) -> dict[str, Any]:
-    """Train on this process's rank (single process when no launcher environment is set)."""
+def train(config: RunConfig | dict, resume: bool = False, use_cuda: bool | None = None,
+          should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    """Train on this process's rank (single process when no launcher environment is set).
+
+    `should_stop` (e.g. set by a pre-emption signal) makes every rank checkpoint and return early.
+    """
     if isinstance(config, dict):
         config = config_from_dict(config)
     env = init_distributed(torch.cuda.is_available() if use_cuda is None else use_cuda)
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"%(asctime)s [rank {env.rank}] %(name)s: %(message)s")
     try:
-        return Trainer(config, env, resume).run()
+        return Trainer(config, env, resume).run(should_stop)
     finally:
         shutdown()

@@ -1,4 +1,4 @@
-"""Turn CLI choices into a validated run config and run it locally; the benchmark entry point."""
+"""Turn CLI choices into a validated run config and a launch: Slurm or this machine, both through submitit."""
 
 from pathlib import Path
 from typing import Any
@@ -7,13 +7,25 @@ import torch
 
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import ConfigError, RunConfig, load_config
+from vitctl.trainer.data import check_split
 from vitctl.trainer.metrics import read_metrics
 
 from .job import TrainJob
-from .local import LaunchError, launch_local
+from .registry import JobRecord
+from .submit import (
+    LaunchError,
+    LaunchRequest,
+    check_run_dir,
+    command_line,
+    default_executor,
+    sbatch_script,
+    submit,
+    validate_slurm,
+    wait_local,
+)
 
-__all__ = ["ConfigError", "LaunchError", "RunConfig", "build_config", "checkpoint", "read_metrics", "run_local",
-           "visible_gpus"]
+__all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfig", "build_config", "checkpoint",
+           "default_executor", "launch", "read_metrics", "visible_gpus"]
 
 
 def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]) -> RunConfig:
@@ -30,14 +42,31 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def ranks_for(gpus: int, tasks_per_node: int) -> int:
-    if gpus:
-        available = torch.cuda.device_count()
-        if gpus > available:
-            raise ConfigError(f"--gpus {gpus} but this machine has {available} CUDA devices; use --gpus 0 for CPU")
-        return gpus
-    return tasks_per_node
+def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: bool, echo) -> JobRecord | str:
+    """Validate, then submit (Slurm: returns at once) or run (local: waits, echoing rank 0's log).
 
-
-def run_local(config: RunConfig, gpus: int, tasks_per_node: int, resume: bool) -> dict[str, Any] | None:
-    return launch_local(TrainJob(config.to_dict(), resume, use_cuda=gpus > 0), ranks_for(gpus, tasks_per_node))
+    With `dry_run`, returns the sbatch script and submits nothing.
+    """
+    if request.executor == "local" and request.gpus_per_node > visible_gpus():
+        raise ConfigError(f"--gpus {request.gpus_per_node} but this machine has {visible_gpus()} CUDA devices; "
+                          "use --gpus 0 for CPU ranks")
+    run_dir = Path(config.train.out_dir).absolute()
+    config.train.out_dir = str(run_dir)  # tasks may start elsewhere
+    if config.data.path:
+        config.data.path = str(Path(config.data.path).absolute())
+    if config.finetune.from_ckpt:
+        config.finetune.from_ckpt = str(Path(config.finetune.from_ckpt).absolute())
+    name = f"{config.model.name}-{run_dir.name}"
+    if config.data.source != "synthetic":
+        check_split(config, request.nodes * request.tasks)
+    if request.executor == "slurm" and not dry_run:
+        validate_slurm(request)
+    if dry_run:
+        return sbatch_script(request, run_dir / "submitit", name)
+    check_run_dir(run_dir, resume)
+    # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
+    job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
+    record, submitted = submit(job, request, name, command_line())
+    if request.executor == "local":
+        wait_local(submitted, echo)
+    return record

@@ -44,12 +44,7 @@ def build_data(config: RunConfig, env: DistEnv) -> Data:
         return Data("synthetic", train, batches, None, None)
     folder = Path(c.path)
     shards, classes = split_shards(folder, "train")
-    if len(shards) < env.world_size:
-        raise ConfigError(f"data.path {folder}: {len(shards)} train shards for {env.world_size} ranks; "
-                          "reshard with a smaller --maxcount so each rank gets at least one")
-    batches = batches_per_epoch(shards, env.world_size, batch)
-    if batches == 0:
-        raise ConfigError(f"data.batch_size {batch} is more than a rank's share of the train set; lower it")
+    batches = check_split(config, env.world_size)
     mine = read_table(folder, rank_shards(shards, env.rank, env.world_size))
     source = _source(c.source)
     spec = LoaderSpec(config.model.img_size, config.augment.min_crop_scale, config.augment.hflip, config.train.seed,
@@ -61,6 +56,21 @@ def build_data(config: RunConfig, env: DistEnv) -> Data:
     else:
         train = TrainBatches(mine, spec, batch, batches, env.rank)
     return Data(source, train, batches, _eval_batches(folder, spec, batch, env), len(classes))
+
+
+def check_split(config: RunConfig, world_size: int) -> int:
+    """Batches per epoch for `world_size` ranks; raises when some rank would get no shard or no whole batch."""
+    folder, batch = Path(config.data.path), config.data.batch_size
+    shards, _ = split_shards(folder, "train")
+    if len(shards) < world_size:
+        raise ConfigError(f"data.path {folder}: {len(shards)} train shards for {world_size} ranks; "
+                          "reshard with a smaller --maxcount so each rank gets at least one")
+    batches = batches_per_epoch(shards, world_size, batch)
+    if batches == 0:
+        smallest = min(sum(n for _, n in rank_shards(shards, r, world_size)) for r in range(world_size))
+        raise ConfigError(f"data.batch_size {batch} is more than the {smallest} samples the smallest of "
+                          f"{world_size} ranks reads; lower it or reshard")
+    return batches
 
 
 def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, env: DistEnv) -> EvalBatches | None:
