@@ -20,13 +20,17 @@ demo: $(BIN)/.installed
 	$(BIN)/vitctl data shard $(DEMO_DIR)/imagenet --out $(DEMO_DIR)/shards --maxcount 128
 	$(BIN)/vitctl data index $(DEMO_DIR)/shards
 	$(BIN)/vitctl data verify $(DEMO_DIR)/shards --decode 64
-	$(BIN)/vitctl train --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/pretrain --resume
+	$(BIN)/vitctl train --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/pretrain --resume \
+		--executor local --gpus 0
 	$(BIN)/vitctl finetune --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/finetune --resume \
+		--executor local --gpus 0 \
 		--from-ckpt "$$(ls $(DEMO_DIR)/runs/pretrain/checkpoints/step-*.pt | tail -n 1)" \
 		--epochs 3 --set model.img_size=48 --set optim.warmup_epochs=0
+	$(BIN)/vitctl status
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
+	slurm/dev-cluster/up
 	$(BIN)/python -m pytest -m "not gpu"
 
 bench: $(BIN)/.installed

@@ -13,7 +13,7 @@ from .bench import bench
 from .console import err_console
 from .data import data
 from .jobs import cancel, jobs, logs, status_command
-from .train import finetune, train
+from .train import finetune, rank, train
 
 
 class VitctlGroup(click.Group):
@@ -37,7 +37,7 @@ cli.add_command(data)
 cli.add_command(train)
 cli.add_command(finetune)
 cli.add_command(bench)
-for command in (status_command, jobs, logs, cancel):
+for command in (status_command, jobs, logs, cancel, rank):
     cli.add_command(command)
 
 

@@ -118,3 +118,16 @@ def train(**options) -> None:
 def finetune(**options) -> None:
     """Finetune from a checkpoint: new head when classes differ, position tables resized to the new resolution."""
     _run(options)
+
+
+@click.command()
+@click.option("--config", "preset", help="Preset name or a YAML file.")
+@click.option("--data", type=click.Path(path_type=Path), help="Shard folder.")
+@click.option("--out", type=click.Path(path_type=Path), help="Run folder (shared by all ranks).")
+@click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+def rank(preset, data, out, steps, overrides) -> None:
+    """Run one rank of a job started by srun (the sbatch templates in slurm/) or torchrun."""
+    flags = _flags({"data": data, "batch": None, "model": None, "out": out, "epochs": None, "steps": steps,
+                    "precision": None, "fused": None, "compile": None})
+    wf.run_one_rank(wf.build_config(preset, flags, list(overrides)))

@@ -23,6 +23,15 @@ def ok(*args: object) -> Result:
     return result
 
 
+@pytest.fixture(scope="session", autouse=True)
+def job_registry(tmp_path_factory):
+    """Jobs the tests submit are recorded in a temporary registry, not the user's ~/.vitctl."""
+    home = tmp_path_factory.mktemp("vitctl-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VITCTL_HOME", str(home))
+        yield home
+
+
 @pytest.fixture(scope="session")
 def archives(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("archives")

@@ -87,7 +87,8 @@ def test_class_count_must_match_the_shards(prepared_shards, tmp_path):
 
 
 def test_two_gloo_ranks_through_the_cli_then_finetune(prepared_shards, tmp_path):
-    args = ["--data", prepared_shards, "--tasks-per-node", 2, *sum((["--set", s] for s in TINY), [])]
+    args = ["--data", prepared_shards, "--executor", "local", "--gpus", 0, "--tasks-per-node", 2,
+            *sum((["--set", s] for s in TINY), [])]
     result = ok("train", "--out", tmp_path / "pre", "--steps", 4, *args)
     assert "checkpoint:" in result.output
     records = [json.loads(line) for line in (tmp_path / "pre/metrics.jsonl").read_text().splitlines()]
@@ -100,7 +101,8 @@ def test_two_gloo_ranks_through_the_cli_then_finetune(prepared_shards, tmp_path)
 
 
 def test_fsdp_on_two_gloo_ranks(prepared_shards, tmp_path):
-    args = ["--data", prepared_shards, "--tasks-per-node", 2, *sum((["--set", s] for s in TINY), [])]
+    args = ["--data", prepared_shards, "--executor", "local", "--gpus", 0, "--tasks-per-node", 2,
+            *sum((["--set", s] for s in TINY), [])]
     ok("train", "--out", tmp_path / "r", "--steps", 3, *args, "--set", "train.parallel=fsdp")
     weights = final_weights(tmp_path / "r")
     assert weights["pos_embed"].shape == (1, 17, 96)  # gathered whole, not a shard
@@ -111,8 +113,10 @@ def test_cli_errors_are_clear(prepared_shards, tmp_path):
     assert result.exit_code == 1 and "is not a folder" in result.stderr
     result = vitctl("finetune", "--from-ckpt", tmp_path / "none.pt", "--config", "demo_vit", "--data", prepared_shards)
     assert result.exit_code == 1 and "no such file" in result.stderr
-    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--gpus", 1)
+    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--executor", "local", "--gpus", 1)
     assert result.exit_code == 1 and "CUDA devices" in result.stderr
+    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--executor", "slurm")
+    assert result.exit_code == 1 and "needs --gpus N" in result.stderr
 
 
 def test_dali_source_trains_on_the_cpu(prepared_shards, tmp_path):

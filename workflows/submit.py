@@ -5,6 +5,7 @@ pre-emption) every rank checkpoints at the next log step, then submitit requeues
 job resumes from that checkpoint.
 """
 
+import os
 import re
 import shutil
 import signal
@@ -164,8 +165,10 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def make_executor(request: LaunchRequest, folder: Path, name: str) -> submitit.AutoExecutor:
-    executor = submitit.AutoExecutor(folder=folder, cluster=request.executor,
-                                     slurm_max_num_timeout=request.max_requeues)
+    constructor: dict[str, Any] = {"slurm_max_num_timeout": request.max_requeues}
+    if request.executor == "slurm" and request.container_image:
+        constructor["slurm_python"] = "python3"  # the container's interpreter, not this one
+    executor = submitit.AutoExecutor(folder=folder, cluster=request.executor, **constructor)
     params: dict[str, Any] = {"name": name, "nodes": request.nodes, "tasks_per_node": request.tasks,
                               "timeout_min": parse_time(request.time), "cpus_per_task": request.cpus_per_gpu or 1}
     if request.gpus_per_node:
@@ -177,7 +180,7 @@ def make_executor(request: LaunchRequest, folder: Path, name: str) -> submitit.A
             srun = [f"--container-image={request.container_image}"]
             if request.container_mounts:
                 srun.append(f"--container-mounts={request.container_mounts}")
-            params |= {"slurm_srun_args": srun, "slurm_python": "python3"}  # the container's interpreter
+            params["slurm_srun_args"] = srun
         params = {k: v for k, v in params.items() if v is not None}
     executor.update_parameters(**params)
     return executor
@@ -226,3 +229,25 @@ def wait_local(submitted: Any, echo: Callable[[str], None]) -> dict[str, Any]:
 def command_line() -> list[str]:
     return [Path(sys.argv[0]).name, *sys.argv[1:]]
 
+
+
+def run_rank(job: TrainJob) -> dict[str, Any]:
+    """One rank of a job that srun (a plain sbatch script) or torchrun started.
+
+    On USR2 every rank checkpoints; rank 0 then requeues the Slurm job, which resumes from that checkpoint.
+    """
+    if "SLURM_JOB_ID" in os.environ and "RANK" not in os.environ:
+        os.environ.update(srun_torch_env(os.environ))
+    stop = SignalFlag(signal.SIGUSR2)
+    result = job(should_stop=stop.is_set)
+    if result.get("stopped") and os.environ.get("RANK", "0") == "0" and "SLURM_JOB_ID" in os.environ:
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
+    return result
+
+
+def srun_torch_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
+    """torch.distributed's variables from an srun task's: rendezvous on the job's first node."""
+    hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
+                           text=True, check=True, timeout=30).stdout.split()
+    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env["SLURM_LOCALID"],
+            "MASTER_ADDR": hosts[0], "MASTER_PORT": str(20000 + int(env["SLURM_JOB_ID"]) % 20000)}

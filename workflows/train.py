@@ -18,6 +18,7 @@ from .submit import (
     check_run_dir,
     command_line,
     default_executor,
+    run_rank,
     sbatch_script,
     submit,
     validate_slurm,
@@ -25,7 +26,7 @@ from .submit import (
 )
 
 __all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfig", "build_config", "checkpoint",
-           "default_executor", "launch", "read_metrics", "visible_gpus"]
+           "default_executor", "launch", "read_metrics", "run_one_rank", "visible_gpus"]
 
 
 def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]) -> RunConfig:
@@ -57,10 +58,10 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if config.finetune.from_ckpt:
         config.finetune.from_ckpt = str(Path(config.finetune.from_ckpt).absolute())
     name = f"{config.model.name}-{run_dir.name}"
-    if config.data.source != "synthetic":
-        check_split(config, request.nodes * request.tasks)
     if request.executor == "slurm" and not dry_run:
         validate_slurm(request)
+    if config.data.source != "synthetic":
+        check_split(config, request.nodes * request.tasks)
     if dry_run:
         return sbatch_script(request, run_dir / "submitit", name)
     check_run_dir(run_dir, resume)
@@ -70,3 +71,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if request.executor == "local":
         wait_local(submitted, echo)
     return record
+
+
+def run_one_rank(config: RunConfig) -> dict[str, Any]:
+    """This process is one rank of a job srun or torchrun started; resumes from the run folder's checkpoints."""
+    return run_rank(TrainJob(config.to_dict(), resume=True, use_cuda=visible_gpus() > 0))
