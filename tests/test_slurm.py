@@ -79,7 +79,7 @@ def test_two_nodes_train_like_a_local_four_process_run(prepared_shards, tmp_path
     assert nodes.stdout.strip() == "n[1-2]"
     listed = status.collect(registry.load_records())[0]
     assert (listed.state, listed.step, listed.total_steps, listed.layout) == ("COMPLETED", 24, 24, "2x2 CPU")
-    log = vitctl("logs", job, "--rank", 3)
+    log = vitctl("logs", job, "--rank", 3, "--follow")  # returns: the job has ended
     assert log.exit_code == 0 and "resumed" not in log.output
 
 

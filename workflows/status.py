@@ -95,7 +95,7 @@ def progress(record: JobRecord) -> dict[str, Any]:
     steps = [m for m in metrics if "loss" in m]
     last = steps[-1] if steps else {}
     eta = None
-    if last and last.get("total_steps"):
+    if last and last.get("total_steps") and last["step"] < last["total_steps"]:
         eta = (last["total_steps"] - last["step"]) * last["step_time_s"]
     checkpoints = list_checkpoints(Path(record.run_dir))
     return {"step": last.get("step"), "total_steps": last.get("total_steps"), "loss": last.get("loss"),

@@ -10,8 +10,8 @@ HOSTS_MARK="# vitctl dev cluster"
 SYSTEM_CONF=/etc/slurm/slurm.conf
 export SLURM_CONF=$STATE/etc/slurm.conf
 
-alive() {  # alive PIDFILE: the process it names is running
-    [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+alive() {  # alive PIDFILE NAME: the process the file names is running and is NAME (not a reused PID)
+    [[ -s $1 ]] && [[ $(cat "/proc/$(cat "$1")/comm" 2>/dev/null) == "$2" ]]
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
