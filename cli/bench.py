@@ -3,7 +3,7 @@
 import click
 from rich.table import Table
 
-from vitctl.workflows.bench import MODEL_NAMES, bench_train
+from vitctl.workflows.bench import MODEL_NAMES, bench_train, op_report
 
 from .console import console
 
@@ -43,3 +43,13 @@ def train_bench(model_name, batch, precision, precisions, compile_, fused, compa
         ours = max(results[:-1], key=lambda r: r.images_per_s)
         console.print(f"ours / timm: {ours.images_per_s / results[-1].images_per_s:.2f}x "
                       f"({ours.setting} vs {results[-1].setting})", highlight=False)
+
+
+@click.command()
+def doctor() -> None:
+    """Which op implementations (reference, sdpa, apex, torch-fused, cuda) can run here, and why not."""
+    device, rows = op_report()
+    table = Table("op", "implementation", "available", title=f"vitctl ops on {device}")
+    for seam, name, reason in rows:
+        table.add_row(seam, name, "[green]yes[/]" if reason is None else f"[red]no[/]: {reason}")
+    console.print(table)

@@ -9,7 +9,7 @@ from vitctl.datasets.errors import DataError
 from vitctl.workflows.registry import UnknownJobError
 from vitctl.workflows.train import ConfigError, LaunchError
 
-from .bench import bench
+from .bench import bench, doctor
 from .console import err_console
 from .data import data
 from .jobs import cancel, jobs, logs, status_command
@@ -37,6 +37,7 @@ cli.add_command(data)
 cli.add_command(train)
 cli.add_command(finetune)
 cli.add_command(bench)
+cli.add_command(doctor)
 for command in (status_command, jobs, logs, cancel, rank):
     cli.add_command(command)
 

@@ -35,3 +35,12 @@ def test_bad_synth_arguments_are_explained(tmp_path):
 def test_verify_of_a_folder_without_manifest(tmp_path):
     result = vitctl("data", "verify", tmp_path)
     assert result.exit_code == 1 and "no manifest.json" in result.stderr and "vitctl data shard" in result.stderr
+
+
+def test_doctor_says_which_ops_can_run_and_why_not():
+    result = vitctl("doctor")
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert any("window_partition" in line and "reference" in line and "yes" in line for line in lines)
+    if not __import__("torch").cuda.is_available():
+        assert any("cuda" in line and "needs CUDA" in line for line in lines)

@@ -106,7 +106,7 @@ def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bo
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     results = []
     for precision in precisions:
-        ops = resolve(fused, device)
+        ops = resolve(fused, device, compiling=compile_)
         model = build_model(ModelConfig(name=model_name, img_size=img_size, drop_path=0.0), ops)
         flops = 3 * model.flops_per_image()
         setting = f"{precision}{' + compile' if compile_ else ''}, fused {fused}"

@@ -74,7 +74,7 @@ class Trainer:
         if self.data.num_classes not in (None, config.model.num_classes):
             raise ConfigError(f"model.num_classes is {config.model.num_classes} but the shards hold "
                               f"{self.data.num_classes} classes; pass --set model.num_classes={self.data.num_classes}")
-        self.ops = resolve(config.train.fused, env.device)
+        self.ops = resolve(config.train.fused, env.device, compiling=config.train.compile)
         self.precision = Precision(config.train.precision, env.device)
         checkpoints = ckpt.list_checkpoints(self.run_dir)
         if checkpoints and not resume:

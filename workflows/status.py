@@ -83,6 +83,8 @@ def local_state(record: JobRecord) -> tuple[str, str]:
                                                                                      record.submitted)
     if record.cancelled:
         return "CANCELLED", ""
+    if not Path(record.folder).is_dir():
+        return "UNKNOWN", ""  # its run folder was deleted
     try:
         os.kill(int(record.job_id), 0)
     except (ProcessLookupError, ValueError):

@@ -21,15 +21,17 @@ class Impl:
     fn: Callable
     priority: int  # the best available implementation has the highest
     unavailable: Callable[[torch.device], str | None]  # why it cannot run on that device, or None
+    under_compile: bool = True  # False: torch.compile does better with the reference (it fuses across it)
 
 
 REGISTRY: dict[str, dict[str, Impl]] = {seam: {} for seam in SEAMS}
 
 
 def register(seam: str, name: str, priority: int,
-             unavailable: Callable[[torch.device], str | None] = lambda device: None) -> Callable:
+             unavailable: Callable[[torch.device], str | None] = lambda device: None,
+             under_compile: bool = True) -> Callable:
     def add(fn: Callable) -> Callable:
-        REGISTRY[seam][name] = Impl(name, fn, priority, unavailable)
+        REGISTRY[seam][name] = Impl(name, fn, priority, unavailable, under_compile)
         return fn
     return add
 
@@ -71,11 +73,13 @@ def parse_fused(spec: str) -> dict[str, str | None]:
     return wanted
 
 
-def _pick(seam: str, device: torch.device, asked: str | None) -> Impl:
+def _pick(seam: str, device: torch.device, asked: str | None, compiling: bool) -> Impl:
     candidates = sorted(REGISTRY[seam].values(), key=lambda i: (i.name != asked, -i.priority))
     skipped = []
     for impl in candidates:
         reason = impl.unavailable(device)
+        if reason is None and compiling and not impl.under_compile and impl.name != asked:
+            reason = "torch.compile fuses the reference better"
         if reason is None:
             if skipped:
                 log.warning("op %s: %s; using %s", seam, "; ".join(skipped), impl.name)
@@ -84,10 +88,16 @@ def _pick(seam: str, device: torch.device, asked: str | None) -> Impl:
     raise AssertionError(f"no implementation of {seam}")  # reference is always available
 
 
-def resolve(fused: str, device: torch.device) -> Ops:
-    """The Ops bundle for `--fused` on `device`."""
+def report(device: torch.device) -> list[tuple[str, str, str | None]]:
+    """(seam, implementation, why it is unavailable or None) for every registered implementation."""
+    return [(seam, impl.name, impl.unavailable(device))
+            for seam in SEAMS for impl in sorted(REGISTRY[seam].values(), key=lambda i: -i.priority)]
+
+
+def resolve(fused: str, device: torch.device, compiling: bool = False) -> Ops:
+    """The Ops bundle for `--fused` on `device` (`compiling`: the model will run under torch.compile)."""
     wanted = parse_fused(fused)
-    chosen = {seam: (_pick(seam, device, wanted[seam]) if seam in wanted else REGISTRY[seam]["reference"])
+    chosen = {seam: (_pick(seam, device, wanted[seam], compiling) if seam in wanted else REGISTRY[seam]["reference"])
               for seam in SEAMS}
     ops = Ops(**{seam: impl.fn for seam, impl in chosen.items()},
               chosen=tuple((seam, impl.name) for seam, impl in chosen.items()))
@@ -95,4 +105,4 @@ def resolve(fused: str, device: torch.device) -> Ops:
     return ops
 
 
-from . import apex_ops, reference, sdpa  # noqa: E402, F401  (importing them registers the implementations)
+from . import apex_ops, cuda, reference, sdpa  # noqa: E402, F401  (importing them registers the implementations)

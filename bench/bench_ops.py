@@ -1,0 +1,100 @@
+"""Per-op forward + backward timing on one GPU: our CUDA kernels vs the reference ops, torch.compile of the
+reference, and (attention) SDPA with an additive bias + mask. Shapes are Swin-B's at batch 128."""
+
+import argparse
+import statistics
+
+import torch
+
+from vitctl.trainer.models.swin import relative_position_index, shift_mask
+from vitctl.trainer.ops import cuda, reference, sdpa
+
+
+def time_ms(fn, warmup: int = 10, repeats: int = 50) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def fwd_bwd(op, inputs):
+    """Forward, then backward from a fixed output gradient: the op's own cost, nothing added around it."""
+    grad = torch.randn_like(op(*inputs))
+
+    def run():
+        for t in inputs:
+            t.grad = None
+        op(*inputs).backward(grad)
+    return run
+
+
+def window_process(B: int, res: int, C: int, window: int, dtype: torch.dtype) -> list[tuple[str, float]]:
+    x = torch.randn(B, res, res, C, device="cuda", dtype=dtype, requires_grad=True)
+    shift = window // 2
+    windows = torch.randn(B * (res // window) ** 2, window * window, C, device="cuda", dtype=dtype,
+                          requires_grad=True)
+    rows = []
+    for direction, inputs, ref, ours in [
+        ("partition", [x], lambda t: reference.window_partition(t, window, shift),
+         lambda t: cuda.window_partition_op(t, window, shift)),
+        ("merge", [windows], lambda t: reference.window_merge(t, window, shift, res, res),
+         lambda t: cuda.window_merge_op(t, window, shift, res, res)),
+    ]:
+        rows += [(f"{direction}: {name}", time_ms(fwd_bwd(fn, inputs))) for name, fn in
+                 (("reference", ref), ("torch.compile(reference)", torch.compile(ref)), ("vitctl cuda", ours))]
+    return rows
+
+
+def window_attention(B: int, res: int, heads: int, window: int, dtype: torch.dtype) -> list[tuple[str, float]]:
+    n_windows, N = (res // window) ** 2, window * window
+    q, k, v = (torch.randn(B * n_windows, heads, N, 32, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    table = torch.randn((2 * window - 1) ** 2, heads, device="cuda", requires_grad=True)
+    index = relative_position_index(window).cuda()
+    mask = shift_mask(res, res, window, window // 2).cuda()
+    scale = 32**-0.5
+
+    def sdpa_efficient(q, k, v, table):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):
+            return sdpa.window_attention(q, k, v, scale, table, index, mask)
+
+    def op(fn):
+        return lambda q, k, v, table: fn(q, k, v, scale, table, index, mask)
+
+    return [(name, time_ms(fwd_bwd(fn, [q, k, v, table]))) for name, fn in
+            (("reference", op(reference.window_attention)),
+             ("torch.compile(reference)", torch.compile(op(reference.window_attention))),
+             ("SDPA memory-efficient, additive bias+mask", sdpa_efficient),
+             ("SDPA default backend", op(sdpa.window_attention)), ("vitctl cuda", op(cuda.window_attention)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=128)
+    args = parser.parse_args()
+    dtype = torch.bfloat16
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, batch {args.batch}, median of 50")
+    for title, rows in [
+        ("window process (partition + merge), stage 1: 56x56x128", window_process(args.batch, 56, 128, 7, dtype)),
+        ("window process, stage 3: 14x14x512", window_process(args.batch, 14, 512, 7, dtype)),
+        ("window attention, stage 1: 64 windows x 4 heads, N=49", window_attention(args.batch, 56, 4, 7, dtype)),
+        ("window attention, stage 3: 4 windows x 16 heads, N=49", window_attention(args.batch, 14, 16, 7, dtype)),
+    ]:
+        print(f"\n{title}\n| op | fwd+bwd ms | vs reference |\n|---|---:|---:|")
+        for name, ms in rows:
+            group = name.split(": ")[0] if ": " in name else ""
+            suffix = ": reference" if group else "reference"
+            base = next(m for n, m in rows if n.startswith(group) and n.endswith(suffix))
+            print(f"| {name} | {ms:.3f} | {base / ms:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+// Python bindings of the CUDA kernels; torch.library registration, fake implementations and autograd live in
+// trainer/ops/cuda.py.
+#include <torch/extension.h>
+
+torch::Tensor window_partition_cuda(const torch::Tensor& x, int64_t window, int64_t shift);
+torch::Tensor window_merge_cuda(const torch::Tensor& windows, int64_t window, int64_t shift, int64_t H, int64_t W);
+torch::Tensor window_softmax_forward_cuda(const torch::Tensor& logits, const torch::Tensor& table,
+                                          const torch::Tensor& index, const c10::optional<torch::Tensor>& mask);
+std::vector<torch::Tensor> window_softmax_backward_cuda(const torch::Tensor& probs, const torch::Tensor& grad);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("window_partition", &window_partition_cuda, "cyclic shift + window partition (CUDA)");
+  m.def("window_merge", &window_merge_cuda, "window merge + reverse shift (CUDA)");
+  m.def("window_softmax_forward", &window_softmax_forward_cuda, "softmax(logits + bias + mask) (CUDA)");
+  m.def("window_softmax_backward", &window_softmax_backward_cuda, "its gradients (CUDA)");
+}

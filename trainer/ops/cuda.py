@@ -1,0 +1,189 @@
+"""Our CUDA kernels (csrc/) as torch.library custom ops: fake implementations for torch.compile, autograd.
+
+The extension is built by `pip install` when a CUDA toolkit and a CUDA build of torch are present (module
+`vitctl_cuda_ops`); otherwise it is built just in time on first use and cached by torch.
+"""
+
+import functools
+import importlib
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import register
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+SOURCES = ("ops.cpp", "window_process.cu", "window_attention.cu")
+
+
+@functools.cache
+def extension():
+    """The compiled module; raises with the reason when it cannot be had."""
+    try:
+        return importlib.import_module("vitctl_cuda_ops")
+    except ImportError:
+        pass
+    from torch.utils.cpp_extension import load
+
+    missing = [s for s in SOURCES if not (CSRC / s).exists()]
+    if missing:
+        raise RuntimeError(f"not prebuilt, and the sources {missing} are not in {CSRC}")
+    return load("vitctl_cuda_ops", [str(CSRC / s) for s in SOURCES], extra_cuda_cflags=["-O3", "-lineinfo"],
+                verbose=False)
+
+
+def unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "needs CUDA"
+    try:
+        extension()
+    except Exception as e:  # a failed build, a missing toolkit: say why, the reference op runs instead
+        return f"CUDA extension unavailable: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+# ------------------------------------------------------------------ shape checks
+# Checked here, before the launch: an error thrown from inside the extension can take the process down when its
+# C++ runtime differs from torch's, and these messages say how to fix the call.
+
+
+def check_map(H: int, W: int, window: int, shift: int) -> None:
+    if window <= 0 or H % window or W % window:
+        raise ValueError(f"feature map {H}x{W} is not a multiple of window {window} (pad it, or pick a window "
+                         "that divides it)")
+    if not 0 <= shift < window:
+        raise ValueError(f"shift must be in [0, window), got {shift} for window {window}")
+
+
+def check_attention(logits: Tensor, table: Tensor, index: Tensor, mask: Tensor | None) -> None:
+    if logits.dim() != 4 or logits.shape[2] != logits.shape[3] or not logits.is_cuda:
+        raise ValueError(f"window softmax expects CUDA logits (B*nW, heads, N, N), got {tuple(logits.shape)}")
+    heads, N = logits.shape[1], logits.shape[2]
+    if N > 256:
+        raise ValueError(f"window softmax supports up to 256 tokens per window, got {N}")
+    if table.dim() != 2 or table.shape[1] != heads or tuple(index.shape) != (N, N):
+        raise ValueError(f"bias table {tuple(table.shape)} / index {tuple(index.shape)} do not fit {heads} heads "
+                         f"and {N} tokens")
+    if mask is not None and (mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or logits.shape[0] % mask.shape[0]):
+        raise ValueError(f"shift mask must be (nW, {N}, {N}) with nW dividing {logits.shape[0]}, "
+                         f"got {tuple(mask.shape)}")
+
+
+# ------------------------------------------------------------------ window partition / merge
+
+
+@torch.library.custom_op("vitctl::window_partition", mutates_args=())
+def window_partition_op(x: Tensor, window: int, shift: int) -> Tensor:
+    if x.dim() != 4:
+        raise ValueError(f"window_partition expects (B, H, W, C), got {tuple(x.shape)}")
+    check_map(x.shape[1], x.shape[2], window, shift)
+    return extension().window_partition(x, window, shift)
+
+
+@window_partition_op.register_fake
+def _(x: Tensor, window: int, shift: int) -> Tensor:
+    B, H, W, C = x.shape
+    return x.new_empty(B * (H // window) * (W // window), window * window, C)
+
+
+@torch.library.custom_op("vitctl::window_merge", mutates_args=())
+def window_merge_op(windows: Tensor, window: int, shift: int, H: int, W: int) -> Tensor:
+    check_map(H, W, window, shift)
+    per_image = (H // window) * (W // window)
+    if windows.dim() != 3 or windows.shape[1] != window * window or windows.shape[0] % per_image:
+        raise ValueError(f"window_merge expects (B*{per_image}, {window * window}, C), got {tuple(windows.shape)}")
+    return extension().window_merge(windows, window, shift, H, W)
+
+
+@window_merge_op.register_fake
+def _(windows: Tensor, window: int, shift: int, H: int, W: int) -> Tensor:
+    return windows.new_empty(windows.shape[0] // ((H // window) * (W // window)), H, W, windows.shape[2])
+
+
+def _partition_setup(ctx, inputs, output) -> None:
+    x, ctx.window, ctx.shift = inputs
+    ctx.H, ctx.W = x.shape[1], x.shape[2]
+
+
+def _partition_backward(ctx, grad: Tensor):
+    return window_merge_op(grad, ctx.window, ctx.shift, ctx.H, ctx.W), None, None
+
+
+def _merge_setup(ctx, inputs, output) -> None:
+    _, ctx.window, ctx.shift, _, _ = inputs
+
+
+def _merge_backward(ctx, grad: Tensor):
+    return window_partition_op(grad, ctx.window, ctx.shift), None, None, None, None
+
+
+window_partition_op.register_autograd(_partition_backward, setup_context=_partition_setup)
+window_merge_op.register_autograd(_merge_backward, setup_context=_merge_setup)
+
+# ------------------------------------------------------------------ window softmax (bias + mask + softmax)
+
+
+@torch.library.custom_op("vitctl::window_softmax", mutates_args=())
+def window_softmax_op(logits: Tensor, table: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
+    check_attention(logits, table, index, mask)
+    return extension().window_softmax_forward(logits, table, index, mask)
+
+
+@window_softmax_op.register_fake
+def _(logits: Tensor, table: Tensor, index: Tensor, mask: Tensor | None) -> Tensor:
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("vitctl::window_softmax_backward", mutates_args=())
+def window_softmax_backward_op(probs: Tensor, grad: Tensor, index: Tensor, entries: int) -> tuple[Tensor, Tensor]:
+    grad_logits, grad_bias = extension().window_softmax_backward(probs, grad)
+    heads = grad_bias.shape[0]
+    # The kernel summed over windows per (head, i, j); the table gathers (i, j) pairs that share an offset.
+    grad_table = grad_bias.new_zeros(entries, heads).index_add_(0, index.reshape(-1), grad_bias.reshape(heads, -1).T)
+    return grad_logits, grad_table
+
+
+@window_softmax_backward_op.register_fake
+def _(probs: Tensor, grad: Tensor, index: Tensor, entries: int) -> tuple[Tensor, Tensor]:
+    accumulate = torch.float64 if probs.dtype == torch.float64 else torch.float32  # the kernel's op-math type
+    return torch.empty_like(probs, memory_format=torch.contiguous_format), probs.new_empty(
+        entries, probs.shape[1], dtype=accumulate)
+
+
+def _softmax_setup(ctx, inputs, output) -> None:
+    _, table, index, _ = inputs
+    ctx.save_for_backward(output, index)
+    ctx.entries, ctx.table_dtype = table.shape[0], table.dtype
+
+
+def _softmax_backward(ctx, grad: Tensor):
+    probs, index = ctx.saved_tensors
+    grad_logits, grad_table = window_softmax_backward_op(probs, grad, index, ctx.entries)
+    return grad_logits, grad_table.to(ctx.table_dtype), None, None
+
+
+window_softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+# ------------------------------------------------------------------ the seams
+
+
+# Under torch.compile the custom-op boundary stops Inductor fusing the partition with LayerNorm and the residual
+# add, which costs more than the kernel saves (docs/performance.md); eager runs gain 3-5x per op.
+@register("window_partition", "cuda", 40, unavailable, under_compile=False)
+def window_partition(x: Tensor, window: int, shift: int) -> Tensor:
+    return window_partition_op(x, window, shift)
+
+
+@register("window_merge", "cuda", 40, unavailable, under_compile=False)
+def window_merge(windows: Tensor, window: int, shift: int, H: int, W: int) -> Tensor:
+    return window_merge_op(windows, window, shift, H, W)
+
+
+# Ranked below SDPA: the fused softmax alone does not beat SDPA at every stage (docs/performance.md); ask for
+# it with --fused window_attention=cuda. A kernel fusing the whole attention is what should replace this.
+@register("window_attention", "cuda", 15, unavailable)
+def window_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias_table: Tensor, bias_index: Tensor,
+                     mask: Tensor | None) -> Tensor:
+    logits = (q * scale) @ k.transpose(-2, -1)
+    return window_softmax_op(logits, bias_table, bias_index, mask) @ v
