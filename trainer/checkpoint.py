@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from vitctl.datasets.atomic import partial_open, publish
 
@@ -65,12 +64,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(_byte_tensor(state["cuda"]))
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of the whole tensor (gathered first when it is an FSDP2 DTensor shard)."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-
-
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: full_tensor(v) for k, v in model.state_dict().items()}

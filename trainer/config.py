@@ -207,6 +207,8 @@ def validate(c: RunConfig) -> None:
         (c.train.max_steps is None or c.train.max_steps >= 1, "train.max_steps must be at least 1"),
         (c.train.keep_checkpoints >= 1, "train.keep_checkpoints must be at least 1"),
         (c.train.ema_decay is None or 0 < c.train.ema_decay < 1, "train.ema_decay must be in (0, 1)"),
+        (c.train.ema_decay is None or c.train.parallel != "fsdp",
+         "train.ema_decay is not supported with train.parallel=fsdp yet (its shadow weights would be sharded)"),
         (0 <= c.augment.label_smoothing < 1, "augment.label_smoothing must be in [0, 1)"),
         (0 < c.augment.min_crop_scale <= 1, "augment.min_crop_scale must be in (0, 1]"),
     ]

@@ -80,8 +80,8 @@ class Trainer:
         if checkpoints and not resume:
             raise ConfigError(f"{self.run_dir} already holds checkpoints (last: {checkpoints[-1].name}); "
                               "pass --resume to continue that run, or choose another --out")
-        self.model = self._build_model(load_weights=not checkpoints)
         self.fsdp = config.train.parallel == "fsdp" and env.world_size > 1
+        self.model = self._build_model(load_weights=not checkpoints)
         pure = config.train.precision == "bf16-pure"
         self.master = MasterWeights(self.model) if pure and not self.fsdp else None
         if self.fsdp:
@@ -108,7 +108,7 @@ class Trainer:
         if c.finetune.from_ckpt and load_weights:
             load_pretrained(model, Path(c.finetune.from_ckpt), c.finetune.reset_head, c.model.name)
         set_activation_checkpointing(model, c.train.activation_checkpointing)
-        dtype = torch.bfloat16 if c.train.precision == "bf16-pure" and c.train.parallel != "fsdp" else None
+        dtype = torch.bfloat16 if c.train.precision == "bf16-pure" and not self.fsdp else None
         return model.to(self.env.device, dtype=dtype)
 
     def _schedule(self) -> None:
