@@ -20,6 +20,14 @@ FULL_IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 workers_option = click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="CPUs",
                               help="Worker processes.")
 existing = click.Path(exists=True, path_type=Path)
+SPLIT_COLUMNS = ("split", "shards", "samples", "bytes", "converted", "skipped")
+
+
+def split_row(split: str, entries: list[dict]) -> list[str]:
+    """One split's totals from its manifest entries."""
+    samples, size = sum(e["samples"] for e in entries), sum(e["bytes"] for e in entries)
+    return [split, str(len(entries)), f"{samples:,}", f"{size:,}", str(sum(len(e["conversions"]) for e in entries)),
+            str(sum(len(e["skipped"]) for e in entries))]
 
 
 @click.group()
@@ -98,14 +106,11 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
     """Write WebDataset shards imagenet-{split}-%06d.tar and SHARDS/manifest.json; a rerun resumes."""
     spec = ShardSpec(maxsize, maxcount, seed, on_bad_image)
     spec.validate()
-    table = Table("split", "shards", "samples", "bytes", "converted", "skipped", title=f"shards in {out}")
+    table = Table(*SPLIT_COLUMNS, title=f"shards in {out}")
     for name in ("train", "val") if split == "both" else (split,):
         with progress_bar(name, unit="samples") as bar:
             info = shard_split(root, out, name, spec, workers, bar.advance, bar.set_total)
-        shards = info["shards"]
-        table.add_row(name, str(len(shards)), f"{sum(s['samples'] for s in shards):,}",
-                      f"{sum(s['bytes'] for s in shards):,}", str(sum(len(s["conversions"]) for s in shards)),
-                      str(sum(len(s["skipped"]) for s in shards)))
+        table.add_row(*split_row(name, info["shards"]))
     console.print(table)
 
 
@@ -138,13 +143,10 @@ def verify_command(shards: Path, decode: int, workers: int) -> None:
     """Check manifest vs shards, each index vs its shard, and decode random images; exit 1 on any problem."""
     report = verify_folder(shards, decode, workers)
     found = report.manifest
-    table = Table("split", "shards", "samples", "bytes", "converted", "skipped",
+    table = Table(*SPLIT_COLUMNS,
                   title=f"{shards} ({len(found['classes'])} classes, labels: {found['label_convention']})")
     for split, info in sorted(found["splits"].items()):
-        entries = info["shards"]
-        table.add_row(split, str(len(entries)), f"{sum(e['samples'] for e in entries):,}",
-                      f"{sum(e['bytes'] for e in entries):,}", str(sum(len(e["conversions"]) for e in entries)),
-                      str(sum(len(e["skipped"]) for e in entries)))
+        table.add_row(*split_row(split, info["shards"]))
     console.print(table)
     for name, problems in sorted(report.problems.items()):
         for problem in problems:

@@ -1,4 +1,5 @@
 import io
+import json
 import subprocess
 import sys
 import tarfile
@@ -29,8 +30,8 @@ def _check_index_against_tar(shard: Path, index: Path) -> int:
 def test_index_points_at_every_member_of_every_shard(prepared_shards):
     shards = sorted(prepared_shards.glob("*.tar"))
     total = sum(_check_index_against_tar(s, s.with_suffix(".idx")) for s in shards)
-    assert total == sum(e["samples"] for split in __import__("json").loads(
-        (prepared_shards / "manifest.json").read_text())["splits"].values() for e in split["shards"])
+    manifest = json.loads((prepared_shards / "manifest.json").read_text())
+    assert total == sum(e["samples"] for split in manifest["splits"].values() for e in split["shards"])
     first = (prepared_shards / "imagenet-train-000000.idx").read_text().splitlines()
     assert first[0] == "v1.2 16" and first[1].startswith("cls 512 1 ")
 

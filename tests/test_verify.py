@@ -1,8 +1,15 @@
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
 from conftest import ok, vitctl
+
+
+def _edit_manifest(shards: Path, edit) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    edit(manifest)
+    (shards / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _verify(shards: Path):
@@ -50,18 +57,14 @@ def test_truncated_shard_is_caught(shards_copy):
 
 
 def test_manifest_count_mismatch_is_caught(shards_copy):
-    manifest = json.loads((shards_copy / "manifest.json").read_text())
-    manifest["splits"]["val"]["shards"][0]["samples"] += 1
-    (shards_copy / "manifest.json").write_text(json.dumps(manifest))
+    _edit_manifest(shards_copy, lambda m: m["splits"]["val"]["shards"][0].update(samples=17))
     result = _verify(shards_copy)
     assert result.exit_code == 1 and "imagenet-val-000000.tar: 16 samples, manifest says 17" in result.output
 
 
 def test_unlisted_shard_and_incomplete_split_are_caught(shards_copy):
     shutil.copy(shards_copy / "imagenet-val-000000.tar", shards_copy / "imagenet-val-000007.tar")
-    manifest = json.loads((shards_copy / "manifest.json").read_text())
-    manifest["splits"]["train"]["complete"] = False
-    (shards_copy / "manifest.json").write_text(json.dumps(manifest))
+    _edit_manifest(shards_copy, lambda m: m["splits"]["train"].update(complete=False))
     result = _verify(shards_copy)
     assert result.exit_code == 1
     assert "imagenet-val-000007.tar: shard on disk is not in the manifest" in result.output
@@ -76,11 +79,8 @@ def test_undecodable_image_is_caught(shards_copy):
     offset = int(jpg[1])
     raw[offset:offset + 64] = bytes(64)  # wipe the JPEG header, keep the size
     shard.write_bytes(bytes(raw))
-    manifest = json.loads((shards_copy / "manifest.json").read_text())
-    import hashlib
-
-    entry = manifest["splits"]["val"]["shards"][1]
-    entry["sha256"] = hashlib.sha256(raw).hexdigest()  # pretend it was written that way
-    (shards_copy / "manifest.json").write_text(json.dumps(manifest))
+    # Pretend it was written that way, so only the decode check can catch it.
+    digest = hashlib.sha256(raw).hexdigest()
+    _edit_manifest(shards_copy, lambda m: m["splits"]["val"]["shards"][1].update(sha256=digest))
     result = vitctl("data", "verify", shards_copy, "--decode", 10_000)
     assert result.exit_code == 1 and f"image at offset {offset} does not decode" in result.output

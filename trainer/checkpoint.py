@@ -24,6 +24,17 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if NAME.fullmatch(p.name)) if folder.is_dir() else []
 
 
+def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
+    """The run folder's checkpoints; refuses to start afresh over them (that would mix two runs)."""
+    from .config import ConfigError
+
+    found = list_checkpoints(run_dir)
+    if found and not resume:
+        raise ConfigError(f"{run_dir} already holds checkpoints (last: {found[-1].name}); pass --resume to "
+                          "continue that run, or choose another --out")
+    return found
+
+
 def save(run_dir: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
     path = checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)

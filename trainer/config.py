@@ -33,7 +33,6 @@ class DataConfig:
     path: str | None = None  # shard folder written by `vitctl data shard`
     batch_size: int = 128  # per rank
     workers: int = 4  # loader processes per rank
-    shuffle_buffer: int = 2000
     train_samples: int = 1_281_167  # synthetic data only: the epoch length it pretends to have
 
 

@@ -76,10 +76,7 @@ class Trainer:
                               f"{self.data.num_classes} classes; pass --set model.num_classes={self.data.num_classes}")
         self.ops = resolve(config.train.fused, env.device, compiling=config.train.compile)
         self.precision = Precision(config.train.precision, env.device)
-        checkpoints = ckpt.list_checkpoints(self.run_dir)
-        if checkpoints and not resume:
-            raise ConfigError(f"{self.run_dir} already holds checkpoints (last: {checkpoints[-1].name}); "
-                              "pass --resume to continue that run, or choose another --out")
+        checkpoints = ckpt.checkpoints_to_resume(self.run_dir, resume)
         self.fsdp = config.train.parallel == "fsdp" and env.world_size > 1
         self.model = self._build_model(load_weights=not checkpoints)
         pure = config.train.precision == "bf16-pure"

@@ -158,10 +158,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"run folder {run_dir} is not writable ({e.strerror}); choose another --out") from None
-    existing = checkpoint.list_checkpoints(run_dir)
-    if existing and not resume:
-        raise ConfigError(f"{run_dir} already holds checkpoints (last: {existing[-1].name}); pass --resume to "
-                          "continue that run, or choose another --out")
+    checkpoint.checkpoints_to_resume(run_dir, resume)
 
 
 def make_executor(request: LaunchRequest, folder: Path, name: str) -> submitit.AutoExecutor:
