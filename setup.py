@@ -5,7 +5,7 @@ import os
 
 from setuptools import setup
 
-SOURCES = ["csrc/ops.cpp", "csrc/window_process.cu", "csrc/window_attention.cu"]
+SOURCES = ["csrc/ops.cpp", "csrc/window_process.cu", "csrc/window_softmax.cu", "csrc/window_attention.cu"]
 
 
 def cuda_extension() -> dict:

@@ -8,9 +8,9 @@ from vitctl.trainer.ops import cuda
 for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(2, 14, 21, 40, device="cuda", dtype=dtype, requires_grad=True)
     cuda.window_merge_op(cuda.window_partition_op(x, 7, 3), 7, 3, 14, 21).sum().backward()
-    q, k, v = (torch.randn(2 * 6, 3, 49, 32, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    qkv = torch.randn(2 * 6, 49, 3 * 96, device="cuda", dtype=dtype, requires_grad=True)
     table = torch.randn(169, 3, device="cuda", requires_grad=True)
-    mask = shift_mask(14, 21, 7, 3).cuda()
-    cuda.window_attention(q, k, v, 32**-0.5, table, relative_position_index(7).cuda(), mask).sum().backward()
+    for mask in (shift_mask(14, 21, 7, 3).cuda(), None):  # fp32: matmuls + softmax kernel; bf16: one kernel
+        cuda.window_attention(qkv, 3, 32**-0.5, table, relative_position_index(7).cuda(), mask).sum().backward()
 torch.cuda.synchronize()
 print("all ops ran")

@@ -18,15 +18,21 @@ def test_partition_then_merge_is_the_identity_and_matches_a_loop():
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_sdpa_window_attention_matches_reference(masked):
+def test_window_attention_reads_packed_qkv_per_head_and_matches_sdpa(masked):
     torch.manual_seed(0)
-    heads, window, n_windows = 3, 4, 4
-    q, k, v = (torch.randn(2 * n_windows, heads, window**2, 8) for _ in range(3))
+    heads, window, n_windows, d = 3, 4, 4, 8
+    N, C = window**2, heads * d
+    qkv = torch.randn(2 * n_windows, N, 3 * C)
     table = torch.randn((2 * window - 1) ** 2, heads)
     index = relative_position_index(window)
     mask = shift_mask(8, 8, window, 2) if masked else None
-    expected = reference.window_attention(q, k, v, 8**-0.5, table, index, mask)
-    torch.testing.assert_close(sdpa.window_attention(q, k, v, 8**-0.5, table, index, mask), expected)
+    expected = reference.window_attention(qkv, heads, d**-0.5, table, index, mask)
+    assert expected.shape == (2 * n_windows, N, C)
+    b, h = 5, 2  # one window and head by hand: q, k, v are (3, heads, d) blocks of each token's 3C features
+    q, k, v = (qkv[b, :, part * C + h * d:part * C + (h + 1) * d] for part in range(3))
+    logits = q @ k.T * d**-0.5 + table[index, h] + (mask[b % n_windows] if masked else 0)
+    torch.testing.assert_close(expected[b, :, h * d:(h + 1) * d], logits.softmax(-1) @ v)
+    torch.testing.assert_close(sdpa.window_attention(qkv, heads, d**-0.5, table, index, mask), expected)
 
 
 def test_sdpa_attention_matches_reference():

@@ -35,11 +35,9 @@ class WindowAttention(nn.Module):
         self.register_buffer("relative_position_index", relative_position_index(window), persistent=False)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        B_, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B_, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        out = self.ops.window_attention(q, k, v, self.scale, self.relative_position_bias_table,
+        out = self.ops.window_attention(self.qkv(x), self.heads, self.scale, self.relative_position_bias_table,
                                         self.relative_position_index, mask)
-        return self.proj(out.transpose(1, 2).reshape(B_, N, C))
+        return self.proj(out)
 
 
 class SwinBlock(CheckpointableBlock):

@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from . import register
+from .reference import merge_heads, relative_position_bias, split_heads
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("ops.cpp", "window_process.cu", "window_attention.cu")
+SOURCES = ("ops.cpp", "window_process.cu", "window_softmax.cu", "window_attention.cu")
 
 
 @functools.cache
@@ -135,13 +136,17 @@ def _(logits: Tensor, table: Tensor, index: Tensor, mask: Tensor | None) -> Tens
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
+def table_gradient(grad_bias: Tensor, index: Tensor, entries: int) -> Tensor:
+    """(heads, N, N) bias gradient, already summed over windows -> the (entries, heads) table's gradient."""
+    heads = grad_bias.shape[0]
+    # The table gathers the (i, j) pairs that share an offset.
+    return grad_bias.new_zeros(entries, heads).index_add_(0, index.reshape(-1), grad_bias.reshape(heads, -1).T)
+
+
 @torch.library.custom_op("vitctl::window_softmax_backward", mutates_args=())
 def window_softmax_backward_op(probs: Tensor, grad: Tensor, index: Tensor, entries: int) -> tuple[Tensor, Tensor]:
     grad_logits, grad_bias = extension().window_softmax_backward(probs, grad)
-    heads = grad_bias.shape[0]
-    # The kernel summed over windows per (head, i, j); the table gathers (i, j) pairs that share an offset.
-    grad_table = grad_bias.new_zeros(entries, heads).index_add_(0, index.reshape(-1), grad_bias.reshape(heads, -1).T)
-    return grad_logits, grad_table
+    return grad_logits, table_gradient(grad_bias, index, entries)
 
 
 @window_softmax_backward_op.register_fake
@@ -165,6 +170,84 @@ def _softmax_backward(ctx, grad: Tensor):
 
 window_softmax_op.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
+# ------------------------------------------------------------------ whole window attention in one kernel
+
+FUSED_DTYPES, FUSED_MAX_TOKENS, FUSED_HEAD_DIM = (torch.float16, torch.bfloat16), 64, 32
+
+
+def fused_attention_fits(qkv: Tensor, heads: int) -> bool:
+    """The one-kernel attention takes half and bfloat16, up to 64 tokens (window 7) and head dim 32: Swin's."""
+    return (qkv.dtype in FUSED_DTYPES and qkv.dim() == 3 and qkv.shape[1] <= FUSED_MAX_TOKENS
+            and qkv.shape[2] == 3 * heads * FUSED_HEAD_DIM)
+
+
+def check_fused_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None) -> None:
+    heads = bias.shape[0] if bias.dim() == 3 else -1
+    if not qkv.is_cuda or not fused_attention_fits(qkv, heads):
+        raise ValueError(f"fused window attention takes CUDA half/bfloat16 qkv (B*nW, N <= {FUSED_MAX_TOKENS}, "
+                         f"3 * heads * {FUSED_HEAD_DIM}); got {qkv.dtype} {tuple(qkv.shape)} with {heads} heads")
+    N = qkv.shape[1]
+    if tuple(bias.shape[1:]) != (N, N):
+        raise ValueError(f"bias must be (heads, {N}, {N}), got {tuple(bias.shape)}")
+    if mask is not None and (mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or qkv.shape[0] % mask.shape[0]):
+        raise ValueError(f"shift mask must be (nW, {N}, {N}) with nW dividing {qkv.shape[0]}, got {tuple(mask.shape)}")
+
+
+def aligned(t: Tensor) -> Tensor:
+    """Contiguous and 16-byte aligned, as the kernels' vector loads need."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def as_float(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float().contiguous()
+
+
+@torch.library.custom_op("vitctl::window_attention", mutates_args=())
+def window_attention_op(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """(B*nW, N, 3C) qkv and the (heads, N, N) bias -> the output (B*nW, N, C), the row log-sum-exp
+    (B*nW, heads, N) in float."""
+    check_fused_attention(qkv, bias, mask)
+    out, lse = extension().window_attention_forward(aligned(qkv), as_float(bias), as_float(mask), scale)
+    return out, lse
+
+
+@window_attention_op.register_fake
+def _(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    B_, N, C3 = qkv.shape
+    return qkv.new_empty(B_, N, C3 // 3), qkv.new_empty(B_, bias.shape[0], N, dtype=torch.float32)
+
+
+@torch.library.custom_op("vitctl::window_attention_backward", mutates_args=())
+def window_attention_backward_op(grad: Tensor, qkv: Tensor, lse: Tensor, bias: Tensor, mask: Tensor | None,
+                                 scale: float) -> tuple[Tensor, Tensor]:
+    """The qkv gradient and the bias gradient summed over windows (float)."""
+    grad_qkv, grad_bias = extension().window_attention_backward(
+        aligned(grad.to(qkv.dtype)), aligned(qkv), lse.contiguous(), as_float(bias), as_float(mask), scale)
+    return grad_qkv, grad_bias
+
+
+@window_attention_backward_op.register_fake
+def _(grad: Tensor, qkv: Tensor, lse: Tensor, bias: Tensor, mask: Tensor | None,
+      scale: float) -> tuple[Tensor, Tensor]:
+    return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
+            bias.new_empty(bias.shape, dtype=torch.float32))
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    qkv, bias, mask, ctx.scale = inputs
+    ctx.save_for_backward(qkv, output[1], bias, mask)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attention_backward(ctx, grad: Tensor, _grad_lse):
+    qkv, lse, bias, mask = ctx.saved_tensors
+    grad_qkv, grad_bias = window_attention_backward_op(grad, qkv, lse, bias, mask, ctx.scale)
+    return grad_qkv, grad_bias.to(bias.dtype), None, None
+
+
+window_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
 # ------------------------------------------------------------------ the seams
 
 
@@ -180,10 +263,13 @@ def window_merge(windows: Tensor, window: int, shift: int, H: int, W: int) -> Te
     return window_merge_op(windows, window, shift, H, W)
 
 
-# Ranked below SDPA: the fused softmax alone does not beat SDPA at every stage (docs/performance.md); ask for
-# it with --fused window_attention=cuda. A kernel fusing the whole attention is what should replace this.
-@register("window_attention", "cuda", 15, unavailable)
-def window_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias_table: Tensor, bias_index: Tensor,
+@register("window_attention", "cuda", 30, unavailable)
+def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, bias_index: Tensor,
                      mask: Tensor | None) -> Tensor:
+    """One kernel for Swin's half/bfloat16 windows of 7; otherwise (fp32, window 12) the seed's design: q k^T and
+    P v by cuBLAS around one kernel for bias + mask + softmax."""
+    if fused_attention_fits(qkv, heads):  # the bias gather's own backward sums the table gradient
+        return window_attention_op(qkv, relative_position_bias(bias_table, bias_index), mask, scale)[0]
+    q, k, v = split_heads(qkv, heads)
     logits = (q * scale) @ k.transpose(-2, -1)
-    return window_softmax_op(logits, bias_table, bias_index, mask) @ v
+    return merge_heads(window_softmax_op(logits, bias_table, bias_index, mask) @ v)

@@ -34,17 +34,30 @@ def relative_position_bias(table: torch.Tensor, index: torch.Tensor) -> torch.Te
     return table[index.view(-1)].view(N, N, -1).permute(2, 0, 1)
 
 
+def split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B_, N, 3C) packed projection -> q, k, v as (B_, heads, N, C / heads) views."""
+    B_, N, C3 = qkv.shape
+    return qkv.reshape(B_, N, 3, heads, C3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def merge_heads(out: torch.Tensor) -> torch.Tensor:
+    """(B_, heads, N, d) -> (B_, N, heads * d)."""
+    B_, heads, N, d = out.shape
+    return out.transpose(1, 2).reshape(B_, N, heads * d)
+
+
 @register("window_attention", "reference", 0)
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias_table: torch.Tensor,
-                     bias_index: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T * scale + bias[head] + mask[window]) @ v on (B * nW, heads, N, d)."""
+def window_attention(qkv: torch.Tensor, heads: int, scale: float, bias_table: torch.Tensor, bias_index: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * scale + bias[head] + mask[window]) @ v: (B * nW, N, 3C) qkv -> (B * nW, N, C)."""
+    q, k, v = split_heads(qkv, heads)
     attn = (q * scale) @ k.transpose(-2, -1)
     attn = attn + relative_position_bias(bias_table, bias_index).to(attn.dtype)
     if mask is not None:
         nW, N = mask.shape[0], mask.shape[1]
         attn = attn.view(-1, nW, attn.shape[1], N, N) + mask.to(attn.dtype)[None, :, None]
         attn = attn.view(-1, attn.shape[2], N, N)
-    return attn.softmax(dim=-1) @ v
+    return merge_heads(attn.softmax(dim=-1) @ v)
 
 
 @register("attention", "reference", 0)
