@@ -327,9 +327,9 @@ struct Launch {
   int smem;
 };
 
-// One block per (window chunk, head): enough blocks for a few waves, at least a few windows per block so the bias
-// load and the backward's atomic adds stay small against the work, and a multiple of the mask's nW so that every
-// window a block walks sits at the same mask position.
+// One block per (window chunk, head), as many as fit on the GPU at once: every block gets the same number of windows,
+// so one wave has no tail, and each block pays its bias load and the backward's atomic adds once for many windows.
+// The chunk count is a multiple of the mask's nW so that every window a block walks sits at the same mask position.
 template <typename Kernel>
 Launch plan(Kernel kernel, const Layout& layout, int64_t windows, int heads, int n_mask) {
   static const bool opted_in = [&] {  // the widest layout (N = kNP) needs more than the default 48 KiB
@@ -341,7 +341,8 @@ Launch plan(Kernel kernel, const Layout& layout, int64_t windows, int heads, int
   (void)opted_in;
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, layout.bytes()));
-  const int64_t target = 4LL * std::max(per_sm, 1) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t target = std::max(per_sm, 1) * sms;
   const int64_t wanted = std::min<int64_t>((windows + 3) / 4, target / heads);
   const int64_t chunks = std::max<int64_t>(1, wanted / n_mask) * n_mask;  // windows is a multiple of n_mask
   return {dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(heads)), layout.bytes()};
