@@ -31,7 +31,7 @@ def train_bench(model_name, batch, precision, precisions, compile_, fused, compa
     """Images/s, ms/step, peak memory and MFU of a training step."""
     chosen = [p.strip() for p in (precisions or precision).split(",")]
     results = bench_train(model_name, batch, chosen, compile_, fused, compare, timm_setting, img_size, steps, warmup)
-    table = Table("model", "setting", "images/s", "ms/step (median)", "peak GiB", "MFU", "vs first",
+    table = Table("model", "setting", "images/s (median step)", "ms/step (median)", "peak GiB", "MFU", "vs first",
                   title=f"{model_name}, batch {batch}, {img_size} px, {steps} timed steps after {warmup}")
     for r in results:
         table.add_row(r.name, r.setting, f"{r.images_per_s:,.0f}", f"{r.ms_per_step:.1f}", f"{r.peak_gib:.1f}",

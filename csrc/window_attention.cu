@@ -27,7 +27,8 @@ constexpr int kWarps = kNP / 16;  // one warp per 16-row stripe
 constexpr int kThreads = kWarps * 32;
 // Softmax work: two lanes per score row, each holding kPairs column pairs (j, j + 1) with j = 4k + 2 * (lane & 1).
 constexpr int kPairs = kNP / 4;
-// Padded shared-memory strides (elements) against bank conflicts; all keep 32-byte tile alignment.
+// Padded shared-memory strides (elements) against bank conflicts (the two lanes of a score row read 8-byte pairs:
+// a float stride of 68 spreads 8 rows over all 32 banks); all keep 32-byte tile alignment.
 constexpr int kLdX = kD + 8;
 constexpr int kLdP = kNP + 8;
 constexpr int kLdS = kNP + 4;
@@ -59,14 +60,14 @@ __device__ __forceinline__ int pair_column(int k, int lane) { return 4 * k + 2 *
 constexpr int align128(int bytes) { return (bytes + 127) / 128 * 128; }
 
 // Shared memory: `tiles` head tiles (kNP x kD), `full` score-sized tiles (kNP x kNP: the backward's P and dS), the
-// block's bias + mask (kNP x kNP floats, -inf outside N x N), then per warp a float scratch stripe.
+// block's bias + mask (kNP x kLdS floats, -inf outside N x N), then per warp a float scratch stripe.
 struct Layout {
   int tiles, full, stripe, N;
   __host__ __device__ static constexpr int tile_bytes() { return align128(kNP * kLdX * 2); }
   __host__ __device__ static constexpr int full_bytes() { return align128(kNP * kLdP * 2); }
   __host__ __device__ int full_offset() const { return tiles * tile_bytes(); }
   __host__ __device__ int bias_offset() const { return full_offset() + full * full_bytes(); }
-  __host__ __device__ int scratch_offset() const { return bias_offset() + align128(kNP * kNP * 4); }
+  __host__ __device__ int scratch_offset() const { return bias_offset() + align128(kNP * kLdS * 4); }
   __host__ __device__ int bytes() const { return scratch_offset() + kWarps * stripe; }
 };
 
@@ -113,9 +114,13 @@ __device__ void store_stripe(const float* stripe, T* dst, int64_t row_stride, in
   for (int e = lane; e < 16 * kVectors; e += 32) {
     const int r = e / kVectors, c = (e % kVectors) * 8;
     if (i0 + r >= N) continue;
+    const float4 lo = *reinterpret_cast<const float4*>(stripe + r * kLdO + c);
+    const float4 hi = *reinterpret_cast<const float4*>(stripe + r * kLdO + c + 4);
     alignas(16) T packed[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) to(stripe[r * kLdO + c + k] * factor, &packed[k]);
+    to2(lo.x * factor, lo.y * factor, packed);
+    to2(lo.z * factor, lo.w * factor, packed + 2);
+    to2(hi.x * factor, hi.y * factor, packed + 4);
+    to2(hi.z * factor, hi.w * factor, packed + 6);
     *reinterpret_cast<uint4*>(dst + (i0 + r) * row_stride + c) = *reinterpret_cast<const uint4*>(packed);
   }
 }
@@ -167,7 +172,8 @@ __device__ void stripe_scores(const T* x, const T* y, int warp, float* out) {
 __device__ void load_bias_mask(float* tile, const float* bias, const float* mask, int h, int w, int N) {
   for (int e = threadIdx.x; e < kNP * kNP; e += kThreads) {
     const int i = e / kNP, j = e % kNP;
-    tile[e] = i < N && j < N ? bias[(h * N + i) * N + j] + (mask ? mask[(w * N + i) * N + j] : 0.f) : -INFINITY;
+    tile[i * kLdS + j] =
+        i < N && j < N ? bias[(h * N + i) * N + j] + (mask ? mask[(w * N + i) * N + j] : 0.f) : -INFINITY;
   }
 }
 
@@ -203,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
     for (int p = 0; p < kPairs; ++p) {
       const int j = pair_column(p, lane);
       const float2 s2 = *reinterpret_cast<const float2*>(scores + r * kLdS + j);
-      const float2 b2 = *reinterpret_cast<const float2*>(bias + i * kNP + j);
+      const float2 b2 = *reinterpret_cast<const float2*>(bias + i * kLdS + j);
       x[2 * p] = s2.x * scale + b2.x;
       x[2 * p + 1] = s2.y * scale + b2.y;
       top = fmaxf(top, fmaxf(x[2 * p], x[2 * p + 1]));
@@ -273,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     for (int c = 0; c < kPairs; ++c) {
       const int j = pair_column(c, lane);
       const float2 s2 = *reinterpret_cast<const float2*>(scratch + r * kLdS + j);
-      const float2 b2 = *reinterpret_cast<const float2*>(bias + i * kNP + j);
+      const float2 b2 = *reinterpret_cast<const float2*>(bias + i * kLdS + j);
       p[2 * c] = __expf(s2.x * scale + b2.x - row_lse);
       p[2 * c + 1] = __expf(s2.y * scale + b2.y - row_lse);
     }

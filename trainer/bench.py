@@ -90,9 +90,9 @@ def measure(name: str, setting: str, model: nn.Module, precision: Precision, com
         end.record()
     torch.cuda.synchronize(device)
     times = [start.elapsed_time(end) for start, end in events]
-    total_s = events[0][0].elapsed_time(events[-1][1]) / 1000
-    rate = steps * batch / total_s
-    return BenchResult(name, setting, rate, statistics.median(times),
+    median_ms = statistics.median(times)
+    rate = batch * 1000 / median_ms  # from the median step: one slow step (a stall, a recompile) does not skew it
+    return BenchResult(name, setting, rate, median_ms,
                        torch.cuda.max_memory_allocated(device) / 2**30, mfu(flops, rate, device))
 
 
