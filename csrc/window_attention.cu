@@ -5,9 +5,9 @@
 // for the output projection: no head permutes, no (B_, heads, N, N) tensor in memory. A block owns one head and walks
 // a strided set of windows, so the head's (N, N) bias is read once, and in the backward its gradient is summed in
 // registers across those windows before one atomic add per (i, j). The next window's tiles are fetched into registers
-// while the current one computes. Each warp owns a 16-row
-// stripe of the (padded) 64 x 64 score matrix. The forward saves the row log-sum-exp; the backward recomputes P from
-// it and takes the softmax's row term from P * dP, so the output is not needed.
+// while the current one computes. Each warp owns a 16-row stripe of the (padded) 64 x 64 score matrix. The forward
+// saves the row log-sum-exp; the backward recomputes P from it and takes the softmax's row term from P * dP, so the
+// output is not needed.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -45,8 +45,6 @@ template <typename T>
 using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-__device__ __forceinline__ void to(float x, __half* out) { *out = __float2half_rn(x); }
-__device__ __forceinline__ void to(float x, __nv_bfloat16* out) { *out = __float2bfloat16_rn(x); }
 
 __device__ __forceinline__ void to2(float a, float b, __half* out) {
   *reinterpret_cast<__half2*>(out) = __floats2half2_rn(a, b);
