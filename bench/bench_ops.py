@@ -94,15 +94,20 @@ def window_attention(B: int, res: int, heads: int, window: int, dtype: torch.dty
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--ops", choices=("all", "process", "attention"), default="all")
     args = parser.parse_args()
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, batch {args.batch}, median of 50")
-    for title, rows in [
-        ("window process (partition + merge), stage 1: 56x56x128", window_process(args.batch, 56, 128, 7, dtype)),
-        ("window process, stage 3: 14x14x512", window_process(args.batch, 14, 512, 7, dtype)),
-        ("window attention, stage 1: 64 windows x 4 heads, N=49", window_attention(args.batch, 56, 4, 7, dtype)),
-        ("window attention, stage 3: 4 windows x 16 heads, N=49", window_attention(args.batch, 14, 16, 7, dtype)),
-    ]:
+    cases = {
+        "window process (partition + merge), stage 1: 56x56x128": ("process", window_process, (56, 128, 7)),
+        "window process, stage 3: 14x14x512": ("process", window_process, (14, 512, 7)),
+        "window attention, stage 1: 64 windows x 4 heads, N=49": ("attention", window_attention, (56, 4, 7)),
+        "window attention, stage 3: 4 windows x 16 heads, N=49": ("attention", window_attention, (14, 16, 7)),
+    }
+    for title, (kind, bench, shape) in cases.items():
+        if args.ops not in ("all", kind):
+            continue
+        rows = bench(args.batch, *shape, dtype)
         print(f"\n{title}\n| op | GPU ms (fwd+bwd kernels) | vs reference | wall ms |\n|---|---:|---:|---:|")
         for name, (gpu, wall) in rows:
             group = name.split(": ")[0] if ": " in name else ""

@@ -3,77 +3,207 @@
 //
 // q, k and v are read straight from the qkv projection (B_, N, 3C) and the output is written as (B_, N, C), ready
 // for the output projection: no head permutes, no (B_, heads, N, N) tensor in memory. A block owns one head and walks
-// a strided set of windows, so the head's (N, N) bias is read once, and in the backward its gradient is summed in
-// registers across those windows before one atomic add per (i, j). The next window's tiles are fetched into registers
-// while the current one computes. Each warp owns a 16-row stripe of the (padded) 64 x 64 score matrix. The forward
-// saves the row log-sum-exp; the backward recomputes P from it and takes the softmax's row term from P * dP, so the
-// output is not needed.
+// a strided set of windows that all sit at one shift-mask position, so its bias + mask is read once, and in the
+// backward the bias gradient is summed in registers across those windows before one atomic add per (i, j). The next
+// window's tiles are fetched into registers while the current one computes.
+//
+// Each warp owns a 16-row stripe of the (padded) 64 x 64 score matrix and keeps it in registers across mma.sync
+// m16n8k16 instructions (FlashAttention-2's layout: an accumulator's (row, column) pairs are exactly those of the next
+// product's A operand, so P and dS never leave registers for the products on the row side). Only the transposed
+// products of the backward (P^T dO and dS^T Q) go through shared memory. The forward saves the row log-sum-exp; the
+// backward recomputes P from it and takes the softmax's row term from P * dP, so the output is not needed.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
 
 namespace {
-
-using namespace nvcuda;
 
 constexpr int kD = 32;            // head dim
 constexpr int kNP = 64;           // tokens, padded to the tensor-core tile
 constexpr int kWarps = kNP / 16;  // one warp per 16-row stripe
 constexpr int kThreads = kWarps * 32;
-// Softmax work: two lanes per score row, each holding kPairs column pairs (j, j + 1) with j = 4k + 2 * (lane & 1).
-constexpr int kPairs = kNP / 4;
-// Padded shared-memory strides (elements) against bank conflicts (the two lanes of a score row read 8-byte pairs:
-// a float stride of 68 spreads 8 rows over all 32 banks); all keep 32-byte tile alignment.
+constexpr int kTiles = kNP / 8;  // 8-column accumulator tiles across a score row
+// Padded shared-memory strides (elements): 16-byte aligned rows whose 8-row ldmatrix reads hit distinct banks.
 constexpr int kLdX = kD + 8;
 constexpr int kLdP = kNP + 8;
-constexpr int kLdS = kNP + 4;
-constexpr int kLdO = kD + 4;  // float stripes of (16 x kD) results
+// Float bias + mask (and bias gradient) tiles: a lane reads 8-byte column pairs, and a stride of 72 floats puts the
+// 16 lanes of each half-warp (rows g = 0..3, pairs tig = 0..3) on 32 distinct banks.
+constexpr int kLdB = kNP + 8;
 constexpr int kVectors = kD / 8;  // 16-byte vectors per head row
 
-template <typename T>
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
-template <typename T>
-using FragAt = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;  // a transposed operand
-template <typename T>
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
-template <typename T>
-using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
-using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-
-__device__ __forceinline__ void to2(float a, float b, __half* out) {
-  *reinterpret_cast<__half2*>(out) = __floats2half2_rn(a, b);
-}
-__device__ __forceinline__ void to2(float a, float b, __nv_bfloat16* out) {
-  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(a, b);
-}
-
-__device__ __forceinline__ int pair_column(int k, int lane) { return 4 * k + 2 * (lane & 1); }
-
 constexpr int align128(int bytes) { return (bytes + 127) / 128 * 128; }
+constexpr int kTileBytes = align128(kNP * kLdX * 2);
+constexpr int kFullBytes = align128(kNP * kLdP * 2);
+constexpr int kBiasBytes = align128(kNP * kLdB * 4);
+constexpr int kForwardSmem = 3 * kTileBytes + kBiasBytes;
+constexpr int kBackwardSmem = 4 * kTileBytes + 2 * kFullBytes + 2 * kBiasBytes;
 
-// Shared memory: `tiles` head tiles (kNP x kD), `full` score-sized tiles (kNP x kNP: the backward's P and dS), the
-// block's bias + mask (kNP x kLdS floats, -inf outside N x N), then per warp a float scratch stripe.
-struct Layout {
-  int tiles, full, stripe, N;
-  __host__ __device__ static constexpr int tile_bytes() { return align128(kNP * kLdX * 2); }
-  __host__ __device__ static constexpr int full_bytes() { return align128(kNP * kLdP * 2); }
-  __host__ __device__ int full_offset() const { return tiles * tile_bytes(); }
-  __host__ __device__ int bias_offset() const { return full_offset() + full * full_bytes(); }
-  __host__ __device__ int scratch_offset() const { return bias_offset() + align128(kNP * kLdS * 4); }
-  __host__ __device__ int bytes() const { return scratch_offset() + kWarps * stripe; }
-};
+// ------------------------------------------------------------------ tensor-core building blocks
 
-constexpr int kScoreStripe = align128(16 * kLdS * 4);
-// The forward's stripe holds the scores, then P (as T) over them, then the output beside P.
-constexpr int kForwardStripe = align128(std::max(kScoreStripe, 16 * kLdP * 2 + 16 * kLdO * 4));
-constexpr Layout forward_layout(int N) { return {3, 0, kForwardStripe, N}; }
-constexpr Layout backward_layout(int N) { return {4, 2, kScoreStripe, N}; }
+template <typename T>
+__device__ __forceinline__ uint32_t pack(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// d += a (16 x 16, row-major fragment) @ b (16 x 8, column-major fragment), float accumulators.
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A fragment of rows [r0, r0 + 16) x columns [c0, c0 + 16) of a row-major shared tile.
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const void* tile, int ld, int r0, int c0, int elem) {
+  const int lane = threadIdx.x % 32;
+  const int r = r0 + lane % 8 + 8 * ((lane / 8) % 2), c = c0 + 8 * (lane / 16);
+  ldmatrix_x4(a, static_cast<const char*>(tile) + (r * ld + c) * elem);
+}
+
+// The A fragment of the transpose: rows [r0, r0 + 16) of tile^T, its columns [c0, c0 + 16) (tile rows c0..).
+__device__ __forceinline__ void load_a_transposed(uint32_t (&a)[4], const void* tile, int ld, int r0, int c0,
+                                                  int elem) {
+  const int lane = threadIdx.x % 32;
+  const int r = c0 + lane % 8 + 8 * (lane / 16), c = r0 + 8 * ((lane / 8) % 2);
+  ldmatrix_x4_trans(a, static_cast<const char*>(tile) + (r * ld + c) * elem);
+}
+
+// B fragments of y^T for x @ y^T, y row-major (rows = the product's columns n): rows [n0, n0 + 8) of y, all kD
+// columns. b[0], b[1] serve k in [0, 16), b[2], b[3] k in [16, 32).
+__device__ __forceinline__ void load_b_of_transpose(uint32_t (&b)[4], const void* tile, int n0, int elem) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(b, static_cast<const char*>(tile) + ((n0 + lane % 8) * kLdX + 8 * (lane / 8)) * elem);
+}
+
+// B fragments for x @ y with y row-major (kNP x kD): k rows [k0, k0 + 16), columns [n0, n0 + 16): b[0], b[1] serve
+// columns n0.., b[2], b[3] columns n0 + 8...
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const void* tile, int k0, int n0, int elem) {
+  const int lane = threadIdx.x % 32;
+  const int r = k0 + lane % 8 + 8 * ((lane / 8) % 2), c = n0 + 8 * (lane / 16);
+  ldmatrix_x4_trans(b, static_cast<const char*>(tile) + (r * kLdX + c) * elem);
+}
+
+// acc[t] (t: kTiles 8-column tiles) = rows [16w, 16w + 16) of x @ y^T, x and y (kNP x kD) shared tiles.
+template <typename T>
+__device__ __forceinline__ void scores(float (&acc)[kTiles][4], const T* x, const T* y, int warp) {
+  uint32_t a[kD / 16][4];
+#pragma unroll
+  for (int s = 0; s < kD / 16; ++s) load_a(a[s], x, kLdX, 16 * warp, 16 * s, sizeof(T));
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    uint32_t b[4];
+    load_b_of_transpose(b, y, 8 * t, sizeof(T));
+    mma<T>(acc[t], a[0], b[0], b[1]);
+    mma<T>(acc[t], a[1], b[2], b[3]);
+  }
+}
+
+// The A fragments (4 k-steps over the score columns) of a 16 x kNP stripe held as accumulators.
+template <typename T>
+__device__ __forceinline__ void stripe_as_a(uint32_t (&a)[kNP / 16][4], const float (&acc)[kTiles][4]) {
+#pragma unroll
+  for (int s = 0; s < kNP / 16; ++s) {
+    a[s][0] = pack<T>(acc[2 * s][0], acc[2 * s][1]);
+    a[s][1] = pack<T>(acc[2 * s][2], acc[2 * s][3]);
+    a[s][2] = pack<T>(acc[2 * s + 1][0], acc[2 * s + 1][1]);
+    a[s][3] = pack<T>(acc[2 * s + 1][2], acc[2 * s + 1][3]);
+  }
+}
+
+// out (16 x kD accumulators, 4 tiles of 8 columns) = a (16 x kNP, as 4 A fragments) @ y (kNP x kD shared tile).
+template <typename T>
+__device__ __forceinline__ void stripe_times(float (&out)[kD / 8][4], const uint32_t (&a)[kNP / 16][4], const T* y) {
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n) out[n][0] = out[n][1] = out[n][2] = out[n][3] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kNP / 16; ++s) {
+#pragma unroll
+    for (int n = 0; n < kD / 16; ++n) {
+      uint32_t b[4];
+      load_b(b, y, 16 * s, 16 * n, sizeof(T));
+      mma<T>(out[2 * n], a[s], b[0], b[1]);
+      mma<T>(out[2 * n + 1], a[s], b[2], b[3]);
+    }
+  }
+}
+
+// A warp's 16 x kD accumulators to global rows i0 + g and i0 + g + 8 (those < N), times `factor`.
+template <typename T>
+__device__ __forceinline__ void store_rows(const float (&acc)[kD / 8][4], T* dst, int64_t row_stride, int i0, int N,
+                                           float factor) {
+  const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = i0 + g + 8 * half;
+    if (i >= N) continue;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(dst + i * row_stride + 8 * n + 2 * tig) =
+          pack<T>(acc[n][2 * half] * factor, acc[n][2 * half + 1] * factor);
+    }
+  }
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffff, v, 1);
+  return v + __shfl_xor_sync(0xffffffff, v, 2);
+}
+
+// The block's additive term for every logit (kNP x kLdB floats): head h's bias plus the shift mask at window
+// position w, the same for every window the block walks; -inf outside N x N, so padded columns get probability 0.
+__device__ void load_bias_mask(float* tile, const float* bias, const float* mask, int h, int w, int N) {
+  for (int e = threadIdx.x; e < kNP * kNP; e += kThreads) {
+    const int i = e / kNP, j = e % kNP;
+    tile[i * kLdB + j] =
+        i < N && j < N ? bias[(h * N + i) * N + j] + (mask ? mask[(w * N + i) * N + j] : 0.f) : -INFINITY;
+  }
+}
+
+// This lane's two adjacent columns of accumulator tile t in row i of a kNP x kLdB float tile.
+__device__ __forceinline__ float2* pair_at(float* tile, int i, int t) {
+  return reinterpret_cast<float2*>(tile + i * kLdB + 8 * t + 2 * (threadIdx.x % 4));
+}
 
 // `kCount` head tiles of one window in flight: rows [0, N) from global memory, the padding rows as zeros. Row r of
 // matrix m starts at src + m * matrix_offset + r * row_stride.
@@ -95,140 +225,79 @@ struct Staged {
   }
 
   template <typename T>
-  __device__ void store(T* tiles, int tile_elems) const {
+  __device__ void store(T* tiles) const {
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
       const int v = threadIdx.x + e * kThreads;
       const int m = v / (kNP * kVectors), r = (v / kVectors) % kNP, c = (v % kVectors) * 8;
-      *reinterpret_cast<uint4*>(tiles + m * tile_elems + r * kLdX + c) = part[e];
+      *reinterpret_cast<uint4*>(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c) = part[e];
     }
   }
 };
 
-// A warp's 16 x kD float stripe (stride kLdO) to global rows i0.. (< N) as T, 16 bytes per store.
-template <typename T>
-__device__ void store_stripe(const float* stripe, T* dst, int64_t row_stride, int i0, int N, float factor) {
-  const int lane = threadIdx.x % 32;
-  for (int e = lane; e < 16 * kVectors; e += 32) {
-    const int r = e / kVectors, c = (e % kVectors) * 8;
-    if (i0 + r >= N) continue;
-    const float4 lo = *reinterpret_cast<const float4*>(stripe + r * kLdO + c);
-    const float4 hi = *reinterpret_cast<const float4*>(stripe + r * kLdO + c + 4);
-    alignas(16) T packed[8];
-    to2(lo.x * factor, lo.y * factor, packed);
-    to2(lo.z * factor, lo.w * factor, packed + 2);
-    to2(hi.x * factor, hi.y * factor, packed + 4);
-    to2(hi.z * factor, hi.w * factor, packed + 6);
-    *reinterpret_cast<uint4*>(dst + (i0 + r) * row_stride + c) = *reinterpret_cast<const uint4*>(packed);
-  }
-}
-
-// (16 x kD) = A (16 x kNP, k-tiles `a_step` apart) @ B (kNP x kD, a row-major tile), stored to `out` (stride kLdO).
-template <typename T, typename FragLeft>
-__device__ void stripe_times_tile(const T* a, int a_step, int lda, const T* b, float* out) {
-  FragC acc[kD / 16];
-#pragma unroll
-  for (int c = 0; c < kD / 16; ++c) wmma::fill_fragment(acc[c], 0.f);
-#pragma unroll
-  for (int k = 0; k < kNP / 16; ++k) {
-    FragLeft left;
-    wmma::load_matrix_sync(left, a + k * a_step, lda);
-#pragma unroll
-    for (int c = 0; c < kD / 16; ++c) {
-      FragB<T> right;
-      wmma::load_matrix_sync(right, b + 16 * k * kLdX + 16 * c, kLdX);
-      wmma::mma_sync(acc[c], left, right, acc[c]);
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < kD / 16; ++c) wmma::store_matrix_sync(out + 16 * c, acc[c], kLdO, wmma::mem_row_major);
-}
-
-// (16 x kNP) = rows [16w, 16w + 16) of x (kNP x kD) @ y^T, stored to `out` (stride kLdS).
-template <typename T>
-__device__ void stripe_scores(const T* x, const T* y, int warp, float* out) {
-  FragA<T> left[kD / 16];
-#pragma unroll
-  for (int k = 0; k < kD / 16; ++k) wmma::load_matrix_sync(left[k], x + 16 * warp * kLdX + 16 * k, kLdX);
-#pragma unroll
-  for (int c = 0; c < kNP / 16; ++c) {
-    FragC acc;
-    wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-    for (int k = 0; k < kD / 16; ++k) {
-      FragBt<T> right;  // y^T: element (k, j) is y[j][k]
-      wmma::load_matrix_sync(right, y + 16 * c * kLdX + 16 * k, kLdX);
-      wmma::mma_sync(acc, left[k], right, acc);
-    }
-    wmma::store_matrix_sync(out + 16 * c, acc, kLdS, wmma::mem_row_major);
-  }
-}
-
-// The block's additive term for every logit: head h's bias plus the shift mask of window position w (a block's
-// windows all share one position: the grid's stride over windows is a multiple of the mask's nW); -inf outside
-// the window, so padded columns get probability 0.
-__device__ void load_bias_mask(float* tile, const float* bias, const float* mask, int h, int w, int N) {
-  for (int e = threadIdx.x; e < kNP * kNP; e += kThreads) {
-    const int i = e / kNP, j = e % kNP;
-    tile[i * kLdS + j] =
-        i < N && j < N ? bias[(h * N + i) * N + j] + (mask ? mask[(w * N + i) * N + j] : 0.f) : -INFINITY;
-  }
-}
+// ------------------------------------------------------------------ the kernels
+// Lane roles in an accumulator: g = lane / 4 picks rows 16w + g and 16w + g + 8, tig = lane % 4 picks columns
+// 8t + 2 tig and 8t + 2 tig + 1 of every 8-column tile t.
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
-    const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias_in,
+    const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
     const float* __restrict__ mask, int64_t windows, int n_mask, int heads, int N, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const Layout layout = forward_layout(N);
-  const int tile = Layout::tile_bytes() / sizeof(T);
   T* q = reinterpret_cast<T*>(smem);
-  T* k = q + tile;
-  T* v = k + tile;
-  float* bias = reinterpret_cast<float*>(smem + layout.bias_offset());
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y;
-  float* scores = reinterpret_cast<float*>(smem + layout.scratch_offset() + warp * kForwardStripe);
-  T* probs = reinterpret_cast<T*>(scores);  // P takes the scores' place once they are all in registers
-  float* o = reinterpret_cast<float*>(smem + layout.scratch_offset() + warp * kForwardStripe + 16 * kLdP * 2);
-  const int C = heads * kD, r = lane / 2, i = 16 * warp + r;
-  load_bias_mask(bias, bias_in, mask, h, blockIdx.x % n_mask, N);
+  T* k = q + kTileBytes / sizeof(T);
+  T* v = k + kTileBytes / sizeof(T);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4, h = blockIdx.y;
+  float* add = reinterpret_cast<float*>(smem + 3 * kTileBytes);
+  const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
+  load_bias_mask(add, bias, mask, h, blockIdx.x % n_mask, N);
   Staged<3> next;
   int64_t b = blockIdx.x;
   if (b < windows) next.fetch(qkv + b * N * 3 * C + h * kD, C, 3 * C, N);
   for (; b < windows; b += gridDim.x) {
-    next.store(q, tile);
+    next.store(q);
     __syncthreads();
     if (b + gridDim.x < windows) next.fetch(qkv + (b + gridDim.x) * N * 3 * C + h * kD, C, 3 * C, N);
-    stripe_scores(q, k, warp, scores);
-    __syncwarp();
-    float x[2 * kPairs];
-    float top = -INFINITY;
+    float s[kTiles][4];
+    scores(s, q, k, warp);
+    float top[2] = {-INFINITY, -INFINITY}, total[2] = {0.f, 0.f};
 #pragma unroll
-    for (int p = 0; p < kPairs; ++p) {
-      const int j = pair_column(p, lane);
-      const float2 s2 = *reinterpret_cast<const float2*>(scores + r * kLdS + j);
-      const float2 b2 = *reinterpret_cast<const float2*>(bias + i * kLdS + j);
-      x[2 * p] = s2.x * scale + b2.x;
-      x[2 * p + 1] = s2.y * scale + b2.y;
-      top = fmaxf(top, fmaxf(x[2 * p], x[2 * p + 1]));
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float2 term = *pair_at(add, rows[half], t);
+        s[t][2 * half] = s[t][2 * half] * scale + term.x;
+        s[t][2 * half + 1] = s[t][2 * half + 1] * scale + term.y;
+        top[half] = fmaxf(top[half], fmaxf(s[t][2 * half], s[t][2 * half + 1]));
+      }
     }
-    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1));
-    float total = 0.f;
+    top[0] = quad_max(top[0]);
+    top[1] = quad_max(top[1]);
 #pragma unroll
-    for (int e = 0; e < 2 * kPairs; ++e) {
-      x[e] = i < N ? __expf(x[e] - top) : 0.f;
-      total += x[e];
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[t][e] = rows[e / 2] < N ? __expf(s[t][e] - top[e / 2]) : 0.f;
+        total[e / 2] += s[t][e];
+      }
     }
-    total += __shfl_xor_sync(0xffffffff, total, 1);
-    const float inv = i < N ? 1.f / total : 0.f;
-    __syncwarp();  // all scores are in registers: P may overwrite them
+    total[0] = quad_sum(total[0]);
+    total[1] = quad_sum(total[1]);
+    const float inv[2] = {rows[0] < N ? 1.f / total[0] : 0.f, rows[1] < N ? 1.f / total[1] : 0.f};
 #pragma unroll
-    for (int p = 0; p < kPairs; ++p) to2(x[2 * p] * inv, x[2 * p + 1] * inv, probs + r * kLdP + pair_column(p, lane));
-    if ((lane & 1) == 0 && i < N) lse[(b * heads + h) * N + i] = top + __logf(total);
-    __syncwarp();
-    stripe_times_tile<T, FragA<T>>(probs, 16, kLdP, v, o);
-    __syncwarp();
-    store_stripe(o, out + b * N * C + h * kD, C, 16 * warp, N, 1.f);
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[t][e] *= inv[e / 2];
+    }
+    uint32_t p[kNP / 16][4];
+    stripe_as_a<T>(p, s);
+    float o[kD / 8][4];
+    stripe_times(o, p, v);
+    store_rows(o, out + b * N * C + h * kD, C, 16 * warp, N, 1.f);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (tig == 0 && rows[half] < N) lse[(b * heads + h) * N + rows[half]] = top[half] + __logf(total[half]);
+    }
     __syncthreads();  // q, k, v take the next window
   }
 }
@@ -236,23 +305,21 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     const T* __restrict__ grad_out, const T* __restrict__ qkv, const float* __restrict__ lse, T* __restrict__ grad_qkv,
-    float* __restrict__ grad_bias, const float* __restrict__ bias_in, const float* __restrict__ mask,
+    float* __restrict__ grad_bias, const float* __restrict__ bias, const float* __restrict__ mask,
     int64_t windows, int n_mask, int heads, int N, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const Layout layout = backward_layout(N);
-  const int tile = Layout::tile_bytes() / sizeof(T);
   T* q = reinterpret_cast<T*>(smem);
-  T* k = q + tile;
-  T* v = k + tile;
-  T* dout = v + tile;
-  T* probs = reinterpret_cast<T*>(smem + layout.full_offset());
-  T* dscores = probs + Layout::full_bytes() / sizeof(T);
-  float* bias = reinterpret_cast<float*>(smem + layout.bias_offset());
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y;
-  float* scratch = reinterpret_cast<float*>(smem + layout.scratch_offset() + warp * kScoreStripe);
-  const int C = heads * kD, r = lane / 2, i = 16 * warp + r;
-  load_bias_mask(bias, bias_in, mask, h, blockIdx.x % n_mask, N);
-  float bias_grad[2 * kPairs] = {};
+  T* k = q + kTileBytes / sizeof(T);
+  T* v = k + kTileBytes / sizeof(T);
+  T* dout = v + kTileBytes / sizeof(T);
+  T* probs = reinterpret_cast<T*>(smem + 4 * kTileBytes);
+  T* dscores = reinterpret_cast<T*>(smem + 4 * kTileBytes + kFullBytes);
+  float* add = reinterpret_cast<float*>(smem + 4 * kTileBytes + 2 * kFullBytes);
+  float* bias_grad = add + kBiasBytes / 4;  // summed over the block's windows, each element by its one lane
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4, h = blockIdx.y;
+  const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
+  load_bias_mask(add, bias, mask, h, blockIdx.x % n_mask, N);
+  for (int e = threadIdx.x; e < kNP * kLdB; e += kThreads) bias_grad[e] = 0.f;
   Staged<3> next;
   Staged<1> next_grad;
   int64_t b = blockIdx.x;
@@ -261,68 +328,68 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     next_grad.fetch(grad_out + b * N * C + h * kD, 0, C, N);
   }
   for (; b < windows; b += gridDim.x) {
-    next.store(q, tile);
-    next_grad.store(dout, tile);
+    next.store(q);
+    next_grad.store(dout);
     __syncthreads();
     if (b + gridDim.x < windows) {
       next.fetch(qkv + (b + gridDim.x) * N * 3 * C + h * kD, C, 3 * C, N);
       next_grad.fetch(grad_out + (b + gridDim.x) * N * C + h * kD, 0, C, N);
     }
-    // P, recomputed from the saved log-sum-exp, stays in registers while dP takes the scratch stripe.
-    stripe_scores(q, k, warp, scratch);
-    __syncwarp();
-    const float row_lse = i < N ? lse[(b * heads + h) * N + i] : INFINITY;
-    float p[2 * kPairs];
+    float row_lse[2];
 #pragma unroll
-    for (int c = 0; c < kPairs; ++c) {
-      const int j = pair_column(c, lane);
-      const float2 s2 = *reinterpret_cast<const float2*>(scratch + r * kLdS + j);
-      const float2 b2 = *reinterpret_cast<const float2*>(bias + i * kLdS + j);
-      p[2 * c] = __expf(s2.x * scale + b2.x - row_lse);
-      p[2 * c + 1] = __expf(s2.y * scale + b2.y - row_lse);
+    for (int half = 0; half < 2; ++half) {
+      row_lse[half] = rows[half] < N ? lse[(b * heads + h) * N + rows[half]] : INFINITY;
     }
-    __syncwarp();
-    stripe_scores(dout, v, warp, scratch);  // dP = dO V^T
-    __syncwarp();
-    float dot = 0.f;
+    float p[kTiles][4], ds[kTiles][4];
+    scores(p, q, k, warp);
+    scores(ds, dout, v, warp);  // dP = dO V^T, turned into dS below
+    float dot[2] = {0.f, 0.f};
 #pragma unroll
-    for (int c = 0; c < kPairs; ++c) {
-      const float2 dp = *reinterpret_cast<const float2*>(scratch + r * kLdS + pair_column(c, lane));
-      dot += p[2 * c] * dp.x + p[2 * c + 1] * dp.y;
-    }
-    dot += __shfl_xor_sync(0xffffffff, dot, 1);
+    for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-    for (int c = 0; c < kPairs; ++c) {
-      const int j = pair_column(c, lane);
-      const float2 dp = *reinterpret_cast<const float2*>(scratch + r * kLdS + j);  // re-read: fewer registers
-      const float ds0 = p[2 * c] * (dp.x - dot), ds1 = p[2 * c + 1] * (dp.y - dot);
-      bias_grad[2 * c] += ds0;
-      bias_grad[2 * c + 1] += ds1;
-      to2(p[2 * c], p[2 * c + 1], probs + i * kLdP + j);
-      to2(ds0, ds1, dscores + i * kLdP + j);
+      for (int half = 0; half < 2; ++half) {
+        const float2 term = *pair_at(add, rows[half], t);
+        p[t][2 * half] = __expf(p[t][2 * half] * scale + term.x - row_lse[half]);
+        p[t][2 * half + 1] = __expf(p[t][2 * half + 1] * scale + term.y - row_lse[half]);
+        dot[half] += p[t][2 * half] * ds[t][2 * half] + p[t][2 * half + 1] * ds[t][2 * half + 1];
+      }
     }
-    __syncwarp();
-    // dQ = dS K * scale, this warp's rows.
-    stripe_times_tile<T, FragA<T>>(dscores + 16 * warp * kLdP, 16, kLdP, k, scratch);
-    __syncwarp();
-    store_stripe(scratch, grad_qkv + b * N * 3 * C + h * kD, 3 * C, 16 * warp, N, scale);
+    dot[0] = quad_sum(dot[0]);
+    dot[1] = quad_sum(dot[1]);
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[t][e] = p[t][e] * (ds[t][e] - dot[e / 2]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float2* sum = pair_at(bias_grad, rows[half], t);
+        *sum = make_float2(sum->x + ds[t][2 * half], sum->y + ds[t][2 * half + 1]);
+        const int at = rows[half] * kLdP + 8 * t + 2 * tig;
+        *reinterpret_cast<uint32_t*>(probs + at) = pack<T>(p[t][2 * half], p[t][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(dscores + at) = pack<T>(ds[t][2 * half], ds[t][2 * half + 1]);
+      }
+    }
+    // dQ = dS K * scale, this warp's rows, from the registers.
+    uint32_t a[kNP / 16][4];
+    stripe_as_a<T>(a, ds);
+    float acc[kD / 8][4];
+    stripe_times(acc, a, k);
+    store_rows(acc, grad_qkv + b * N * 3 * C + h * kD, 3 * C, 16 * warp, N, scale);
     __syncthreads();  // every warp's rows of P and dS are in
     // dV = P^T dO and dK = dS^T Q * scale, this warp's rows j: column stripes of P and dS, read transposed.
-    stripe_times_tile<T, FragAt<T>>(probs + 16 * warp, 16 * kLdP, kLdP, dout, scratch);
-    __syncwarp();
-    store_stripe(scratch, grad_qkv + b * N * 3 * C + 2 * C + h * kD, 3 * C, 16 * warp, N, 1.f);
-    __syncwarp();
-    stripe_times_tile<T, FragAt<T>>(dscores + 16 * warp, 16 * kLdP, kLdP, q, scratch);
-    __syncwarp();
-    store_stripe(scratch, grad_qkv + b * N * 3 * C + C + h * kD, 3 * C, 16 * warp, N, scale);
+#pragma unroll
+    for (int s = 0; s < kNP / 16; ++s) load_a_transposed(a[s], probs, kLdP, 16 * warp, 16 * s, sizeof(T));
+    stripe_times(acc, a, dout);
+    store_rows(acc, grad_qkv + b * N * 3 * C + 2 * C + h * kD, 3 * C, 16 * warp, N, 1.f);
+#pragma unroll
+    for (int s = 0; s < kNP / 16; ++s) load_a_transposed(a[s], dscores, kLdP, 16 * warp, 16 * s, sizeof(T));
+    stripe_times(acc, a, q);
+    store_rows(acc, grad_qkv + b * N * 3 * C + C + h * kD, 3 * C, 16 * warp, N, scale);
     __syncthreads();  // the tiles take the next window
   }
-  if (i >= N) return;
-#pragma unroll
-  for (int c = 0; c < kPairs; ++c) {
-    const int j = pair_column(c, lane);
-    if (j < N) atomicAdd(grad_bias + (h * N + i) * N + j, bias_grad[2 * c]);
-    if (j + 1 < N) atomicAdd(grad_bias + (h * N + i) * N + j + 1, bias_grad[2 * c + 1]);
+  __syncthreads();
+  for (int e = threadIdx.x; e < N * N; e += kThreads) {
+    atomicAdd(grad_bias + h * N * N + e, bias_grad[(e / N) * kLdB + e % N]);
   }
 }
 
@@ -335,21 +402,19 @@ struct Launch {
 // so one wave has no tail, and each block pays its bias load and the backward's atomic adds once for many windows.
 // The chunk count is a multiple of the mask's nW so that every window a block walks sits at the same mask position.
 template <typename Kernel>
-Launch plan(Kernel kernel, const Layout& layout, int64_t windows, int heads, int n_mask) {
-  static const bool opted_in = [&] {  // the widest layout (N = kNP) needs more than the default 48 KiB
-    Layout widest = layout;
-    widest.N = kNP;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, widest.bytes()));
+Launch plan(Kernel kernel, int smem, int64_t windows, int heads, int n_mask) {
+  static const bool opted_in = [&] {  // past the default 48 KiB of shared memory per block
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)opted_in;
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, layout.bytes()));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t target = std::max(per_sm, 1) * sms;
   const int64_t wanted = std::min<int64_t>((windows + 3) / 4, target / heads);
   const int64_t chunks = std::max<int64_t>(1, wanted / n_mask) * n_mask;  // windows is a multiple of n_mask
-  return {dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(heads)), layout.bytes()};
+  return {dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(heads)), smem};
 }
 
 void check_inputs(const torch::Tensor& qkv, const torch::Tensor& bias, const c10::optional<torch::Tensor>& mask) {
@@ -385,11 +450,10 @@ std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qk
   auto out = torch::empty({windows, N, heads * kD}, qkv.options());
   auto lse = torch::empty({windows, heads, N}, qkv.options().dtype(torch::kFloat));
   if (windows == 0) return {out, lse};
-  const Layout layout = forward_layout(static_cast<int>(N));
   dispatch(qkv, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     auto kernel = window_attention_forward_kernel<T>;
-    const Launch launch = plan(kernel, layout, windows, heads, mask ? mask->size(0) : 1);
+    const Launch launch = plan(kernel, kForwardSmem, windows, heads, mask ? mask->size(0) : 1);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
         bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, mask ? mask->size(0) : 1, heads,
@@ -411,11 +475,10 @@ std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& g
   auto grad_qkv = torch::empty_like(qkv);
   auto grad_bias = torch::zeros({heads, N, N}, qkv.options().dtype(torch::kFloat));
   if (windows == 0) return {grad_qkv, grad_bias};
-  const Layout layout = backward_layout(static_cast<int>(N));
   dispatch(qkv, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     auto kernel = window_attention_backward_kernel<T>;
-    const Launch launch = plan(kernel, layout, windows, heads, mask ? mask->size(0) : 1);
+    const Launch launch = plan(kernel, kBackwardSmem, windows, heads, mask ? mask->size(0) : 1);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(grad_out.data_ptr()), reinterpret_cast<const T*>(qkv.data_ptr()),
         lse.data_ptr<float>(), reinterpret_cast<T*>(grad_qkv.data_ptr()), grad_bias.data_ptr<float>(),
