@@ -4,8 +4,8 @@
 // q, k and v are read straight from the qkv projection (B_, N, 3C) and the output is written as (B_, N, C), ready
 // for the output projection: no head permutes, no (B_, heads, N, N) tensor in memory. A block owns one head and walks
 // a strided set of windows that all sit at one shift-mask position, so its bias + mask is read once, and in the
-// backward the bias gradient is summed in registers across those windows before one atomic add per (i, j). The next
-// window's tiles are fetched into registers while the current one computes.
+// backward the bias gradient is summed in a shared tile across those windows before one atomic add per (i, j). The
+// next window's tiles are fetched into registers while the current one computes.
 //
 // Each warp owns a 16-row stripe of the (padded) 64 x 64 score matrix and keeps it in registers across mma.sync
 // m16n8k16 instructions (FlashAttention-2's layout: an accumulator's (row, column) pairs are exactly those of the next
