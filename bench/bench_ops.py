@@ -77,17 +77,12 @@ def window_attention(B: int, res: int, heads: int, window: int, dtype: torch.dty
     def op(fn):
         return lambda qkv, table: fn(qkv, heads, scale, table, index, mask)
 
-    def seed_design(qkv, table):  # q k^T and P v by cuBLAS around our bias + mask + softmax kernel
-        q, k, v = reference.split_heads(qkv, heads)
-        probs = cuda.window_softmax_op((q * scale) @ k.transpose(-2, -1), table, index, mask)
-        return reference.merge_heads(probs @ v)
-
     return [(name, time_ms(fwd_bwd(fn, [qkv, table]))) for name, fn in
             (("reference", op(reference.window_attention)),
              ("torch.compile(reference)", torch.compile(op(reference.window_attention))),
              ("SDPA memory-efficient, additive bias+mask", sdpa_efficient),
              ("SDPA default backend", op(sdpa.window_attention)),
-             ("vitctl cuda, seed design (softmax kernel)", seed_design),
+             ("vitctl cuda, seed design (softmax kernel)", op(cuda.seed_window_attention)),
              ("vitctl cuda, one kernel", op(cuda.window_attention)))]
 
 

@@ -446,18 +446,18 @@ std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qk
                                                          const c10::optional<torch::Tensor>& mask, double scale) {
   check_inputs(qkv, bias, mask);
   c10::cuda::CUDAGuard guard(qkv.device());
-  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = bias.size(0);
+  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = bias.size(0), n_mask = mask ? mask->size(0) : 1;
   auto out = torch::empty({windows, N, heads * kD}, qkv.options());
   auto lse = torch::empty({windows, heads, N}, qkv.options().dtype(torch::kFloat));
   if (windows == 0) return {out, lse};
   dispatch(qkv, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     auto kernel = window_attention_forward_kernel<T>;
-    const Launch launch = plan(kernel, kForwardSmem, windows, heads, mask ? mask->size(0) : 1);
+    const Launch launch = plan(kernel, kForwardSmem, windows, heads, n_mask);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
-        bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, mask ? mask->size(0) : 1, heads,
-        N, static_cast<float>(scale));
+        bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, n_mask, heads, N,
+        static_cast<float>(scale));
   });
   return {out, lse};
 }
@@ -467,7 +467,7 @@ std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& g
                                                           const c10::optional<torch::Tensor>& mask, double scale) {
   check_inputs(qkv, bias, mask);
   c10::cuda::CUDAGuard guard(qkv.device());
-  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = bias.size(0);
+  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = bias.size(0), n_mask = mask ? mask->size(0) : 1;
   TORCH_CHECK(grad_out.sizes() == torch::IntArrayRef({windows, N, heads * kD}) && grad_out.is_contiguous() &&
                   grad_out.scalar_type() == qkv.scalar_type(),
               "output gradient must be contiguous (", windows, ", ", N, ", ", heads * kD, ") in qkv's dtype");
@@ -478,12 +478,12 @@ std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& g
   dispatch(qkv, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     auto kernel = window_attention_backward_kernel<T>;
-    const Launch launch = plan(kernel, kBackwardSmem, windows, heads, mask ? mask->size(0) : 1);
+    const Launch launch = plan(kernel, kBackwardSmem, windows, heads, n_mask);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(grad_out.data_ptr()), reinterpret_cast<const T*>(qkv.data_ptr()),
         lse.data_ptr<float>(), reinterpret_cast<T*>(grad_qkv.data_ptr()), grad_bias.data_ptr<float>(),
-        bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, mask ? mask->size(0) : 1, heads,
-        N, static_cast<float>(scale));
+        bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, n_mask, heads, N,
+        static_cast<float>(scale));
   });
   return {grad_qkv, grad_bias};
 }

@@ -66,9 +66,12 @@ def check_attention(logits: Tensor, table: Tensor, index: Tensor, mask: Tensor |
     if table.dim() != 2 or table.shape[1] != heads or tuple(index.shape) != (N, N):
         raise ValueError(f"bias table {tuple(table.shape)} / index {tuple(index.shape)} do not fit {heads} heads "
                          f"and {N} tokens")
-    if mask is not None and (mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or logits.shape[0] % mask.shape[0]):
-        raise ValueError(f"shift mask must be (nW, {N}, {N}) with nW dividing {logits.shape[0]}, "
-                         f"got {tuple(mask.shape)}")
+    check_shift_mask(mask, N, logits.shape[0])
+
+
+def check_shift_mask(mask: Tensor | None, N: int, windows: int) -> None:
+    if mask is not None and (mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or windows % mask.shape[0]):
+        raise ValueError(f"shift mask must be (nW, {N}, {N}) with nW dividing {windows}, got {tuple(mask.shape)}")
 
 
 # ------------------------------------------------------------------ window partition / merge
@@ -136,17 +139,13 @@ def _(logits: Tensor, table: Tensor, index: Tensor, mask: Tensor | None) -> Tens
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-def table_gradient(grad_bias: Tensor, index: Tensor, entries: int) -> Tensor:
-    """(heads, N, N) bias gradient, already summed over windows -> the (entries, heads) table's gradient."""
-    heads = grad_bias.shape[0]
-    # The table gathers the (i, j) pairs that share an offset.
-    return grad_bias.new_zeros(entries, heads).index_add_(0, index.reshape(-1), grad_bias.reshape(heads, -1).T)
-
-
 @torch.library.custom_op("vitctl::window_softmax_backward", mutates_args=())
 def window_softmax_backward_op(probs: Tensor, grad: Tensor, index: Tensor, entries: int) -> tuple[Tensor, Tensor]:
     grad_logits, grad_bias = extension().window_softmax_backward(probs, grad)
-    return grad_logits, table_gradient(grad_bias, index, entries)
+    heads = grad_bias.shape[0]
+    # The kernel summed over windows per (head, i, j); the table gathers (i, j) pairs that share an offset.
+    grad_table = grad_bias.new_zeros(entries, heads).index_add_(0, index.reshape(-1), grad_bias.reshape(heads, -1).T)
+    return grad_logits, grad_table
 
 
 @window_softmax_backward_op.register_fake
@@ -189,8 +188,7 @@ def check_fused_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None) -> Non
     N = qkv.shape[1]
     if tuple(bias.shape[1:]) != (N, N):
         raise ValueError(f"bias must be (heads, {N}, {N}), got {tuple(bias.shape)}")
-    if mask is not None and (mask.dim() != 3 or tuple(mask.shape[1:]) != (N, N) or qkv.shape[0] % mask.shape[0]):
-        raise ValueError(f"shift mask must be (nW, {N}, {N}) with nW dividing {qkv.shape[0]}, got {tuple(mask.shape)}")
+    check_shift_mask(mask, N, qkv.shape[0])
 
 
 def aligned(t: Tensor) -> Tensor:
@@ -252,7 +250,8 @@ window_attention_op.register_autograd(_attention_backward, setup_context=_attent
 
 
 # Under torch.compile the custom-op boundary stops Inductor fusing the partition with LayerNorm and the residual
-# add, which costs more than the kernel saves (docs/performance.md); eager runs gain 3-5x per op.
+# add, which costs more than the kernel saves; in eager runs the kernels are over 10x the reference op
+# (docs/performance.md).
 @register("window_partition", "cuda", 40, unavailable, under_compile=False)
 def window_partition(x: Tensor, window: int, shift: int) -> Tensor:
     return window_partition_op(x, window, shift)
@@ -263,13 +262,18 @@ def window_merge(windows: Tensor, window: int, shift: int, H: int, W: int) -> Te
     return window_merge_op(windows, window, shift, H, W)
 
 
-@register("window_attention", "cuda", 30, unavailable)
-def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, bias_index: Tensor,
-                     mask: Tensor | None) -> Tensor:
-    """One kernel for Swin's half/bfloat16 windows of 7; otherwise (fp32, window 12) the seed's design: q k^T and
-    P v by cuBLAS around one kernel for bias + mask + softmax."""
-    if fused_attention_fits(qkv, heads):  # the bias gather's own backward sums the table gradient
-        return window_attention_op(qkv, relative_position_bias(bias_table, bias_index), mask, scale)[0]
+def seed_window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, bias_index: Tensor,
+                          mask: Tensor | None) -> Tensor:
+    """The seed's design: q k^T and P v by cuBLAS around one kernel for bias + mask + softmax."""
     q, k, v = split_heads(qkv, heads)
     logits = (q * scale) @ k.transpose(-2, -1)
     return merge_heads(window_softmax_op(logits, bias_table, bias_index, mask) @ v)
+
+
+@register("window_attention", "cuda", 30, unavailable)
+def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, bias_index: Tensor,
+                     mask: Tensor | None) -> Tensor:
+    """One kernel for Swin's half/bfloat16 windows of 7; otherwise (fp32, window 12) the seed's design."""
+    if fused_attention_fits(qkv, heads):  # the bias gather's own backward sums the table gradient
+        return window_attention_op(qkv, relative_position_bias(bias_table, bias_index), mask, scale)[0]
+    return seed_window_attention(qkv, heads, scale, bias_table, bias_index, mask)
