@@ -6,6 +6,7 @@ import torch
 
 from vitctl.trainer.config import ConfigError, ModelConfig
 from vitctl.trainer.models import build_model
+from vitctl.trainer.models.layers import patch_projection
 from vitctl.trainer.ops import resolve
 from vitctl.trainer.pretrained import load_pretrained
 
@@ -32,6 +33,13 @@ def test_timm_weights_load_and_give_the_same_logits(name, timm_name, tmp_path):
     ops_model.load_state_dict(model.state_dict())
     with torch.no_grad():  # the sdpa seams compute the same function as the reference ones
         torch.testing.assert_close(ops_model(x), theirs(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("patch", [4, 16])
+def test_patch_projection_is_the_strided_convolution(patch):
+    conv = torch.nn.Conv2d(3, 24, patch, patch)
+    x = torch.randn(2, 3, 3 * patch, 5 * patch)
+    torch.testing.assert_close(patch_projection(x, conv), conv(x).permute(0, 2, 3, 1), rtol=1e-5, atol=1e-5)
 
 
 def _official_layout(state: dict) -> dict:

@@ -1,6 +1,7 @@
 """Layers shared by the model files; each calls its op seam so the implementation can be swapped."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,6 +26,17 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+
+
+def patch_projection(x: torch.Tensor, proj: nn.Conv2d) -> torch.Tensor:
+    """`proj(x)` for a Conv2d whose stride is its kernel, as one matmul over flattened patches: (B, H/p, W/p, dim).
+
+    cuDNN runs this convolution (3 input channels, stride 16) several times slower than the matmul and adds an NCHW
+    to NHWC transpose each way; the Conv2d stays as the holder of timm's parameter names and shapes."""
+    p = proj.kernel_size[0]
+    B, C, H, W = x.shape
+    patches = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, H // p, W // p, C * p * p)
+    return F.linear(patches, proj.weight.reshape(proj.out_channels, -1), proj.bias)
 
 
 class DropPath(nn.Module):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..ops import Ops
-from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, init_weights
+from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, init_weights, patch_projection
 
 
 def relative_position_index(window: int) -> torch.Tensor:
@@ -95,7 +95,7 @@ class PatchEmbed(nn.Module):
         self.proj, self.norm = nn.Conv2d(3, dim, 4, 4), LayerNorm(dim, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+        return self.norm(patch_projection(x, self.proj))
 
 
 class Head(nn.Module):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..ops import Ops
-from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, init_weights
+from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, init_weights, patch_projection
 
 
 class Attention(nn.Module):
@@ -37,7 +37,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(3, dim, patch, patch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
+        return patch_projection(x, self.proj).flatten(1, 2)
 
 
 class PreLogits(nn.Module):
