@@ -42,14 +42,21 @@ class MasterWeights:
         return [dict(g, params=[self.master_of[id(p)] for p in g["params"]]) for g in groups]
 
     def grads_to_master(self) -> None:
+        # One multi-tensor copy for all parameters: a copy per parameter left the GPU waiting on the host.
+        with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
         for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
+            if p.grad is None:
+                m.grad = None
+            elif m.grad is None:
+                m.grad = torch.empty_like(m)
+        if with_grad:
+            torch._foreach_copy_([m.grad for _, m in with_grad], [p.grad for p, _ in with_grad])
+        for p, _ in with_grad:
             p.grad = None
 
     @torch.no_grad()
     def master_to_model(self) -> None:
-        for p, m in self.pairs:
-            p.copy_(m)
+        torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
 
     def state_dict(self) -> list[torch.Tensor]:
         return [m.detach() for _, m in self.pairs]
