@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -118,8 +119,9 @@ __device__ __forceinline__ void load_b(uint32_t (&b)[4], const void* tile, int k
   ldmatrix_x4_trans(b, static_cast<const char*>(tile) + (r * kLdX + c) * elem);
 }
 
-// acc[t] (t: kTiles 8-column tiles) = rows [16w, 16w + 16) of x @ y^T, x and y (kNP x kD) shared tiles.
-template <typename T>
+// acc[t] = rows [16w, 16w + 16) of x @ y^T, x and y (kNP x kD) shared tiles, for the kCols 8-column tiles that hold
+// real columns; the tiles past them are zero (no logits there, and no probability).
+template <typename T, int kCols>
 __device__ __forceinline__ void scores(float (&acc)[kTiles][4], const T* x, const T* y, int warp) {
   uint32_t a[kD / 16][4];
 #pragma unroll
@@ -127,6 +129,7 @@ __device__ __forceinline__ void scores(float (&acc)[kTiles][4], const T* x, cons
 #pragma unroll
   for (int t = 0; t < kTiles; ++t) {
     acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    if (t >= kCols) continue;
     uint32_t b[4];
     load_b_of_transpose(b, y, 8 * t, sizeof(T));
     mma<T>(acc[t], a[0], b[0], b[1]);
@@ -190,13 +193,33 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffff, v, 2);
 }
 
-// The block's additive term for every logit (kNP x kLdB floats): head h's bias plus the shift mask at window
+// Logits are kept in base 2 (scale and the additive term carry log2(e)), so each probability is one ex2.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The block's additive term for every logit (kNP x kLdB floats, base 2): head h's bias plus the shift mask at window
 // position w, the same for every window the block walks; -inf outside N x N, so padded columns get probability 0.
 __device__ void load_bias_mask(float* tile, const float* bias, const float* mask, int h, int w, int N) {
   for (int e = threadIdx.x; e < kNP * kNP; e += kThreads) {
     const int i = e / kNP, j = e % kNP;
-    tile[i * kLdB + j] =
-        i < N && j < N ? bias[(h * N + i) * N + j] + (mask ? mask[(w * N + i) * N + j] : 0.f) : -INFINITY;
+    tile[i * kLdB + j] = i < N && j < N
+                             ? (bias[(h * N + i) * N + j] + (mask ? mask[(w * N + i) * N + j] : 0.f)) * kLog2e
+                             : -INFINITY;
+  }
+}
+
+// Rows [N, kNP) of `count` consecutive tiles are zero for the whole kernel: the windows only ever write rows < N.
+template <typename T>
+__device__ void zero_padding_rows(T* tiles, int count, int N) {
+  for (int e = threadIdx.x; e < count * (kNP - N) * kVectors; e += kThreads) {
+    const int m = e / ((kNP - N) * kVectors), r = N + (e / kVectors) % (kNP - N), c = (e % kVectors) * 8;
+    *reinterpret_cast<uint4*>(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -205,8 +228,8 @@ __device__ __forceinline__ float2* pair_at(float* tile, int i, int t) {
   return reinterpret_cast<float2*>(tile + i * kLdB + 8 * t + 2 * (threadIdx.x % 4));
 }
 
-// `kCount` head tiles of one window in flight: rows [0, N) from global memory, the padding rows as zeros. Row r of
-// matrix m starts at src + m * matrix_offset + r * row_stride.
+// `kCount` head tiles of one window in flight: rows [0, N) from global memory (the padding rows stay zero in shared
+// memory). Row r of matrix m starts at src + m * matrix_offset + r * row_stride.
 template <int kCount>
 struct Staged {
   static constexpr int kPerThread = kCount * kNP * kVectors / kThreads;
@@ -219,18 +242,17 @@ struct Staged {
     for (int e = 0; e < kPerThread; ++e) {
       const int v = threadIdx.x + e * kThreads;
       const int m = v / (kNP * kVectors), r = (v / kVectors) % kNP, c = (v % kVectors) * 8;
-      part[e] = r < N ? __ldg(reinterpret_cast<const uint4*>(src + m * matrix_offset + r * row_stride + c))
-                      : make_uint4(0, 0, 0, 0);
+      if (r < N) part[e] = __ldg(reinterpret_cast<const uint4*>(src + m * matrix_offset + r * row_stride + c));
     }
   }
 
   template <typename T>
-  __device__ void store(T* tiles) const {
+  __device__ void store(T* tiles, int N) const {
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
       const int v = threadIdx.x + e * kThreads;
       const int m = v / (kNP * kVectors), r = (v / kVectors) % kNP, c = (v % kVectors) * 8;
-      *reinterpret_cast<uint4*>(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c) = part[e];
+      if (r < N) *reinterpret_cast<uint4*>(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c) = part[e];
     }
   }
 };
@@ -239,7 +261,7 @@ struct Staged {
 // Lane roles in an accumulator: g = lane / 4 picks rows 16w + g and 16w + g + 8, tig = lane % 4 picks columns
 // 8t + 2 tig and 8t + 2 tig + 1 of every 8-column tile t.
 
-template <typename T>
+template <typename T, int kCols>
 __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
     const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
     const float* __restrict__ mask, int64_t windows, int n_mask, int heads, int N, float scale) {
@@ -250,34 +272,38 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4, h = blockIdx.y;
   float* add = reinterpret_cast<float*>(smem + 3 * kTileBytes);
   const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
+  const float scale2 = scale * kLog2e;
   load_bias_mask(add, bias, mask, h, blockIdx.x % n_mask, N);
+  zero_padding_rows(q, 3, N);
   Staged<3> next;
   int64_t b = blockIdx.x;
   if (b < windows) next.fetch(qkv + b * N * 3 * C + h * kD, C, 3 * C, N);
   for (; b < windows; b += gridDim.x) {
-    next.store(q);
+    next.store(q, N);
     __syncthreads();
     if (b + gridDim.x < windows) next.fetch(qkv + (b + gridDim.x) * N * 3 * C + h * kD, C, 3 * C, N);
     float s[kTiles][4];
-    scores(s, q, k, warp);
+    scores<T, kCols>(s, q, k, warp);
     float top[2] = {-INFINITY, -INFINITY}, total[2] = {0.f, 0.f};
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
+    for (int t = 0; t < kCols; ++t) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float2 term = *pair_at(add, rows[half], t);
-        s[t][2 * half] = s[t][2 * half] * scale + term.x;
-        s[t][2 * half + 1] = s[t][2 * half + 1] * scale + term.y;
+        s[t][2 * half] = fmaf(s[t][2 * half], scale2, term.x);
+        s[t][2 * half + 1] = fmaf(s[t][2 * half + 1], scale2, term.y);
         top[half] = fmaxf(top[half], fmaxf(s[t][2 * half], s[t][2 * half + 1]));
       }
     }
     top[0] = quad_max(top[0]);
     top[1] = quad_max(top[1]);
+    // A padded row is all -inf: give it probability 0 instead of NaN.
+    const float shift[2] = {rows[0] < N ? top[0] : INFINITY, rows[1] < N ? top[1] : INFINITY};
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
+    for (int t = 0; t < kCols; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[t][e] = rows[e / 2] < N ? __expf(s[t][e] - top[e / 2]) : 0.f;
+        s[t][e] = exp2_approx(s[t][e] - shift[e / 2]);
         total[e / 2] += s[t][e];
       }
     }
@@ -285,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
     total[1] = quad_sum(total[1]);
     const float inv[2] = {rows[0] < N ? 1.f / total[0] : 0.f, rows[1] < N ? 1.f / total[1] : 0.f};
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
+    for (int t = 0; t < kCols; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[t][e] *= inv[e / 2];
     }
@@ -296,13 +322,13 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
     store_rows(o, out + b * N * C + h * kD, C, 16 * warp, N, 1.f);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      if (tig == 0 && rows[half] < N) lse[(b * heads + h) * N + rows[half]] = top[half] + __logf(total[half]);
+      if (tig == 0 && rows[half] < N) lse[(b * heads + h) * N + rows[half]] = (top[half] + __log2f(total[half])) * kLn2;
     }
     __syncthreads();  // q, k, v take the next window
   }
 }
 
-template <typename T>
+template <typename T, int kCols>
 __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     const T* __restrict__ grad_out, const T* __restrict__ qkv, const float* __restrict__ lse, T* __restrict__ grad_qkv,
     float* __restrict__ grad_bias, const float* __restrict__ bias, const float* __restrict__ mask,
@@ -318,52 +344,61 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
   float* bias_grad = add + kBiasBytes / 4;  // summed over the block's windows, each element by its one lane
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4, h = blockIdx.y;
   const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
+  const float scale2 = scale * kLog2e;
   load_bias_mask(add, bias, mask, h, blockIdx.x % n_mask, N);
+  zero_padding_rows(q, 4, N);
   for (int e = threadIdx.x; e < kNP * kLdB; e += kThreads) bias_grad[e] = 0.f;
   Staged<3> next;
   Staged<1> next_grad;
-  int64_t b = blockIdx.x;
-  if (b < windows) {
-    next.fetch(qkv + b * N * 3 * C + h * kD, C, 3 * C, N);
-    next_grad.fetch(grad_out + b * N * C + h * kD, 0, C, N);
-  }
-  for (; b < windows; b += gridDim.x) {
-    next.store(q);
-    next_grad.store(dout);
-    __syncthreads();
-    if (b + gridDim.x < windows) {
-      next.fetch(qkv + (b + gridDim.x) * N * 3 * C + h * kD, C, 3 * C, N);
-      next_grad.fetch(grad_out + (b + gridDim.x) * N * C + h * kD, 0, C, N);
-    }
-    float row_lse[2];
+  float next_lse[2];  // base 2; +inf on padded rows makes their probabilities 0
+  const auto fetch = [&](int64_t w) {
+    next.fetch(qkv + w * N * 3 * C + h * kD, C, 3 * C, N);
+    next_grad.fetch(grad_out + w * N * C + h * kD, 0, C, N);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      row_lse[half] = rows[half] < N ? lse[(b * heads + h) * N + rows[half]] : INFINITY;
+      next_lse[half] = rows[half] < N ? lse[(w * heads + h) * N + rows[half]] * kLog2e : INFINITY;
     }
+  };
+  int64_t b = blockIdx.x;
+  if (b < windows) fetch(b);
+  for (; b < windows; b += gridDim.x) {
+    next.store(q, N);
+    next_grad.store(dout, N);
+    const float row_lse[2] = {next_lse[0], next_lse[1]};
+    __syncthreads();
+    if (b + gridDim.x < windows) fetch(b + gridDim.x);
     float p[kTiles][4], ds[kTiles][4];
-    scores(p, q, k, warp);
-    scores(ds, dout, v, warp);  // dP = dO V^T, turned into dS below
+    scores<T, kCols>(p, q, k, warp);
+    scores<T, kCols>(ds, dout, v, warp);  // dP = dO V^T, turned into dS below
     float dot[2] = {0.f, 0.f};
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
+    for (int t = 0; t < kCols; ++t) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float2 term = *pair_at(add, rows[half], t);
-        p[t][2 * half] = __expf(p[t][2 * half] * scale + term.x - row_lse[half]);
-        p[t][2 * half + 1] = __expf(p[t][2 * half + 1] * scale + term.y - row_lse[half]);
+        p[t][2 * half] = exp2_approx(fmaf(p[t][2 * half], scale2, term.x) - row_lse[half]);
+        p[t][2 * half + 1] = exp2_approx(fmaf(p[t][2 * half + 1], scale2, term.y) - row_lse[half]);
         dot[half] += p[t][2 * half] * ds[t][2 * half] + p[t][2 * half + 1] * ds[t][2 * half + 1];
       }
     }
     dot[0] = quad_sum(dot[0]);
     dot[1] = quad_sum(dot[1]);
+    // The running bias-gradient sums are all read before any shared store below, so the reads overlap instead of each
+    // waiting behind a store the compiler cannot prove does not alias it.
+    float2 sums[kCols][2];
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
+    for (int t = 0; t < kCols; ++t) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) sums[t][half] = *pair_at(bias_grad, rows[half], t);
+    }
+#pragma unroll
+    for (int t = 0; t < kCols; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) ds[t][e] = p[t][e] * (ds[t][e] - dot[e / 2]);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float2* sum = pair_at(bias_grad, rows[half], t);
-        *sum = make_float2(sum->x + ds[t][2 * half], sum->y + ds[t][2 * half + 1]);
+        *pair_at(bias_grad, rows[half], t) =
+            make_float2(sums[t][half].x + ds[t][2 * half], sums[t][half].y + ds[t][2 * half + 1]);
         const int at = rows[half] * kLdP + 8 * t + 2 * tig;
         *reinterpret_cast<uint32_t*>(probs + at) = pack<T>(p[t][2 * half], p[t][2 * half + 1]);
         *reinterpret_cast<uint32_t*>(dscores + at) = pack<T>(ds[t][2 * half], ds[t][2 * half + 1]);
@@ -376,7 +411,8 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     stripe_times(acc, a, k);
     store_rows(acc, grad_qkv + b * N * 3 * C + h * kD, 3 * C, 16 * warp, N, scale);
     __syncthreads();  // every warp's rows of P and dS are in
-    // dV = P^T dO and dK = dS^T Q * scale, this warp's rows j: column stripes of P and dS, read transposed.
+    // dV = P^T dO and dK = dS^T Q * scale, this warp's rows j: column stripes of P and dS, read transposed. Columns of
+    // P and dS past kCols tiles were never written: they only reach rows j >= N of dV and dK, which are not stored.
 #pragma unroll
     for (int s = 0; s < kNP / 16; ++s) load_a_transposed(a[s], probs, kLdP, 16 * warp, 16 * s, sizeof(T));
     stripe_times(acc, a, dout);
@@ -401,17 +437,17 @@ struct Launch {
 // One block per (window chunk, head), as many as fit on the GPU at once: every block gets the same number of windows,
 // so one wave has no tail, and each block pays its bias load and the backward's atomic adds once for many windows.
 // The chunk count is a multiple of the mask's nW so that every window a block walks sits at the same mask position.
-template <typename Kernel>
-Launch plan(Kernel kernel, int smem, int64_t windows, int heads, int n_mask) {
-  static const bool opted_in = [&] {  // past the default 48 KiB of shared memory per block
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    return true;
+// The kernel is a template argument so that each kernel (not each kernel signature) gets its own static setup.
+template <auto kernel>
+Launch plan(int smem, int64_t windows, int heads, int n_mask) {
+  static const int per_sm = [&] {  // once per kernel: the launch path runs 48 times a Swin-B step
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));  // past 48 KiB
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem));
+    return std::max(blocks, 1);
   }();
-  (void)opted_in;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t target = std::max(per_sm, 1) * sms;
+  const int64_t target = per_sm * sms;
   const int64_t wanted = std::min<int64_t>((windows + 3) / 4, target / heads);
   const int64_t chunks = std::max<int64_t>(1, wanted / n_mask) * n_mask;  // windows is a multiple of n_mask
   return {dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(heads)), smem};
@@ -433,10 +469,18 @@ void check_inputs(const torch::Tensor& qkv, const torch::Tensor& bias, const c10
   }
 }
 
+// Runs `run` with a null pointer of the element type and the count of 8-column score tiles that hold real columns: 7
+// for windows of 7 (N = 49), which skips the last tile's products, else all 8.
 template <typename Run>
 void dispatch(const torch::Tensor& qkv, Run run) {
-  if (qkv.scalar_type() == at::kHalf) run(static_cast<__half*>(nullptr));
-  else run(static_cast<__nv_bfloat16*>(nullptr));
+  const bool seven = qkv.size(1) <= 7 * 8;
+  if (qkv.scalar_type() == at::kHalf) {
+    if (seven) run(static_cast<__half*>(nullptr), std::integral_constant<int, 7>());
+    else run(static_cast<__half*>(nullptr), std::integral_constant<int, 8>());
+  } else {
+    if (seven) run(static_cast<__nv_bfloat16*>(nullptr), std::integral_constant<int, 7>());
+    else run(static_cast<__nv_bfloat16*>(nullptr), std::integral_constant<int, 8>());
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -450,10 +494,10 @@ std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qk
   auto out = torch::empty({windows, N, heads * kD}, qkv.options());
   auto lse = torch::empty({windows, heads, N}, qkv.options().dtype(torch::kFloat));
   if (windows == 0) return {out, lse};
-  dispatch(qkv, [&](auto* type) {
+  dispatch(qkv, [&](auto* type, auto cols) {
     using T = std::remove_pointer_t<decltype(type)>;
-    auto kernel = window_attention_forward_kernel<T>;
-    const Launch launch = plan(kernel, kForwardSmem, windows, heads, n_mask);
+    constexpr auto kernel = window_attention_forward_kernel<T, decltype(cols)::value>;
+    const Launch launch = plan<kernel>(kForwardSmem, windows, heads, n_mask);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
         bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, n_mask, heads, N,
@@ -475,10 +519,10 @@ std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& g
   auto grad_qkv = torch::empty_like(qkv);
   auto grad_bias = torch::zeros({heads, N, N}, qkv.options().dtype(torch::kFloat));
   if (windows == 0) return {grad_qkv, grad_bias};
-  dispatch(qkv, [&](auto* type) {
+  dispatch(qkv, [&](auto* type, auto cols) {
     using T = std::remove_pointer_t<decltype(type)>;
-    auto kernel = window_attention_backward_kernel<T>;
-    const Launch launch = plan(kernel, kBackwardSmem, windows, heads, n_mask);
+    constexpr auto kernel = window_attention_backward_kernel<T, decltype(cols)::value>;
+    const Launch launch = plan<kernel>(kBackwardSmem, windows, heads, n_mask);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(grad_out.data_ptr()), reinterpret_cast<const T*>(qkv.data_ptr()),
         lse.data_ptr<float>(), reinterpret_cast<T*>(grad_qkv.data_ptr()), grad_bias.data_ptr<float>(),
