@@ -44,3 +44,8 @@ def test_doctor_says_which_ops_can_run_and_why_not():
     assert any("window_partition" in line and "reference" in line and "yes" in line for line in lines)
     if not __import__("torch").cuda.is_available():
         assert any("cuda" in line and "needs CUDA" in line for line in lines)
+
+
+def test_bench_compile_mode_needs_compile():
+    result = vitctl("bench", "train", "--compile-mode", "reduce-overhead")
+    assert result.exit_code == 2 and "--compile-mode reduce-overhead needs --compile" in result.output

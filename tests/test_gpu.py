@@ -1,5 +1,7 @@
 """GPU checks (marked gpu; CI has no GPU and skips them; run them on the device machine)."""
 
+import math
+
 import pytest
 import torch
 
@@ -40,3 +42,14 @@ def test_trains_on_the_gpu(prepared_shards, tmp_path, precision):
                                 f"train.out_dir={tmp_path}", "augment.mixup=0", "augment.cutmix=0"])
     result = train(config, use_cuda=True)
     assert result["step"] == 4 and result["eval_samples"] == 20
+
+
+def test_trains_compiled_with_cuda_graphs(prepared_shards, tmp_path):
+    """reduce-overhead replays forward and backward as CUDA graphs, through our custom ops, with eval in between."""
+    config = load_config(None, [
+        "model.name=swin_micro", "model.img_size=32", "model.window_size=4", "model.num_classes=5",
+        f"data.path={prepared_shards}", "data.source=webdataset", "data.batch_size=8", "data.workers=2",
+        "train.precision=bf16", "train.max_steps=6", "train.compile=true", "train.compile_mode=reduce-overhead",
+        "train.eval_every_epochs=0.5", f"train.out_dir={tmp_path}", "augment.mixup=0", "augment.cutmix=0"])
+    result = train(config, use_cuda=True)
+    assert result["step"] == 6 and result["eval_samples"] == 20 and math.isfinite(result["loss"])

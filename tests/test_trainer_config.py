@@ -24,10 +24,17 @@ def test_overrides_win_over_presets_and_read_yaml_values():
     ("optim.betas=[0.9]", "expected a list of 2 values"),
     ("model.drop_path=1.5", "model.drop_path must be in"),
     ("nonsense", "not of the form section.key=value"),
+    ("train.compile_mode=fastest", "train.compile_mode must be one of default, reduce-overhead"),
 ])
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config("vit_b16_pretrain", ["data.path=/d", override])
+
+
+def test_a_compile_mode_needs_compile():
+    with pytest.raises(ConfigError, match="train.compile_mode=reduce-overhead needs train.compile=true"):
+        load_config("vit_b16_pretrain", ["data.path=/d", "train.compile=false", "train.compile_mode=reduce-overhead"])
+    assert load_config("vit_b16_pretrain", ["data.path=/d", "train.compile_mode=reduce-overhead"]).train.compile
 
 
 def test_data_path_is_required_unless_synthetic():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import COMPILE_MODES, ModelConfig
 from .metrics import mfu
 from .models import MODELS, build_model
 from .ops import resolve
@@ -40,7 +40,8 @@ def timm_model(name: str, img_size: int, fused_attn: bool) -> nn.Module:
     return timm.create_model(timm_name, pretrained=False, **kwargs)
 
 
-def _step_fn(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable) -> Callable:
+def _step_fn(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable,
+             compile_mode: str = "default") -> Callable:
     """One training step (forward, loss, backward, optimizer) as the trainer runs it."""
     master = MasterWeights(model) if precision.mode == "bf16-pure" else None
     if master:
@@ -50,10 +51,13 @@ def _step_fn(model: nn.Module, precision: Precision, compile_: bool, fused_optim
     optimizer = fused_optimizer([{"params": [master.master_of[id(p)] for p in params] if master else params,
                                   "weight_decay": 0.05}], 1e-4, (0.9, 0.999), 1e-8)
     scaler = precision.scaler()
-    forward = torch.compile(model) if compile_ else model
+    forward = torch.compile(model, mode=compile_mode) if compile_ else model
+    cuda_graphs = compile_ and compile_mode == "reduce-overhead"
     loss_fn = nn.CrossEntropyLoss()
 
     def step(images: torch.Tensor, labels: torch.Tensor) -> None:
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with precision.autocast():
             loss = loss_fn(forward(images.to(torch.bfloat16) if master else images).float(), labels)
         (scaler.scale(loss) if scaler else loss).backward()
@@ -72,12 +76,12 @@ def _step_fn(model: nn.Module, precision: Precision, compile_: bool, fused_optim
 
 
 def measure(name: str, setting: str, model: nn.Module, precision: Precision, compile_: bool, batch: int,
-            img_size: int, flops: float, steps: int, warmup: int) -> BenchResult:
+            img_size: int, flops: float, steps: int, warmup: int, compile_mode: str = "default") -> BenchResult:
     device = precision.device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     ops = resolve("optimizer", device)  # both sides step the same optimizer (torch's fused AdamW on CUDA)
-    step = _step_fn(model.to(device).train(), precision, compile_, ops.optimizer)
+    step = _step_fn(model.to(device).train(), precision, compile_, ops.optimizer, compile_mode)
     images = torch.randn(batch, 3, img_size, img_size, device=device)
     labels = torch.randint(0, 1000, (batch,), device=device)
     for _ in range(warmup):
@@ -96,10 +100,21 @@ def measure(name: str, setting: str, model: nn.Module, precision: Precision, com
                        torch.cuda.max_memory_allocated(device) / 2**30, mfu(flops, rate, device))
 
 
+def _mode_note(mode: str) -> str:
+    return "" if mode == "default" else f" ({mode})"
+
+
+def _compiled(compile_: bool, mode: str) -> str:
+    return f" + compile{_mode_note(mode)}" if compile_ else ""
+
+
 def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bool, fused: str,
                 compare: str | None, timm_setting: str, img_size: int = 224, steps: int = 30,
-                warmup: int = 10) -> list[BenchResult]:
-    """Ours at each precision, then (with compare="timm") timm's same model; one process, one GPU."""
+                warmup: int = 10, compile_mode: str = "default") -> list[BenchResult]:
+    """Ours at each precision, then (with compare="timm") timm's same model; one process, one GPU.
+
+    timm's strongest setting runs under every compile mode (the caller takes the faster as the baseline: on a host
+    that launches kernels slowly, CUDA graphs are what make a compiled Swin step GPU-bound); "same" takes our flags."""
     if not torch.cuda.is_available():
         raise RuntimeError("vitctl bench train needs a CUDA GPU")
     device = torch.device("cuda")
@@ -109,9 +124,9 @@ def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bo
         ops = resolve(fused, device, compiling=compile_)
         model = build_model(ModelConfig(name=model_name, img_size=img_size, drop_path=0.0), ops)
         flops = 3 * model.flops_per_image()
-        setting = f"{precision}{' + compile' if compile_ else ''}, fused {fused}"
+        setting = f"{precision}{_compiled(compile_, compile_mode)}, fused {fused}"
         result = measure(f"vitctl {model_name}", setting, model, Precision(precision, device), compile_, batch,
-                         img_size, flops, steps, warmup)
+                         img_size, flops, steps, warmup, compile_mode)
         result.ops = ", ".join(f"{seam}={name}" for seam, name in ops.chosen if seam != "optimizer")
         results.append(result)
         del model
@@ -119,9 +134,14 @@ def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bo
     if compare == "timm":
         strongest = timm_setting == "strongest"
         precision = "bf16" if strongest else precisions[0]
-        use_compile = True if strongest else compile_
-        model = timm_model(model_name, img_size, fused_attn=strongest)
-        setting = TIMM_STRONGEST if strongest else f"{precision}{' + compile' if use_compile else ''}, timm defaults"
-        results.append(measure(f"timm {MODELS[model_name].timm_name}", setting, model, Precision(precision, device),
-                               use_compile, batch, img_size, flops, steps, warmup))
+        for mode in COMPILE_MODES if strongest else (compile_mode,):
+            use_compile = strongest or compile_
+            model = timm_model(model_name, img_size, fused_attn=strongest)
+            setting = (f"{TIMM_STRONGEST}{_mode_note(mode)}" if strongest
+                       else f"{precision}{_compiled(use_compile, mode)}, timm defaults")
+            results.append(measure(f"timm {MODELS[model_name].timm_name}", setting, model,
+                                   Precision(precision, device), use_compile, batch, img_size, flops, steps, warmup,
+                                   mode))
+            del model
+            gc.collect()
     return results

@@ -11,6 +11,7 @@ import yaml
 
 PRESETS = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
+COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile modes; reduce-overhead replays CUDA graphs
 
 
 class ConfigError(ValueError):
@@ -66,6 +67,7 @@ class TrainConfig:
     fused: str = "all"  # all | none | comma-separated seams
     parallel: str = "ddp"  # ddp | fsdp
     compile: bool = False
+    compile_mode: str = "default"  # reduce-overhead: CUDA graphs, for steps whose kernel launches outrun the GPU
     activation_checkpointing: bool = False
     ema_decay: float | None = None
     seed: int = 0
@@ -191,6 +193,10 @@ def validate(c: RunConfig) -> None:
     checks = [
         (c.train.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS}, got {c.train.precision!r}"),
         (c.train.parallel in ("ddp", "fsdp"), f"train.parallel must be ddp or fsdp, got {c.train.parallel!r}"),
+        (c.train.compile_mode in COMPILE_MODES,
+         f"train.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {c.train.compile_mode!r}"),
+        (c.train.compile or c.train.compile_mode == "default",
+         f"train.compile_mode={c.train.compile_mode} needs train.compile=true"),
         (c.data.source in ("auto", "dali", "webdataset", "synthetic"),
          f"data.source must be auto, dali, webdataset or synthetic, got {c.data.source!r}"),
         (c.data.source == "synthetic" or c.data.path is not None, "data.path is required (or data.source=synthetic)"),

@@ -91,7 +91,9 @@ class Trainer:
                                          self.ops, config.optim.lr)
         self.scaler = self.precision.scaler()
         self.ema = EMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
-        self.forward = torch.compile(self.wrapped) if config.train.compile else self.wrapped
+        self.forward = torch.compile(self.wrapped, mode=config.train.compile_mode) if config.train.compile \
+            else self.wrapped
+        self.cuda_graphs = config.train.compile and config.train.compile_mode == "reduce-overhead"
         self.mixup, self.loss_fn = _mixup_and_loss(config)
         self._schedule()
         self.position = Position()
@@ -194,6 +196,7 @@ class Trainer:
             sync = nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
             if self.fsdp:
                 self.model.set_requires_gradient_sync(last)
+            self._graph_step_begin()
             with sync:
                 with self.precision.autocast():
                     loss = self.loss_fn(self.forward(images).float(), labels) / accum
@@ -217,6 +220,11 @@ class Trainer:
             self.ema.update(self.model)
         return float(total), waited
 
+    def _graph_step_begin(self) -> None:
+        """Under CUDA graphs: the previous forward's outputs are consumed, so their memory may be reused."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         if self.data.eval is None:
@@ -232,6 +240,7 @@ class Trainer:
             images, labels = batch
             if self.c.train.precision == "bf16-pure" and not self.fsdp:
                 images = images.to(torch.bfloat16)
+            self._graph_step_begin()
             with self.precision.autocast():
                 logits = self.forward(images).float()
             loss_sum += float(nn.functional.cross_entropy(logits, labels, reduction="sum"))
