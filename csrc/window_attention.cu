@@ -322,7 +322,9 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
     store_rows(o, out + b * N * C + h * kD, C, 16 * warp, N, 1.f);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      if (tig == 0 && rows[half] < N) lse[(b * heads + h) * N + rows[half]] = (top[half] + __log2f(total[half])) * kLn2;
+      if (tig == 0 && rows[half] < N) {
+        lse[(b * heads + h) * N + rows[half]] = (top[half] + __log2f(total[half])) * kLn2;  // natural log
+      }
     }
     __syncthreads();  // q, k, v take the next window
   }
