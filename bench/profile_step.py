@@ -1,5 +1,5 @@
-"""Where a training step spends its GPU time: the kernels of a few steps grouped by kind, for one or more `--fused`
-settings of ours and (with --timm) timm's strongest setting, side by side in one process."""
+"""Where a training step spends its GPU time: the kernels of a few steps grouped by kind, for our `--fused` settings and
+compile modes and (with --timm-mode) timm's strongest setting, side by side in one process."""
 
 import argparse
 import statistics
@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from vitctl.trainer.bench import TIMM_STRONGEST, _step_fn, timm_model
+from vitctl.trainer.bench import TIMM_STRONGEST, timm_model, training_step
 from vitctl.trainer.config import ModelConfig
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
@@ -19,7 +19,7 @@ KINDS = (
     ("attention (flash / mem-eff / cuDNN)", ("flash", "fmha", "sdpa", "attention", "mha", "cudnn::fusion")),
     ("convolution", ("conv", "fprop", "implicit", "nchwtonhwc")),
     ("matmul (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "cublas")),
-    ("optimizer", ("multi_tensor", "adam")),
+    ("optimizer and multi-tensor copies", ("multi_tensor", "adam")),
     ("Inductor (Triton)", ("triton",)),
 )
 
@@ -80,12 +80,12 @@ def main() -> None:
         for mode in args.mode or ["default"]:
             ops = resolve(fused, device, compiling=args.compile)
             model = build_model(ModelConfig(name=args.model, drop_path=0.0), ops).to(device).train()
-            step = _step_fn(model, Precision(args.precision, device), args.compile, optimizer, mode)
+            step = training_step(model, Precision(args.precision, device), args.compile, optimizer, mode)
             rows.append((f"vitctl {args.precision} fused {fused} {mode}", *profile(step, images, labels, args.steps)))
             del model, step
     for mode in args.timm_mode or []:
         model = timm_model(args.model, 224, fused_attn=True).to(device).train()
-        step = _step_fn(model, Precision("bf16", device), True, optimizer, mode)
+        step = training_step(model, Precision("bf16", device), True, optimizer, mode)
         rows.append((f"timm strongest {mode}", *profile(step, images, labels, args.steps)))
         del model, step
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model} batch {args.batch}, "

@@ -40,7 +40,7 @@ def timm_model(name: str, img_size: int, fused_attn: bool) -> nn.Module:
     return timm.create_model(timm_name, pretrained=False, **kwargs)
 
 
-def _step_fn(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable,
+def training_step(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable,
              compile_mode: str = "default") -> Callable:
     """One training step (forward, loss, backward, optimizer) as the trainer runs it."""
     master = MasterWeights(model) if precision.mode == "bf16-pure" else None
@@ -81,7 +81,7 @@ def measure(name: str, setting: str, model: nn.Module, precision: Precision, com
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     ops = resolve("optimizer", device)  # both sides step the same optimizer (torch's fused AdamW on CUDA)
-    step = _step_fn(model.to(device).train(), precision, compile_, ops.optimizer, compile_mode)
+    step = training_step(model.to(device).train(), precision, compile_, ops.optimizer, compile_mode)
     images = torch.randn(batch, 3, img_size, img_size, device=device)
     labels = torch.randint(0, 1000, (batch,), device=device)
     for _ in range(warmup):
