@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from vitctl.trainer.bench import TIMM_STRONGEST, timm_model, training_step
+from vitctl.trainer.bench import TIMM_STRONGEST, step_times, timm_model, training_step
 from vitctl.trainer.config import ModelConfig
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
@@ -33,16 +33,7 @@ def profile(step, images, labels, steps: int) -> tuple[float, dict[str, float], 
     """(median ms per step, run back to back as in training, GPU ms per step by kind, by kernel; launches per step).
 
     A wall time above the GPU total means the host does not keep the GPU fed."""
-    for _ in range(10):
-        step(images, labels)
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for start, end in events:
-        start.record()
-        step(images, labels)
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) for start, end in events]
+    times = step_times(step, images, labels, warmup=10, steps=steps)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step(images, labels)

@@ -45,7 +45,7 @@ def test_trains_on_the_gpu(prepared_shards, tmp_path, precision):
 
 
 def test_trains_compiled_with_cuda_graphs(prepared_shards, tmp_path):
-    """reduce-overhead replays forward and backward as CUDA graphs, through our custom ops, with eval in between."""
+    """Training and eval run under compile_mode=reduce-overhead (CUDA graphs) through our custom ops."""
     config = load_config(None, [
         "model.name=swin_micro", "model.img_size=32", "model.window_size=4", "model.num_classes=5",
         f"data.path={prepared_shards}", "data.source=webdataset", "data.batch_size=8", "data.workers=2",

@@ -41,7 +41,7 @@ def timm_model(name: str, img_size: int, fused_attn: bool) -> nn.Module:
 
 
 def training_step(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable,
-             compile_mode: str = "default") -> Callable:
+                  compile_mode: str = "default") -> Callable:
     """One training step (forward, loss, backward, optimizer) as the trainer runs it."""
     master = MasterWeights(model) if precision.mode == "bf16-pure" else None
     if master:
@@ -75,6 +75,20 @@ def training_step(model: nn.Module, precision: Precision, compile_: bool, fused_
     return step
 
 
+def step_times(step: Callable, images: torch.Tensor, labels: torch.Tensor, warmup: int, steps: int) -> list[float]:
+    """GPU ms of each of `steps` steps after `warmup`, run back to back as in training (no sync in between)."""
+    for _ in range(warmup):
+        step(images, labels)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        step(images, labels)
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def measure(name: str, setting: str, model: nn.Module, precision: Precision, compile_: bool, batch: int,
             img_size: int, flops: float, steps: int, warmup: int, compile_mode: str = "default") -> BenchResult:
     device = precision.device
@@ -84,17 +98,7 @@ def measure(name: str, setting: str, model: nn.Module, precision: Precision, com
     step = training_step(model.to(device).train(), precision, compile_, ops.optimizer, compile_mode)
     images = torch.randn(batch, 3, img_size, img_size, device=device)
     labels = torch.randint(0, 1000, (batch,), device=device)
-    for _ in range(warmup):
-        step(images, labels)
-    torch.cuda.synchronize(device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for start, end in events:
-        start.record()
-        step(images, labels)
-        end.record()
-    torch.cuda.synchronize(device)
-    times = [start.elapsed_time(end) for start, end in events]
-    median_ms = statistics.median(times)
+    median_ms = statistics.median(step_times(step, images, labels, warmup, steps))
     rate = batch * 1000 / median_ms  # from the median step: one slow step (a stall, a recompile) does not skew it
     return BenchResult(name, setting, rate, median_ms,
                        torch.cuda.max_memory_allocated(device) / 2**30, mfu(flops, rate, device))
