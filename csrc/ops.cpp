@@ -7,10 +7,12 @@ torch::Tensor window_merge_cuda(const torch::Tensor& windows, int64_t window, in
 torch::Tensor window_softmax_forward_cuda(const torch::Tensor& logits, const torch::Tensor& table,
                                           const torch::Tensor& index, const c10::optional<torch::Tensor>& mask);
 std::vector<torch::Tensor> window_softmax_backward_cuda(const torch::Tensor& probs, const torch::Tensor& grad);
-std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qkv, const torch::Tensor& bias,
+std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qkv, const torch::Tensor& table,
+                                                         const torch::Tensor& index,
                                                          const c10::optional<torch::Tensor>& mask, double scale);
 std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& grad_out, const torch::Tensor& qkv,
-                                                          const torch::Tensor& lse, const torch::Tensor& bias,
+                                                          const torch::Tensor& lse, const torch::Tensor& table,
+                                                          const torch::Tensor& index,
                                                           const c10::optional<torch::Tensor>& mask, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,6 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_softmax_forward", &window_softmax_forward_cuda, "softmax(logits + bias + mask) (CUDA)");
   m.def("window_softmax_backward", &window_softmax_backward_cuda, "its gradients (CUDA)");
   m.def("window_attention_forward", &window_attention_forward_cuda,
-        "softmax(q k^T * scale + bias + mask) @ v from packed qkv, with the row log-sum-exp (CUDA)");
-  m.def("window_attention_backward", &window_attention_backward_cuda, "its qkv and bias gradients (CUDA)");
+        "softmax(q k^T * scale + table[index] + mask) @ v from packed qkv, with the row log-sum-exp (CUDA)");
+  m.def("window_attention_backward", &window_attention_backward_cuda, "its qkv and bias-table gradients (CUDA)");
 }

@@ -3,9 +3,10 @@
 //
 // q, k and v are read straight from the qkv projection (B_, N, 3C) and the output is written as (B_, N, C), ready
 // for the output projection: no head permutes, no (B_, heads, N, N) tensor in memory. A block owns one head and walks
-// a strided set of windows that all sit at one shift-mask position, so its bias + mask is read once, and in the
-// backward the bias gradient is summed in a shared tile across those windows before one atomic add per (i, j). The
-// next window's tiles are fetched into registers while the current one computes.
+// a strided set of windows that all sit at one shift-mask position, so its bias (gathered from the relative-position
+// table) + mask is read once, and in the backward the bias gradient is summed in shared memory across those windows
+// and over the (i, j) pairs that share a table entry before one atomic add per entry. The next window's tiles are
+// fetched into registers while the current one computes.
 //
 // Each warp owns a 16-row stripe of the (padded) 64 x 64 score matrix and keeps it in registers across mma.sync
 // m16n8k16 instructions (FlashAttention-2's layout: an accumulator's (row, column) pairs are exactly those of the next
@@ -203,14 +204,42 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-// The block's additive term for every logit (kNP x kLdB floats, base 2): head h's bias plus the shift mask at window
-// position w, the same for every window the block walks; -inf outside N x N, so padded columns get probability 0.
-__device__ void load_bias_mask(float* tile, const float* bias, const float* mask, int h, int w, int N) {
-  for (int e = threadIdx.x; e < kNP * kNP; e += kThreads) {
-    const int i = e / kNP, j = e % kNP;
-    tile[i * kLdB + j] = i < N && j < N
-                             ? (bias[(h * N + i) * N + j] + (mask ? mask[(w * N + i) * N + j] : 0.f)) * kLog2e
-                             : -INFINITY;
+// The kNP x kNP tile's elements are walked in batches of kBatch per thread, element e = threadIdx.x + r * kThreads of
+// batch `first` at r = first, ..., first + kBatch - 1 (row e / kNP, column e % kNP). These prologue and epilogue
+// passes run once per block and are bound by latency: a batch issues all its index reads, then the reads that depend
+// on them, so a thread waits twice per batch instead of twice per element.
+constexpr int kBatch = 8, kBatches = kNP * kNP / kThreads / kBatch;
+
+// The table entries of one batch, -1 in the padding.
+__device__ __forceinline__ void table_entries(int (&entry)[kBatch], const int64_t* index, int N, int first) {
+#pragma unroll
+  for (int r = 0; r < kBatch; ++r) {
+    const int e = threadIdx.x + (first + r) * kThreads, i = e / kNP, j = e % kNP;
+    entry[r] = i < N && j < N ? static_cast<int>(index[i * N + j]) : -1;
+  }
+}
+
+// The block's additive term for every logit (kNP x kLdB floats, base 2): head h's bias, table[index[i, j], h], plus
+// the shift mask at window position w, the same for every window the block walks; -inf outside N x N, so padded
+// columns get probability 0.
+__device__ void load_bias_mask(float* tile, const float* table, const int64_t* index, const float* mask, int h,
+                               int heads, int w, int N) {
+#pragma unroll 1
+  for (int first = 0; first < kBatches * kBatch; first += kBatch) {
+    int entry[kBatch];
+    table_entries(entry, index, N, first);
+    float value[kBatch];  // all loads, then all stores, so that no load waits behind a store
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int e = threadIdx.x + (first + r) * kThreads, i = e / kNP, j = e % kNP;
+      value[r] = entry[r] < 0 ? -INFINITY
+                              : (table[entry[r] * heads + h] + (mask ? mask[(w * N + i) * N + j] : 0.f)) * kLog2e;
+    }
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int e = threadIdx.x + (first + r) * kThreads;
+      tile[(e / kNP) * kLdB + e % kNP] = value[r];
+    }
   }
 }
 
@@ -263,8 +292,9 @@ struct Staged {
 
 template <typename T, int kCols>
 __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
-    const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
-    const float* __restrict__ mask, int64_t windows, int n_mask, int heads, int N, float scale) {
+    const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ table,
+    const int64_t* __restrict__ index, const float* __restrict__ mask, int64_t windows, int n_mask, int heads, int N,
+    float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
   T* q = reinterpret_cast<T*>(smem);
   T* k = q + kTileBytes / sizeof(T);
@@ -273,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
   float* add = reinterpret_cast<float*>(smem + 3 * kTileBytes);
   const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
   const float scale2 = scale * kLog2e;
-  load_bias_mask(add, bias, mask, h, blockIdx.x % n_mask, N);
+  load_bias_mask(add, table, index, mask, h, heads, blockIdx.x % n_mask, N);
   zero_padding_rows(q, 3, N);
   Staged<3> next;
   int64_t b = blockIdx.x;
@@ -333,8 +363,8 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
 template <typename T, int kCols>
 __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     const T* __restrict__ grad_out, const T* __restrict__ qkv, const float* __restrict__ lse, T* __restrict__ grad_qkv,
-    float* __restrict__ grad_bias, const float* __restrict__ bias, const float* __restrict__ mask,
-    int64_t windows, int n_mask, int heads, int N, float scale) {
+    float* __restrict__ grad_table, const float* __restrict__ table, const int64_t* __restrict__ index,
+    const float* __restrict__ mask, int64_t windows, int n_mask, int heads, int N, int entries, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
   T* q = reinterpret_cast<T*>(smem);
   T* k = q + kTileBytes / sizeof(T);
@@ -347,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4, h = blockIdx.y;
   const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
   const float scale2 = scale * kLog2e;
-  load_bias_mask(add, bias, mask, h, blockIdx.x % n_mask, N);
+  load_bias_mask(add, table, index, mask, h, heads, blockIdx.x % n_mask, N);
   zero_padding_rows(q, 4, N);
   for (int e = threadIdx.x; e < kNP * kLdB; e += kThreads) bias_grad[e] = 0.f;
   Staged<3> next;
@@ -425,10 +455,23 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     store_rows(acc, grad_qkv + b * N * 3 * C + C + h * kD, 3 * C, 16 * warp, N, scale);
     __syncthreads();  // the tiles take the next window
   }
+  // The (i, j) pairs that share a table entry are summed in shared memory (the additive tile is free: the loop ended
+  // on a barrier), so the block makes one global atomic add per entry, (2w-1)^2 of them instead of N^2.
+  float* entry_sums = add;
+  for (int t = threadIdx.x; t < entries; t += kThreads) entry_sums[t] = 0.f;
   __syncthreads();
-  for (int e = threadIdx.x; e < N * N; e += kThreads) {
-    atomicAdd(grad_bias + h * N * N + e, bias_grad[(e / N) * kLdB + e % N]);
+#pragma unroll 1
+  for (int first = 0; first < kBatches * kBatch; first += kBatch) {
+    int entry[kBatch];
+    table_entries(entry, index, N, first);
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const int e = threadIdx.x + (first + r) * kThreads;
+      if (entry[r] >= 0) atomicAdd(entry_sums + entry[r], bias_grad[(e / kNP) * kLdB + e % kNP]);
+    }
   }
+  __syncthreads();
+  for (int t = threadIdx.x; t < entries; t += kThreads) atomicAdd(grad_table + t * heads + h, entry_sums[t]);
 }
 
 struct Launch {
@@ -455,15 +498,21 @@ Launch plan(int smem, int64_t windows, int heads, int n_mask) {
   return {dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(heads)), smem};
 }
 
-void check_inputs(const torch::Tensor& qkv, const torch::Tensor& bias, const c10::optional<torch::Tensor>& mask) {
+// The index's values must lie in [0, entries): they come from the model's relative-position index, and checking
+// them here would cost a device sync per call.
+void check_inputs(const torch::Tensor& qkv, const torch::Tensor& table, const torch::Tensor& index,
+                  const c10::optional<torch::Tensor>& mask) {
   TORCH_CHECK(qkv.is_cuda() && qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be a contiguous CUDA (B_, N, 3C)");
   TORCH_CHECK(qkv.scalar_type() == at::kHalf || qkv.scalar_type() == at::kBFloat16, "qkv must be half or bfloat16");
-  const int64_t N = qkv.size(1), heads = bias.size(0);
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous() &&
+                  table.size(0) <= kNP * kLdB,
+              "bias table must be contiguous float (entries <= ", kNP * kLdB, ", heads), got ", table.sizes());
+  const int64_t N = qkv.size(1), heads = table.size(1);
   TORCH_CHECK(N <= kNP && qkv.size(2) == 3 * heads * kD, "fused window attention takes N <= ", kNP,
               " and head dim ", kD, ", got ", qkv.sizes(), " with ", heads, " heads");
-  TORCH_CHECK(bias.dim() == 3 && bias.size(1) == N && bias.size(2) == N && bias.scalar_type() == at::kFloat &&
-                  bias.is_contiguous(),
-              "bias must be contiguous float (heads, N, N), got ", bias.sizes());
+  TORCH_CHECK(index.dim() == 2 && index.size(0) == N && index.size(1) == N && index.scalar_type() == at::kLong &&
+                  index.is_contiguous() && index.device() == qkv.device(),
+              "bias index must be contiguous int64 (N, N) on qkv's device, got ", index.sizes());
   if (mask) {
     TORCH_CHECK(mask->dim() == 3 && mask->size(1) == N && mask->size(2) == N && mask->scalar_type() == at::kFloat &&
                     mask->is_contiguous() && qkv.size(0) % mask->size(0) == 0,
@@ -488,11 +537,12 @@ void dispatch(const torch::Tensor& qkv, Run run) {
 
 }  // namespace
 
-std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qkv, const torch::Tensor& bias,
+std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qkv, const torch::Tensor& table,
+                                                         const torch::Tensor& index,
                                                          const c10::optional<torch::Tensor>& mask, double scale) {
-  check_inputs(qkv, bias, mask);
+  check_inputs(qkv, table, index, mask);
   c10::cuda::CUDAGuard guard(qkv.device());
-  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = bias.size(0), n_mask = mask ? mask->size(0) : 1;
+  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = table.size(1), n_mask = mask ? mask->size(0) : 1;
   auto out = torch::empty({windows, N, heads * kD}, qkv.options());
   auto lse = torch::empty({windows, heads, N}, qkv.options().dtype(torch::kFloat));
   if (windows == 0) return {out, lse};
@@ -502,34 +552,35 @@ std::vector<torch::Tensor> window_attention_forward_cuda(const torch::Tensor& qk
     const Launch launch = plan<kernel>(kForwardSmem, windows, heads, n_mask);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
-        bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, n_mask, heads, N,
-        static_cast<float>(scale));
+        table.data_ptr<float>(), index.data_ptr<int64_t>(), mask ? mask->data_ptr<float>() : nullptr, windows,
+        n_mask, heads, N, static_cast<float>(scale));
   });
   return {out, lse};
 }
 
 std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& grad_out, const torch::Tensor& qkv,
-                                                          const torch::Tensor& lse, const torch::Tensor& bias,
+                                                          const torch::Tensor& lse, const torch::Tensor& table,
+                                                          const torch::Tensor& index,
                                                           const c10::optional<torch::Tensor>& mask, double scale) {
-  check_inputs(qkv, bias, mask);
+  check_inputs(qkv, table, index, mask);
   c10::cuda::CUDAGuard guard(qkv.device());
-  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = bias.size(0), n_mask = mask ? mask->size(0) : 1;
+  const int64_t windows = qkv.size(0), N = qkv.size(1), heads = table.size(1), n_mask = mask ? mask->size(0) : 1;
   TORCH_CHECK(grad_out.sizes() == torch::IntArrayRef({windows, N, heads * kD}) && grad_out.is_contiguous() &&
                   grad_out.scalar_type() == qkv.scalar_type(),
               "output gradient must be contiguous (", windows, ", ", N, ", ", heads * kD, ") in qkv's dtype");
   TORCH_CHECK(lse.sizes() == torch::IntArrayRef({windows, heads, N}) && lse.is_contiguous(), "bad log-sum-exp");
   auto grad_qkv = torch::empty_like(qkv);
-  auto grad_bias = torch::zeros({heads, N, N}, qkv.options().dtype(torch::kFloat));
-  if (windows == 0) return {grad_qkv, grad_bias};
+  auto grad_table = torch::zeros_like(table);
+  if (windows == 0) return {grad_qkv, grad_table};
   dispatch(qkv, [&](auto* type, auto cols) {
     using T = std::remove_pointer_t<decltype(type)>;
     constexpr auto kernel = window_attention_backward_kernel<T, decltype(cols)::value>;
     const Launch launch = plan<kernel>(kBackwardSmem, windows, heads, n_mask);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(grad_out.data_ptr()), reinterpret_cast<const T*>(qkv.data_ptr()),
-        lse.data_ptr<float>(), reinterpret_cast<T*>(grad_qkv.data_ptr()), grad_bias.data_ptr<float>(),
-        bias.data_ptr<float>(), mask ? mask->data_ptr<float>() : nullptr, windows, n_mask, heads, N,
-        static_cast<float>(scale));
+        lse.data_ptr<float>(), reinterpret_cast<T*>(grad_qkv.data_ptr()), grad_table.data_ptr<float>(),
+        table.data_ptr<float>(), index.data_ptr<int64_t>(), mask ? mask->data_ptr<float>() : nullptr, windows,
+        n_mask, heads, N, static_cast<int>(table.size(0)), static_cast<float>(scale));
   });
-  return {grad_qkv, grad_bias};
+  return {grad_qkv, grad_table};
 }

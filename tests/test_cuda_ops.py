@@ -102,15 +102,16 @@ def test_fused_attention_on_a_large_batch_and_an_unaligned_view(dtype):
 
 def test_fused_attention_rejects_what_it_cannot_take():
     qkv, table, index, mask = _attention_inputs(1, 4, 2, 7, True, torch.bfloat16)
-    bias = reference.relative_position_bias(table, index)
     with pytest.raises(ValueError, match="half/bfloat16"):
-        cuda.window_attention_op(qkv.float(), bias, mask, 0.1)
+        cuda.window_attention_op(qkv.float(), table, index, mask, 0.1)
     with pytest.raises(ValueError, match="3 \\* heads \\* 32"):
-        cuda.window_attention_op(qkv, bias[:1], mask, 0.1)
+        cuda.window_attention_op(qkv, table[:, :1], index, mask, 0.1)
     with pytest.raises(ValueError, match="shift mask must be"):
-        cuda.window_attention_op(qkv, bias, mask[:3], 0.1)
-    with pytest.raises(ValueError, match="bias must be"):
-        cuda.window_attention_op(qkv, bias[:, :48], mask, 0.1)
+        cuda.window_attention_op(qkv, table, index, mask[:3], 0.1)
+    with pytest.raises(ValueError, match="bias index must be"):
+        cuda.window_attention_op(qkv, table, index[:, :48], mask, 0.1)
+    with pytest.raises(ValueError, match="bias index must be"):
+        cuda.window_attention_op(qkv, table, index.int(), mask, 0.1)
 
 
 def test_gradcheck_in_float64():

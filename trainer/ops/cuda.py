@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .reference import merge_heads, relative_position_bias, split_heads
+from .reference import merge_heads, split_heads
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("ops.cpp", "window_process.cu", "window_softmax.cu", "window_attention.cu")
@@ -180,14 +180,14 @@ def fused_attention_fits(qkv: Tensor, heads: int) -> bool:
             and qkv.shape[2] == 3 * heads * FUSED_HEAD_DIM)
 
 
-def check_fused_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None) -> None:
-    heads = bias.shape[0] if bias.dim() == 3 else -1
+def check_fused_attention(qkv: Tensor, table: Tensor, index: Tensor, mask: Tensor | None) -> None:
+    heads = table.shape[1] if table.dim() == 2 else -1
     if not qkv.is_cuda or not fused_attention_fits(qkv, heads):
         raise ValueError(f"fused window attention takes CUDA half/bfloat16 qkv (B*nW, N <= {FUSED_MAX_TOKENS}, "
                          f"3 * heads * {FUSED_HEAD_DIM}); got {qkv.dtype} {tuple(qkv.shape)} with {heads} heads")
     N = qkv.shape[1]
-    if tuple(bias.shape[1:]) != (N, N):
-        raise ValueError(f"bias must be (heads, {N}, {N}), got {tuple(bias.shape)}")
+    if tuple(index.shape) != (N, N) or index.dtype != torch.int64:
+        raise ValueError(f"bias index must be int64 ({N}, {N}), got {index.dtype} {tuple(index.shape)}")
     check_shift_mask(mask, N, qkv.shape[0])
 
 
@@ -201,47 +201,53 @@ def as_float(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
+# The kernels read the ((2w-1)^2, heads) relative-position table through the (N, N) index themselves and return its
+# gradient: with the gather outside them, its backward under torch.compile was an index_put kernel per block, whose
+# contended bfloat16 atomics took 1.4 ms of a bf16-pure Swin-B step (docs/performance.md).
 @torch.library.custom_op("vitctl::window_attention", mutates_args=())
-def window_attention_op(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """(B*nW, N, 3C) qkv and the (heads, N, N) bias -> the output (B*nW, N, C), the row log-sum-exp
+def window_attention_op(qkv: Tensor, table: Tensor, index: Tensor, mask: Tensor | None,
+                        scale: float) -> tuple[Tensor, Tensor]:
+    """(B*nW, N, 3C) qkv, the bias table and its (N, N) index -> the output (B*nW, N, C), the row log-sum-exp
     (B*nW, heads, N) in float."""
-    check_fused_attention(qkv, bias, mask)
-    out, lse = extension().window_attention_forward(aligned(qkv), as_float(bias), as_float(mask), scale)
+    check_fused_attention(qkv, table, index, mask)
+    out, lse = extension().window_attention_forward(aligned(qkv), as_float(table), index.contiguous(),
+                                                    as_float(mask), scale)
     return out, lse
 
 
 @window_attention_op.register_fake
-def _(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def _(qkv: Tensor, table: Tensor, index: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
     B_, N, C3 = qkv.shape
-    return qkv.new_empty(B_, N, C3 // 3), qkv.new_empty(B_, bias.shape[0], N, dtype=torch.float32)
+    return qkv.new_empty(B_, N, C3 // 3), qkv.new_empty(B_, table.shape[1], N, dtype=torch.float32)
 
 
 @torch.library.custom_op("vitctl::window_attention_backward", mutates_args=())
-def window_attention_backward_op(grad: Tensor, qkv: Tensor, lse: Tensor, bias: Tensor, mask: Tensor | None,
-                                 scale: float) -> tuple[Tensor, Tensor]:
-    """The qkv gradient and the bias gradient summed over windows (float)."""
-    grad_qkv, grad_bias = extension().window_attention_backward(
-        aligned(grad.to(qkv.dtype)), aligned(qkv), lse.contiguous(), as_float(bias), as_float(mask), scale)
-    return grad_qkv, grad_bias
+def window_attention_backward_op(grad: Tensor, qkv: Tensor, lse: Tensor, table: Tensor, index: Tensor,
+                                 mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """The qkv gradient and the bias table's gradient (float)."""
+    grad_qkv, grad_table = extension().window_attention_backward(
+        aligned(grad.to(qkv.dtype)), aligned(qkv), lse.contiguous(), as_float(table), index.contiguous(),
+        as_float(mask), scale)
+    return grad_qkv, grad_table
 
 
 @window_attention_backward_op.register_fake
-def _(grad: Tensor, qkv: Tensor, lse: Tensor, bias: Tensor, mask: Tensor | None,
+def _(grad: Tensor, qkv: Tensor, lse: Tensor, table: Tensor, index: Tensor, mask: Tensor | None,
       scale: float) -> tuple[Tensor, Tensor]:
     return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
-            bias.new_empty(bias.shape, dtype=torch.float32))
+            table.new_empty(table.shape, dtype=torch.float32))
 
 
 def _attention_setup(ctx, inputs, output) -> None:
-    qkv, bias, mask, ctx.scale = inputs
-    ctx.save_for_backward(qkv, output[1], bias, mask)
+    qkv, table, index, mask, ctx.scale = inputs
+    ctx.save_for_backward(qkv, output[1], table, index, mask)
     ctx.mark_non_differentiable(output[1])
 
 
 def _attention_backward(ctx, grad: Tensor, _grad_lse):
-    qkv, lse, bias, mask = ctx.saved_tensors
-    grad_qkv, grad_bias = window_attention_backward_op(grad, qkv, lse, bias, mask, ctx.scale)
-    return grad_qkv, grad_bias.to(bias.dtype), None, None
+    qkv, lse, table, index, mask = ctx.saved_tensors
+    grad_qkv, grad_table = window_attention_backward_op(grad, qkv, lse, table, index, mask, ctx.scale)
+    return grad_qkv, grad_table.to(table.dtype), None, None, None
 
 
 window_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
@@ -274,6 +280,6 @@ def seed_window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Ten
 def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, bias_index: Tensor,
                      mask: Tensor | None) -> Tensor:
     """One kernel for Swin's half/bfloat16 windows of 7; otherwise (fp32, window 12) the seed's design."""
-    if fused_attention_fits(qkv, heads):  # the bias gather's own backward sums the table gradient
-        return window_attention_op(qkv, relative_position_bias(bias_table, bias_index), mask, scale)[0]
+    if fused_attention_fits(qkv, heads):
+        return window_attention_op(qkv, bias_table, bias_index, mask, scale)[0]
     return seed_window_attention(qkv, heads, scale, bias_table, bias_index, mask)
