@@ -4,9 +4,10 @@
 // q, k and v are read straight from the qkv projection (B_, N, 3C) and the output is written as (B_, N, C), ready
 // for the output projection: no head permutes, no (B_, heads, N, N) tensor in memory. A block owns one head and walks
 // a strided set of windows that all sit at one shift-mask position, so its bias (gathered from the relative-position
-// table) + mask is read once, and in the backward the bias gradient is summed in shared memory across those windows
-// and over the (i, j) pairs that share a table entry before one atomic add per entry. The next window's tiles are
-// fetched into registers while the current one computes.
+// table) + mask is read once, and in the backward each lane sums its bias-gradient elements over those windows in
+// registers, then the block adds them up per table entry in shared memory before one atomic add per entry. The next
+// window's tiles are fetched while the current one computes: into registers in the forward, by cp.async into a second
+// set of shared tiles in the backward.
 //
 // Each warp owns a 16-row stripe of the (padded) 64 x 64 score matrix and keeps it in registers across mma.sync
 // m16n8k16 instructions (FlashAttention-2's layout: an accumulator's (row, column) pairs are exactly those of the next
@@ -43,7 +44,10 @@ constexpr int kTileBytes = align128(kNP * kLdX * 2);
 constexpr int kFullBytes = align128(kNP * kLdP * 2);
 constexpr int kBiasBytes = align128(kNP * kLdB * 4);
 constexpr int kForwardSmem = 3 * kTileBytes + kBiasBytes;
-constexpr int kBackwardSmem = 4 * kTileBytes + 2 * kFullBytes + 2 * kBiasBytes;
+// The backward keeps two sets of q, k, v, dO tiles (one computes while the next window's copies land in the other), P
+// and dS, and the additive tile for the kCols * 8 rows that can hold real tokens: 75,520 bytes for windows of 7, so
+// that 3 blocks fit on an SM.
+constexpr int backward_smem(int cols) { return 8 * kTileBytes + 2 * kFullBytes + align128(8 * cols * kLdB * 4); }
 
 // ------------------------------------------------------------------ tensor-core building blocks
 
@@ -205,9 +209,9 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 // The kNP x kNP tile's elements are walked in batches of kBatch per thread, element e = threadIdx.x + r * kThreads of
-// batch `first` at r = first, ..., first + kBatch - 1 (row e / kNP, column e % kNP). These prologue and epilogue
-// passes run once per block and are bound by latency: a batch issues all its index reads, then the reads that depend
-// on them, so a thread waits twice per batch instead of twice per element.
+// batch `first` at r = first, ..., first + kBatch - 1 (row e / kNP, column e % kNP). The prologue that reads them runs
+// once per block and is bound by latency: a batch issues all its index reads, then the reads that depend on them, so
+// a thread waits twice per batch instead of twice per element.
 constexpr int kBatch = 8, kBatches = kNP * kNP / kThreads / kBatch;
 
 // The table entries of one batch, -1 in the padding.
@@ -221,9 +225,9 @@ __device__ __forceinline__ void table_entries(int (&entry)[kBatch], const int64_
 
 // The block's additive term for every logit (kNP x kLdB floats, base 2): head h's bias, table[index[i, j], h], plus
 // the shift mask at window position w, the same for every window the block walks; -inf outside N x N, so padded
-// columns get probability 0.
-__device__ void load_bias_mask(float* tile, const float* table, const int64_t* index, const float* mask, int h,
-                               int heads, int w, int N) {
+// columns get probability 0. Only the tile's first `rows` rows are written.
+__device__ void load_bias_mask(float* tile, int rows, const float* table, const int64_t* index, const float* mask,
+                               int h, int heads, int w, int N) {
 #pragma unroll 1
   for (int first = 0; first < kBatches * kBatch; first += kBatch) {
     int entry[kBatch];
@@ -238,7 +242,7 @@ __device__ void load_bias_mask(float* tile, const float* table, const int64_t* i
 #pragma unroll
     for (int r = 0; r < kBatch; ++r) {
       const int e = threadIdx.x + (first + r) * kThreads;
-      tile[(e / kNP) * kLdB + e % kNP] = value[r];
+      if (e / kNP < rows) tile[(e / kNP) * kLdB + e % kNP] = value[r];
     }
   }
 }
@@ -286,6 +290,26 @@ struct Staged {
   }
 };
 
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Staged's copy without the registers: `kCount` head tiles of one window, rows [0, N), global to shared memory by
+// cp.async (one commit group per call).
+template <int kCount, typename T>
+__device__ void copy_tiles_async(T* tiles, const T* src, int64_t matrix_offset, int64_t row_stride, int N) {
+  constexpr int kPerThread = kCount * kNP * kVectors / kThreads;
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) {
+    const int v = threadIdx.x + e * kThreads;
+    const int m = v / (kNP * kVectors), r = (v / kVectors) % kNP, c = (v % kVectors) * 8;
+    if (r < N) copy_async16(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c, src + m * matrix_offset + r * row_stride + c);
+  }
+}
+
 // ------------------------------------------------------------------ the kernels
 // Lane roles in an accumulator: g = lane / 4 picks rows 16w + g and 16w + g + 8, tig = lane % 4 picks columns
 // 8t + 2 tig and 8t + 2 tig + 1 of every 8-column tile t.
@@ -303,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
   float* add = reinterpret_cast<float*>(smem + 3 * kTileBytes);
   const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
   const float scale2 = scale * kLog2e;
-  load_bias_mask(add, table, index, mask, h, heads, blockIdx.x % n_mask, N);
+  load_bias_mask(add, kNP, table, index, mask, h, heads, blockIdx.x % n_mask, N);
   zero_padding_rows(q, 3, N);
   Staged<3> next;
   int64_t b = blockIdx.x;
@@ -365,40 +389,44 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     const T* __restrict__ grad_out, const T* __restrict__ qkv, const float* __restrict__ lse, T* __restrict__ grad_qkv,
     float* __restrict__ grad_table, const float* __restrict__ table, const int64_t* __restrict__ index,
     const float* __restrict__ mask, int64_t windows, int n_mask, int heads, int N, int entries, float scale) {
+  constexpr int kTile = kTileBytes / sizeof(T);
   extern __shared__ __align__(128) unsigned char smem[];
-  T* q = reinterpret_cast<T*>(smem);
-  T* k = q + kTileBytes / sizeof(T);
-  T* v = k + kTileBytes / sizeof(T);
-  T* dout = v + kTileBytes / sizeof(T);
-  T* probs = reinterpret_cast<T*>(smem + 4 * kTileBytes);
-  T* dscores = reinterpret_cast<T*>(smem + 4 * kTileBytes + kFullBytes);
-  float* add = reinterpret_cast<float*>(smem + 4 * kTileBytes + 2 * kFullBytes);
-  float* bias_grad = add + kBiasBytes / 4;  // summed over the block's windows, each element by its one lane
+  T* tiles = reinterpret_cast<T*>(smem);  // set s: q, k, v, dO at tiles + (4 s + 0..3) * kTile
+  T* probs = reinterpret_cast<T*>(smem + 8 * kTileBytes);
+  T* dscores = reinterpret_cast<T*>(smem + 8 * kTileBytes + kFullBytes);
+  float* add = reinterpret_cast<float*>(smem + 8 * kTileBytes + 2 * kFullBytes);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4, h = blockIdx.y;
   const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
+  // Rows past the additive tile are padding (probability 0 whatever they add), so they read the last real row.
+  const int add_rows[2] = {min(rows[0], N - 1), min(rows[1], N - 1)};
   const float scale2 = scale * kLog2e;
-  load_bias_mask(add, table, index, mask, h, heads, blockIdx.x % n_mask, N);
-  zero_padding_rows(q, 4, N);
-  for (int e = threadIdx.x; e < kNP * kLdB; e += kThreads) bias_grad[e] = 0.f;
-  Staged<3> next;
-  Staged<1> next_grad;
+  load_bias_mask(add, 8 * kCols, table, index, mask, h, heads, blockIdx.x % n_mask, N);
+  zero_padding_rows(tiles, 8, N);
   float next_lse[2];  // base 2; +inf on padded rows makes their probabilities 0
-  const auto fetch = [&](int64_t w) {
-    next.fetch(qkv + w * N * 3 * C + h * kD, C, 3 * C, N);
-    next_grad.fetch(grad_out + w * N * C + h * kD, 0, C, N);
+  const auto fetch = [&](int64_t w, int set) {
+    copy_tiles_async<3>(tiles + 4 * set * kTile, qkv + w * N * 3 * C + h * kD, C, 3 * C, N);
+    copy_tiles_async<1>(tiles + (4 * set + 3) * kTile, grad_out + w * N * C + h * kD, 0, C, N);
+    copy_async_commit();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       next_lse[half] = rows[half] < N ? lse[(w * heads + h) * N + rows[half]] * kLog2e : INFINITY;
     }
   };
+  // This lane's bias-gradient sums over the block's windows, at its accumulator positions.
+  float2 sums[kCols][2];
+#pragma unroll
+  for (int t = 0; t < kCols; ++t) sums[t][0] = sums[t][1] = make_float2(0.f, 0.f);
+  int set = 0;
   int64_t b = blockIdx.x;
-  if (b < windows) fetch(b);
-  for (; b < windows; b += gridDim.x) {
-    next.store(q, N);
-    next_grad.store(dout, N);
+  if (b < windows) fetch(b, 0);
+  for (; b < windows; b += gridDim.x, set ^= 1) {
+    const T* q = tiles + 4 * set * kTile;
+    const T *k = q + kTile, *v = q + 2 * kTile, *dout = q + 3 * kTile;
     const float row_lse[2] = {next_lse[0], next_lse[1]};
+    copy_async_wait();
+    // This window's tiles are in, and every warp is done with the previous window's: its tile set, P and dS.
     __syncthreads();
-    if (b + gridDim.x < windows) fetch(b + gridDim.x);
+    if (b + gridDim.x < windows) fetch(b + gridDim.x, set ^ 1);
     float p[kTiles][4], ds[kTiles][4];
     scores<T, kCols>(p, q, k, warp);
     scores<T, kCols>(ds, dout, v, warp);  // dP = dO V^T, turned into dS below
@@ -407,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     for (int t = 0; t < kCols; ++t) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float2 term = *pair_at(add, rows[half], t);
+        const float2 term = *pair_at(add, add_rows[half], t);
         p[t][2 * half] = exp2_approx(fmaf(p[t][2 * half], scale2, term.x) - row_lse[half]);
         p[t][2 * half + 1] = exp2_approx(fmaf(p[t][2 * half + 1], scale2, term.y) - row_lse[half]);
         dot[half] += p[t][2 * half] * ds[t][2 * half] + p[t][2 * half + 1] * ds[t][2 * half + 1];
@@ -415,22 +443,14 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     }
     dot[0] = quad_sum(dot[0]);
     dot[1] = quad_sum(dot[1]);
-    // The running bias-gradient sums are all read before any shared store below, so the reads overlap instead of each
-    // waiting behind a store the compiler cannot prove does not alias it.
-    float2 sums[kCols][2];
-#pragma unroll
-    for (int t = 0; t < kCols; ++t) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) sums[t][half] = *pair_at(bias_grad, rows[half], t);
-    }
 #pragma unroll
     for (int t = 0; t < kCols; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) ds[t][e] = p[t][e] * (ds[t][e] - dot[e / 2]);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        *pair_at(bias_grad, rows[half], t) =
-            make_float2(sums[t][half].x + ds[t][2 * half], sums[t][half].y + ds[t][2 * half + 1]);
+        sums[t][half].x += ds[t][2 * half];
+        sums[t][half].y += ds[t][2 * half + 1];
         const int at = rows[half] * kLdP + 8 * t + 2 * tig;
         *reinterpret_cast<uint32_t*>(probs + at) = pack<T>(p[t][2 * half], p[t][2 * half + 1]);
         *reinterpret_cast<uint32_t*>(dscores + at) = pack<T>(ds[t][2 * half], ds[t][2 * half + 1]);
@@ -453,21 +473,29 @@ __global__ void __launch_bounds__(kThreads, 3) window_attention_backward_kernel(
     for (int s = 0; s < kNP / 16; ++s) load_a_transposed(a[s], dscores, kLdP, 16 * warp, 16 * s, sizeof(T));
     stripe_times(acc, a, q);
     store_rows(acc, grad_qkv + b * N * 3 * C + C + h * kD, 3 * C, 16 * warp, N, scale);
-    __syncthreads();  // the tiles take the next window
   }
-  // The (i, j) pairs that share a table entry are summed in shared memory (the additive tile is free: the loop ended
-  // on a barrier), so the block makes one global atomic add per entry, (2w-1)^2 of them instead of N^2.
+  // The lanes' sums are added up per table entry in shared memory (the additive tile is free once every warp is past
+  // its last window), so the block makes one global atomic add per entry: (2w-1)^2 of them instead of N^2.
+  __syncthreads();
   float* entry_sums = add;
   for (int t = threadIdx.x; t < entries; t += kThreads) entry_sums[t] = 0.f;
   __syncthreads();
-#pragma unroll 1
-  for (int first = 0; first < kBatches * kBatch; first += kBatch) {
-    int entry[kBatch];
-    table_entries(entry, index, N, first);
 #pragma unroll
-    for (int r = 0; r < kBatch; ++r) {
-      const int e = threadIdx.x + (first + r) * kThreads;
-      if (entry[r] >= 0) atomicAdd(entry_sums + entry[r], bias_grad[(e / kNP) * kLdB + e % kNP]);
+  for (int half = 0; half < 2; ++half) {
+    if (rows[half] >= N) continue;
+    int entry[kCols][2];  // all index reads first: each atomic add waits on its own
+#pragma unroll
+    for (int t = 0; t < kCols; ++t) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int j = 8 * t + 2 * tig + c;
+        entry[t][c] = j < N ? static_cast<int>(index[rows[half] * N + j]) : -1;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kCols; ++t) {
+      if (entry[t][0] >= 0) atomicAdd(entry_sums + entry[t][0], sums[t][half].x);
+      if (entry[t][1] >= 0) atomicAdd(entry_sums + entry[t][1], sums[t][half].y);
     }
   }
   __syncthreads();
@@ -575,7 +603,7 @@ std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& g
   dispatch(qkv, [&](auto* type, auto cols) {
     using T = std::remove_pointer_t<decltype(type)>;
     constexpr auto kernel = window_attention_backward_kernel<T, decltype(cols)::value>;
-    const Launch launch = plan<kernel>(kBackwardSmem, windows, heads, n_mask);
+    const Launch launch = plan<kernel>(backward_smem(decltype(cols)::value), windows, heads, n_mask);
     kernel<<<launch.grid, kThreads, launch.smem, at::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const T*>(grad_out.data_ptr()), reinterpret_cast<const T*>(qkv.data_ptr()),
         lse.data_ptr<float>(), reinterpret_cast<T*>(grad_qkv.data_ptr()), grad_table.data_ptr<float>(),
