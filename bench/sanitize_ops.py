@@ -8,9 +8,12 @@ from vitctl.trainer.ops import cuda
 for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(2, 14, 21, 40, device="cuda", dtype=dtype, requires_grad=True)
     cuda.window_merge_op(cuda.window_partition_op(x, 7, 3), 7, 3, 14, 21).sum().backward()
-    qkv = torch.randn(2 * 6, 49, 3 * 96, device="cuda", dtype=dtype, requires_grad=True)
-    table = torch.randn(169, 3, device="cuda", requires_grad=True)
-    for mask in (shift_mask(14, 21, 7, 3).cuda(), None):  # fp32: matmuls + softmax kernel; bf16: one kernel
-        cuda.window_attention(qkv, 3, 32**-0.5, table, relative_position_index(7).cuda(), mask).sum().backward()
+    for window, H, W in ((7, 14, 21), (8, 16, 24)):  # bf16: the one-kernel variants for N <= 56 and N = 64
+        qkv = torch.randn(2 * (H // window) * (W // window), window**2, 3 * 96, device="cuda", dtype=dtype,
+                          requires_grad=True)
+        table = torch.randn((2 * window - 1) ** 2, 3, device="cuda", requires_grad=True)
+        index = relative_position_index(window).cuda()
+        for mask in (shift_mask(H, W, window, window // 2).cuda(), None):  # fp32: matmuls + softmax kernel
+            cuda.window_attention(qkv, 3, 32**-0.5, table, index, mask).sum().backward()
 torch.cuda.synchronize()
 print("all ops ran")

@@ -6,8 +6,7 @@
 // a strided set of windows that all sit at one shift-mask position, so its bias (gathered from the relative-position
 // table) + mask is read once, and in the backward each lane sums its bias-gradient elements over those windows in
 // registers, then the block adds them up per table entry in shared memory before one atomic add per entry. The next
-// window's tiles are fetched while the current one computes: into registers in the forward, by cp.async into a second
-// set of shared tiles in the backward.
+// window's tiles are copied by cp.async into a second set of shared tiles while the current one computes.
 //
 // Each warp owns a 16-row stripe of the (padded) 64 x 64 score matrix and keeps it in registers across mma.sync
 // m16n8k16 instructions (FlashAttention-2's layout: an accumulator's (row, column) pairs are exactly those of the next
@@ -43,7 +42,7 @@ constexpr int align128(int bytes) { return (bytes + 127) / 128 * 128; }
 constexpr int kTileBytes = align128(kNP * kLdX * 2);
 constexpr int kFullBytes = align128(kNP * kLdP * 2);
 constexpr int kBiasBytes = align128(kNP * kLdB * 4);
-constexpr int kForwardSmem = 3 * kTileBytes + kBiasBytes;
+constexpr int kForwardSmem = 6 * kTileBytes + kBiasBytes;  // two sets of q, k, v tiles, as in the backward
 // The backward keeps two sets of q, k, v, dO tiles (one computes while the next window's copies land in the other), P
 // and dS, and the additive tile for the kCols * 8 rows that can hold real tokens: 75,520 bytes for windows of 7, so
 // that 3 blocks fit on an SM.
@@ -261,35 +260,6 @@ __device__ __forceinline__ float2* pair_at(float* tile, int i, int t) {
   return reinterpret_cast<float2*>(tile + i * kLdB + 8 * t + 2 * (threadIdx.x % 4));
 }
 
-// `kCount` head tiles of one window in flight: rows [0, N) from global memory (the padding rows stay zero in shared
-// memory). Row r of matrix m starts at src + m * matrix_offset + r * row_stride.
-template <int kCount>
-struct Staged {
-  static constexpr int kPerThread = kCount * kNP * kVectors / kThreads;
-  static_assert(kCount * kNP * kVectors % kThreads == 0, "tiles must split evenly over the threads");
-  uint4 part[kPerThread];
-
-  template <typename T>
-  __device__ void fetch(const T* src, int64_t matrix_offset, int64_t row_stride, int N) {
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int v = threadIdx.x + e * kThreads;
-      const int m = v / (kNP * kVectors), r = (v / kVectors) % kNP, c = (v % kVectors) * 8;
-      if (r < N) part[e] = __ldg(reinterpret_cast<const uint4*>(src + m * matrix_offset + r * row_stride + c));
-    }
-  }
-
-  template <typename T>
-  __device__ void store(T* tiles, int N) const {
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int v = threadIdx.x + e * kThreads;
-      const int m = v / (kNP * kVectors), r = (v / kVectors) % kNP, c = (v % kVectors) * 8;
-      if (r < N) *reinterpret_cast<uint4*>(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c) = part[e];
-    }
-  }
-};
-
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(src) : "memory");
@@ -297,8 +267,8 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// Staged's copy without the registers: `kCount` head tiles of one window, rows [0, N), global to shared memory by
-// cp.async (one commit group per call).
+// `kCount` head tiles of one window, rows [0, N), from global to shared memory by cp.async, without passing through
+// registers (the padding rows stay zero). Row r of matrix m starts at src + m * matrix_offset + r * row_stride.
 template <int kCount, typename T>
 __device__ void copy_tiles_async(T* tiles, const T* src, int64_t matrix_offset, int64_t row_stride, int N) {
   constexpr int kPerThread = kCount * kNP * kVectors / kThreads;
@@ -319,23 +289,30 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
     const T* __restrict__ qkv, T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ table,
     const int64_t* __restrict__ index, const float* __restrict__ mask, int64_t windows, int n_mask, int heads, int N,
     float scale) {
+  constexpr int kTile = kTileBytes / sizeof(T);
   extern __shared__ __align__(128) unsigned char smem[];
-  T* q = reinterpret_cast<T*>(smem);
-  T* k = q + kTileBytes / sizeof(T);
-  T* v = k + kTileBytes / sizeof(T);
+  T* tiles = reinterpret_cast<T*>(smem);  // set s: q, k, v at tiles + (3 s + 0..2) * kTile
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4, h = blockIdx.y;
-  float* add = reinterpret_cast<float*>(smem + 3 * kTileBytes);
+  float* add = reinterpret_cast<float*>(smem + 6 * kTileBytes);
   const int C = heads * kD, rows[2] = {16 * warp + g, 16 * warp + g + 8};
   const float scale2 = scale * kLog2e;
   load_bias_mask(add, kNP, table, index, mask, h, heads, blockIdx.x % n_mask, N);
-  zero_padding_rows(q, 3, N);
-  Staged<3> next;
+  zero_padding_rows(tiles, 6, N);
+  int set = 0;
   int64_t b = blockIdx.x;
-  if (b < windows) next.fetch(qkv + b * N * 3 * C + h * kD, C, 3 * C, N);
-  for (; b < windows; b += gridDim.x) {
-    next.store(q, N);
-    __syncthreads();
-    if (b + gridDim.x < windows) next.fetch(qkv + (b + gridDim.x) * N * 3 * C + h * kD, C, 3 * C, N);
+  if (b < windows) {
+    copy_tiles_async<3>(tiles, qkv + b * N * 3 * C + h * kD, C, 3 * C, N);
+    copy_async_commit();
+  }
+  for (; b < windows; b += gridDim.x, set ^= 1) {
+    const T* q = tiles + 3 * set * kTile;
+    const T *k = q + kTile, *v = q + 2 * kTile;
+    copy_async_wait();
+    __syncthreads();  // this window's tiles are in, and every warp is done with the other set
+    if (b + gridDim.x < windows) {
+      copy_tiles_async<3>(tiles + 3 * (set ^ 1) * kTile, qkv + (b + gridDim.x) * N * 3 * C + h * kD, C, 3 * C, N);
+      copy_async_commit();
+    }
     float s[kTiles][4];
     scores<T, kCols>(s, q, k, warp);
     float top[2] = {-INFINITY, -INFINITY}, total[2] = {0.f, 0.f};
@@ -380,7 +357,6 @@ __global__ void __launch_bounds__(kThreads, 4) window_attention_forward_kernel(
         lse[(b * heads + h) * N + rows[half]] = (top[half] + __log2f(total[half])) * kLn2;  // natural log
       }
     }
-    __syncthreads();  // q, k, v take the next window
   }
 }
 
