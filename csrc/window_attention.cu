@@ -47,6 +47,8 @@ constexpr int kForwardSmem = 6 * kTileBytes + kBiasBytes;  // two sets of q, k, 
 // and dS, and the additive tile for the kCols * 8 rows that can hold real tokens: 75,520 bytes for windows of 7, so
 // that 3 blocks fit on an SM.
 constexpr int backward_smem(int cols) { return 8 * kTileBytes + 2 * kFullBytes + align128(8 * cols * kLdB * 4); }
+// The backward sums the table's gradient in its additive tile, at least 7 * 8 rows of kLdB floats.
+constexpr int kMaxTableEntries = 7 * 8 * kLdB;
 
 // ------------------------------------------------------------------ tensor-core building blocks
 
@@ -272,11 +274,14 @@ __device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_
 template <int kCount, typename T>
 __device__ void copy_tiles_async(T* tiles, const T* src, int64_t matrix_offset, int64_t row_stride, int N) {
   constexpr int kPerThread = kCount * kNP * kVectors / kThreads;
+  static_assert(kCount * kNP * kVectors % kThreads == 0, "tiles must split evenly over the threads");
 #pragma unroll
   for (int e = 0; e < kPerThread; ++e) {
     const int v = threadIdx.x + e * kThreads;
     const int m = v / (kNP * kVectors), r = (v / kVectors) % kNP, c = (v % kVectors) * 8;
-    if (r < N) copy_async16(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c, src + m * matrix_offset + r * row_stride + c);
+    if (r < N) {
+      copy_async16(tiles + m * (kTileBytes / sizeof(T)) + r * kLdX + c, src + m * matrix_offset + r * row_stride + c);
+    }
   }
 }
 
@@ -509,10 +514,10 @@ void check_inputs(const torch::Tensor& qkv, const torch::Tensor& table, const to
   TORCH_CHECK(qkv.is_cuda() && qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be a contiguous CUDA (B_, N, 3C)");
   TORCH_CHECK(qkv.scalar_type() == at::kHalf || qkv.scalar_type() == at::kBFloat16, "qkv must be half or bfloat16");
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous() &&
-                  table.size(0) <= kNP * kLdB,
-              "bias table must be contiguous float (entries <= ", kNP * kLdB, ", heads), got ", table.sizes());
+                  table.size(0) <= kMaxTableEntries,
+              "bias table must be contiguous float (entries <= ", kMaxTableEntries, ", heads), got ", table.sizes());
   const int64_t N = qkv.size(1), heads = table.size(1);
-  TORCH_CHECK(N <= kNP && qkv.size(2) == 3 * heads * kD, "fused window attention takes N <= ", kNP,
+  TORCH_CHECK(N >= 1 && N <= kNP && qkv.size(2) == 3 * heads * kD, "fused window attention takes 1 <= N <= ", kNP,
               " and head dim ", kD, ", got ", qkv.sizes(), " with ", heads, " heads");
   TORCH_CHECK(index.dim() == 2 && index.size(0) == N && index.size(1) == N && index.scalar_type() == at::kLong &&
                   index.is_contiguous() && index.device() == qkv.device(),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vitctl.trainer.models.swin import relative_position_index, shift_mask
-from vitctl.trainer.ops import parse_fused, reference, resolve, sdpa
+from vitctl.trainer.ops import cuda, parse_fused, reference, resolve, sdpa
 
 
 def test_partition_then_merge_is_the_identity_and_matches_a_loop():
@@ -33,6 +33,18 @@ def test_window_attention_reads_packed_qkv_per_head_and_matches_sdpa(masked):
     logits = q @ k.T * d**-0.5 + table[index, h] + (mask[b % n_windows] if masked else 0)
     torch.testing.assert_close(expected[b, :, h * d:(h + 1) * d], logits.softmax(-1) @ v)
     torch.testing.assert_close(sdpa.window_attention(qkv, heads, d**-0.5, table, index, mask), expected)
+
+
+def test_the_one_kernel_attention_takes_only_what_its_kernel_can():
+    """Half/bfloat16, 1 to 64 tokens, head dim 32; anything else goes to the seed's design."""
+    def fits(tokens: int, width: int = 3 * 3 * 32, dtype: torch.dtype = torch.bfloat16) -> bool:
+        return cuda.fused_attention_fits(torch.empty(2, tokens, width, dtype=dtype), 3)
+
+    assert fits(49) and fits(64) and fits(1) and fits(49, dtype=torch.float16)
+    assert not fits(0)  # no tokens
+    assert not fits(65) and not fits(144)  # windows past 8
+    assert not fits(49, dtype=torch.float32)
+    assert not fits(49, width=3 * 3 * 24)  # head dim 24
 
 
 def test_sdpa_attention_matches_reference():

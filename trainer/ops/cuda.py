@@ -176,7 +176,7 @@ FUSED_DTYPES, FUSED_MAX_TOKENS, FUSED_HEAD_DIM = (torch.float16, torch.bfloat16)
 
 def fused_attention_fits(qkv: Tensor, heads: int) -> bool:
     """The one-kernel attention takes half and bfloat16, up to 64 tokens (window 7) and head dim 32: Swin's."""
-    return (qkv.dtype in FUSED_DTYPES and qkv.dim() == 3 and qkv.shape[1] <= FUSED_MAX_TOKENS
+    return (qkv.dtype in FUSED_DTYPES and qkv.dim() == 3 and 1 <= qkv.shape[1] <= FUSED_MAX_TOKENS
             and qkv.shape[2] == 3 * heads * FUSED_HEAD_DIM)
 
 
