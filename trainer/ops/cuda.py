@@ -175,7 +175,7 @@ FUSED_DTYPES, FUSED_MAX_TOKENS, FUSED_HEAD_DIM = (torch.float16, torch.bfloat16)
 
 
 def fused_attention_fits(qkv: Tensor, heads: int) -> bool:
-    """The one-kernel attention takes half and bfloat16, up to 64 tokens (window 7) and head dim 32: Swin's."""
+    """The one-kernel attention takes half and bfloat16, 1 to 64 tokens (windows up to 8) and head dim 32: Swin's."""
     return (qkv.dtype in FUSED_DTYPES and qkv.dim() == 3 and 1 <= qkv.shape[1] <= FUSED_MAX_TOKENS
             and qkv.shape[2] == 3 * heads * FUSED_HEAD_DIM)
 
@@ -183,7 +183,7 @@ def fused_attention_fits(qkv: Tensor, heads: int) -> bool:
 def check_fused_attention(qkv: Tensor, table: Tensor, index: Tensor, mask: Tensor | None) -> None:
     heads = table.shape[1] if table.dim() == 2 else -1
     if not qkv.is_cuda or not fused_attention_fits(qkv, heads):
-        raise ValueError(f"fused window attention takes CUDA half/bfloat16 qkv (B*nW, N <= {FUSED_MAX_TOKENS}, "
+        raise ValueError(f"fused window attention takes CUDA half/bfloat16 qkv (B*nW, 1 <= N <= {FUSED_MAX_TOKENS}, "
                          f"3 * heads * {FUSED_HEAD_DIM}); got {qkv.dtype} {tuple(qkv.shape)} with {heads} heads")
     N = qkv.shape[1]
     if tuple(index.shape) != (N, N) or index.dtype != torch.int64:
