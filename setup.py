@@ -5,7 +5,8 @@ import os
 
 from setuptools import setup
 
-SOURCES = ["csrc/ops.cpp", "csrc/window_process.cu", "csrc/window_softmax.cu", "csrc/window_attention.cu"]
+SOURCES = ["csrc/ops.cpp", "csrc/window_process.cu", "csrc/window_softmax.cu", "csrc/window_attention.cu",
+           "csrc/fused_mlp.cpp", "csrc/master_adamw.cu"]
 
 
 def cuda_extension() -> dict:

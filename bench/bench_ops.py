@@ -1,5 +1,5 @@
 """Per-op forward + backward timing on one GPU: our CUDA kernels vs the reference ops, torch.compile of the
-reference, and (attention) SDPA with an additive bias + mask. Shapes are Swin-B's at batch 128."""
+reference, and (attention) SDPA with an additive bias + mask. Shapes are Swin-B's at batch 128 (MLP: also ViT-B's)."""
 
 import argparse
 import statistics
@@ -86,10 +86,19 @@ def window_attention(B: int, res: int, heads: int, window: int, dtype: torch.dty
              ("vitctl cuda, one kernel", op(cuda.window_attention)))]
 
 
+def mlp(B: int, tokens: int, dim: int, hidden: int, dtype: torch.dtype) -> list[Row]:
+    inputs = [(torch.randn(shape, device="cuda", dtype=dtype) * 0.02).requires_grad_() for shape in
+              ((B, tokens, dim), (hidden, dim), (hidden,), (dim, hidden), (dim,))]
+    return [(name, time_ms(fwd_bwd(fn, inputs))) for name, fn in
+            (("reference", reference.mlp), ("torch.compile(reference)", torch.compile(reference.mlp)),
+             ("vitctl cuda (GELU in fc1's cuBLASLt epilogue)", cuda.mlp),
+             ("torch.compile(vitctl cuda): Inductor fuses its backward", torch.compile(cuda.mlp)))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--ops", choices=("all", "process", "attention"), default="all")
+    parser.add_argument("--ops", choices=("all", "process", "attention", "mlp"), default="all")
     args = parser.parse_args()
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, batch {args.batch}, median of 50")
@@ -98,6 +107,9 @@ def main() -> None:
         "window process, stage 3: 14x14x512": ("process", window_process, (14, 512, 7)),
         "window attention, stage 1: 64 windows x 4 heads, N=49": ("attention", window_attention, (56, 4, 7)),
         "window attention, stage 3: 4 windows x 16 heads, N=49": ("attention", window_attention, (14, 16, 7)),
+        "MLP, Swin-B stage 1: 3136 tokens, 128 -> 512 -> 128": ("mlp", mlp, (3136, 128, 512)),
+        "MLP, Swin-B stage 3: 196 tokens, 512 -> 2048 -> 512": ("mlp", mlp, (196, 512, 2048)),
+        "MLP, ViT-B/16: 197 tokens, 768 -> 3072 -> 768": ("mlp", mlp, (197, 768, 3072)),
     }
     for title, (kind, bench, shape) in cases.items():
         if args.ops not in ("all", kind):

@@ -44,7 +44,10 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
                       f"{r.mfu:.1%}" if r.mfu is not None else "-", f"{r.images_per_s / results[0].images_per_s:.2f}x")
     console.print(table)
     for ops in sorted({r.ops for r in results if r.ops}):
-        console.print(f"vitctl ops: {ops}; optimizer (every row): torch fused AdamW", highlight=False)
+        console.print(f"vitctl ops: {ops}", highlight=False)
+    for optimizer in dict.fromkeys(r.optimizer for r in results):
+        rows = ", ".join(str(i) for i, r in enumerate(results, 1) if r.optimizer == optimizer)
+        console.print(f"optimizer in rows {rows}: {optimizer}", highlight=False)
     if compare:
         ours = max((r for r in results if r.name.startswith("vitctl")), key=lambda r: r.images_per_s)
         timm = max((r for r in results if r.name.startswith("timm")), key=lambda r: r.images_per_s)

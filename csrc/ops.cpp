@@ -14,6 +14,13 @@ std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& g
                                                           const torch::Tensor& lse, const torch::Tensor& table,
                                                           const torch::Tensor& index,
                                                           const c10::optional<torch::Tensor>& mask, double scale);
+std::vector<at::Tensor> fused_mlp_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1,
+                                               const at::Tensor& w2, const at::Tensor& b2);
+void master_adamw_cuda(const std::vector<torch::Tensor>& grads, const std::vector<torch::Tensor>& params,
+                       const std::vector<torch::Tensor>& masters, const std::vector<torch::Tensor>& exp_avgs,
+                       const std::vector<torch::Tensor>& exp_avg_sqs, const std::vector<torch::Tensor>& steps,
+                       const std::vector<double>& lrs, const std::vector<double>& decays, double beta1, double beta2,
+                       double eps, const c10::optional<torch::Tensor>& grad_factor);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_partition", &window_partition_cuda, "cyclic shift + window partition (CUDA)");
@@ -23,4 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_attention_forward", &window_attention_forward_cuda,
         "softmax(q k^T * scale + table[index] + mask) @ v from packed qkv, with the row log-sum-exp (CUDA)");
   m.def("window_attention_backward", &window_attention_backward_cuda, "its qkv and bias-table gradients (CUDA)");
+  m.def("fused_mlp_forward", &fused_mlp_forward_cuda,
+        "linear -> GELU (tanh) -> linear, fc1's bias + GELU in its cuBLASLt epilogue; returns the GELU input too");
+  m.def("master_adamw", &master_adamw_cuda,
+        "AdamW on float32 masters from bfloat16 gradients, new weights written back to the bfloat16 model (CUDA)");
 }

@@ -49,3 +49,18 @@ def test_doctor_says_which_ops_can_run_and_why_not():
 def test_bench_compile_mode_needs_compile():
     result = vitctl("bench", "train", "--compile-mode", "reduce-overhead")
     assert result.exit_code == 2 and "--compile-mode reduce-overhead needs --compile" in result.output
+
+
+def test_bench_says_which_optimizer_each_row_ran(monkeypatch):
+    from vitctl.cli import bench
+    from vitctl.trainer.bench import BenchResult
+
+    ours = BenchResult("vitctl swin_b", "bf16-pure", 3000.0, 42.0, 10.0, 0.3, ops="mlp=cuda",
+                       optimizer="one vitctl kernel")
+    timm = [BenchResult("timm swin", f"bf16 {mode}", 2400.0, 53.0, 15.0, 0.2) for mode in ("default", "ro")]
+    monkeypatch.setattr(bench, "bench_train", lambda *args: [ours, *timm])
+    result = vitctl("bench", "train", "--compare", "timm")
+    assert result.exit_code == 0
+    assert "optimizer in rows 1: one vitctl kernel" in result.output
+    assert "optimizer in rows 2, 3: torch fused AdamW" in result.output
+    assert "ours / timm: 1.25x" in result.output

@@ -1,5 +1,7 @@
 """Our CUDA kernels against the reference ops (marked gpu; run them with the device tool)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -154,8 +156,105 @@ def test_fused_all_keeps_the_reference_partition_under_compile_and_takes_the_cud
     assert eager["window_attention"] == compiled["window_attention"] == "cuda"  # ahead of SDPA, compiled or not
 
 
+MLP_SHAPES = [(2, 49, 128, 512), (3, 50, 64, 256), (1, 7, 24, 40)]  # batch, tokens, dim, hidden
+
+
+def _mlp_inputs(batch: int, tokens: int, dim: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    shapes = [(batch, tokens, dim), (hidden, dim), (hidden,), (dim, hidden), (dim,)]
+    scales = [1.0, dim**-0.5, 0.5, hidden**-0.5, 0.5]
+    return [(torch.randn(s, device="cuda") * k).to(dtype).requires_grad_() for s, k in zip(shapes, scales, strict=True)]
+
+
+def _tanh_gelu_mlp(x, w1, b1, w2, b2):
+    return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1),
+                                                               approximate="tanh"), w2, b2)
+
+
+@pytest.mark.parametrize("shape", MLP_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_mlp_matches_the_tanh_gelu_mlp_forward_and_every_gradient(shape, dtype):
+    inputs = _mlp_inputs(*shape, dtype)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    ours, ref = cuda.mlp(*inputs), _tanh_gelu_mlp(*exact)
+    assert ours.dtype == dtype and ours.shape == ref.shape
+    assert relative_error(ours, ref) < TOLERANCE[dtype]
+    grad = torch.randn_like(ref)
+    ours.backward(grad.to(dtype))
+    ref.backward(grad)
+    for name, a, b in zip(("x", "w1", "b1", "w2", "b2"), inputs, exact, strict=True):
+        assert relative_error(a.grad, b.grad) < TOLERANCE[dtype], name
+
+
+def test_fused_mlp_under_autocast_gives_float32_parameters_their_gradients():
+    inputs = _mlp_inputs(2, 49, 128, 512, torch.float32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours = cuda.mlp(*inputs)
+    assert ours.dtype == torch.bfloat16
+    ours.float().square().sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    _tanh_gelu_mlp(*exact).square().sum().backward()
+    for a, b in zip(inputs, exact, strict=True):
+        assert a.grad.dtype == torch.float32 and relative_error(a.grad, b.grad) < 2 * TOLERANCE[torch.bfloat16]
+
+
+def test_fused_mlp_leaves_float32_and_odd_sizes_to_the_reference():
+    for dtype, dim in ((torch.float32, 64), (torch.bfloat16, 36)):
+        inputs = [t.detach() for t in _mlp_inputs(2, 5, dim, 128, dtype)]
+        assert torch.equal(cuda.mlp(*inputs), reference.mlp(*inputs))
+
+
+def test_fused_mlp_compiles_without_graph_breaks():
+    inputs = _mlp_inputs(2, 49, 128, 512, torch.bfloat16)
+    compiled = torch.compile(lambda *t: cuda.mlp(*t).float().sum(), fullgraph=True)
+    out = compiled(*inputs)
+    out.backward()
+    torch.testing.assert_close(out, _tanh_gelu_mlp(*inputs).float().sum(), rtol=2e-2, atol=1.0)
+    assert all(t.grad is not None for t in inputs)
+
+
+def _bf16_model_and_optimizer(make_optimizer):
+    from vitctl.trainer.precision import MasterWeights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
+    model.to(torch.bfloat16)
+    master = MasterWeights(model)
+    weights, biases = [model[0].weight, model[2].weight], [model[0].bias, model[2].bias]
+    groups = [{"params": weights, "weight_decay": 0.05}, {"params": biases, "weight_decay": 0.0, "lr": 3e-3}]
+    return model, master, make_optimizer(master.swap_groups(groups), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.05])
+def test_master_adamw_kernel_steps_as_torch_fused_adamw_with_copies(max_norm):
+    ran = []
+
+    class Counting(cuda.MasterAdamW):
+        def step_master_weights(self, pairs, max_norm=0.0):
+            ran.append(super().step_master_weights(pairs, max_norm))
+            return ran[-1]
+
+    ours = _bf16_model_and_optimizer(Counting)
+    ref = _bf16_model_and_optimizer(functools.partial(torch.optim.AdamW, fused=True))
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    for _ in range(4):
+        for model, master, optimizer in (ours, ref):
+            model(x).float().square().mean().backward()
+            master.step(optimizer, max_norm)
+            optimizer.zero_grad(set_to_none=True)
+    assert ran == [False, True, True, True]  # torch's first step makes the state; the kernel takes the rest
+    (_, master, optimizer), (_, ref_master, ref_optimizer) = ours, ref
+    for (p, m), (_, ref_m) in zip(master.pairs, ref_master.pairs, strict=True):
+        assert p.grad is None and m.grad is None
+        torch.testing.assert_close(m, ref_m, rtol=1e-6, atol=1e-7)
+        assert torch.equal(p, m.to(torch.bfloat16))  # the new weights are in the model
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(optimizer.state[m][key], ref_optimizer.state[ref_m][key], rtol=1e-6, atol=1e-9)
+    assert optimizer.state[master.pairs[0][1]]["step"].item() == 4
+
+
 @pytest.mark.slow
-def test_swin_t_loss_parity_over_200_steps(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])  # bf16-pure: the master AdamW kernel too
+def test_swin_t_loss_parity_over_200_steps(tmp_path, precision):
     """Training with every CUDA kernel in use follows the reference ops' loss within 1%."""
     import json
 
@@ -167,7 +266,7 @@ def test_swin_t_loss_parity_over_200_steps(tmp_path):
         out = tmp_path / fused.split(",")[0]
         config = load_config(None, ["model.name=swin_t", "model.num_classes=100", "model.drop_path=0.0",
                                     "data.source=synthetic", "data.batch_size=32", "data.train_samples=6400",
-                                    "train.epochs=1", "train.precision=bf16", f"train.fused={fused}",
+                                    "train.epochs=1", f"train.precision={precision}", f"train.fused={fused}",
                                     "train.log_every=10", f"train.out_dir={out}", "augment.mixup=0",
                                     "augment.cutmix=0", "optim.warmup_epochs=0.1"])
         train(config, use_cuda=True)
@@ -176,7 +275,7 @@ def test_swin_t_loss_parity_over_200_steps(tmp_path):
     reference, fused = losses.values()
     assert len(reference) == len(fused) == 20
     worst = max(abs(a - b) / abs(a) for a, b in zip(reference, fused, strict=True))
-    print(f"200 steps: first loss {reference[0]:.4f} / {fused[0]:.4f}, last {reference[-1]:.4f} / {fused[-1]:.4f}, "
-          f"worst relative gap {worst:.4%}")
+    print(f"{precision}, 200 steps: first loss {reference[0]:.4f} / {fused[0]:.4f}, "
+          f"last {reference[-1]:.4f} / {fused[-1]:.4f}, worst relative gap {worst:.4%}")
     assert reference[-1] < 0.5 * reference[0]  # it learned something, so the comparison means something
     assert worst < 0.01

@@ -47,6 +47,11 @@ def test_the_one_kernel_attention_takes_only_what_its_kernel_can():
     assert not fits(49, width=3 * 3 * 24)  # head dim 24
 
 
+def test_the_fused_mlp_leaves_cpu_tensors_to_the_exact_gelu_reference():
+    x, w1, b1, w2, b2 = (torch.randn(*s, dtype=torch.bfloat16) for s in ((2, 5, 16), (64, 16), (64,), (16, 64), (16,)))
+    assert torch.equal(cuda.mlp(x, w1, b1, w2, b2), reference.mlp(x, w1, b1, w2, b2))
+
+
 def test_sdpa_attention_matches_reference():
     q, k, v = (torch.randn(2, 3, 17, 8) for _ in range(3))
     torch.testing.assert_close(sdpa.attention(q, k, v), reference.attention(q, k, v))

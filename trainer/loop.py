@@ -203,7 +203,15 @@ class Trainer:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
         if self.master:
-            self.master.grads_to_master()
+            self.master.step(self.optimizer, self.c.optim.clip_grad or 0.0)
+        else:
+            self._optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema:
+            self.ema.update(self.model)
+        return float(total), waited
+
+    def _optimizer_step(self) -> None:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if self.c.optim.clip_grad:
@@ -213,12 +221,6 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.master:
-            self.master.master_to_model()
-        if self.ema:
-            self.ema.update(self.model)
-        return float(total), waited
 
     def _graph_step_begin(self) -> None:
         """Under CUDA graphs: the previous forward's outputs are consumed, so their memory may be reused."""

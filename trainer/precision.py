@@ -54,6 +54,21 @@ class MasterWeights:
         for p, _ in with_grad:
             p.grad = None
 
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> None:
+        """Clip the gradients to `max_norm` (when set), step the masters, copy them into the model; in one kernel
+        where the optimizer has one (ops/cuda.py's MasterAdamW), else in three passes."""
+        with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
+        one_kernel = getattr(optimizer, "step_master_weights", None)
+        if one_kernel is not None and one_kernel(with_grad, max_norm):
+            for p, _ in with_grad:
+                p.grad = None
+            return
+        self.grads_to_master()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_([m for _, m in self.pairs], max_norm)
+        optimizer.step()
+        self.master_to_model()
+
     @torch.no_grad()
     def master_to_model(self) -> None:
         torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])

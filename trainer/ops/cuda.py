@@ -9,13 +9,15 @@ import importlib
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from . import register
+from . import reference, register
 from .reference import merge_heads, split_heads
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("ops.cpp", "window_process.cu", "window_softmax.cu", "window_attention.cu")
+SOURCES = ("ops.cpp", "window_process.cu", "window_softmax.cu", "window_attention.cu", "fused_mlp.cpp",
+           "master_adamw.cu")
 
 
 @functools.cache
@@ -252,6 +254,90 @@ def _attention_backward(ctx, grad: Tensor, _grad_lse):
 
 window_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
 
+# ------------------------------------------------------------------ MLP: fc1's bias + GELU in its matmul's epilogue
+
+
+def fused_mlp_fits(x: Tensor, w1: Tensor, w2: Tensor) -> bool:
+    """cuBLASLt's GELU epilogue needs 16-byte aligned rows: every feature size a multiple of 8."""
+    return x.is_cuda and all(n % 8 == 0 for n in (x.shape[-1], w1.shape[0], w2.shape[0]))
+
+
+@torch.library.custom_op("vitctl::mlp", mutates_args=())
+def mlp_op(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor]:
+    """(M, K) x -> fc2(GELU(fc1(x))) (M, N) and the GELU input (M, H), kept for backward."""
+    if x.dim() != 2 or w1.shape != (b1.shape[0], x.shape[1]) or w2.shape != (b2.shape[0], w1.shape[0]):
+        raise ValueError(f"fused MLP: x {tuple(x.shape)}, fc1 {tuple(w1.shape)} + {tuple(b1.shape)}, fc2 "
+                         f"{tuple(w2.shape)} + {tuple(b2.shape)} do not chain")
+    y, pre = extension().fused_mlp_forward(aligned(x), *(aligned(t) for t in (w1, b1, w2, b2)))
+    return y, pre
+
+
+@mlp_op.register_fake
+def _(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
+
+
+def _mlp_setup(ctx, inputs, output) -> None:
+    x, w1, _, w2, _ = inputs
+    ctx.save_for_backward(x, output[1], w1, w2)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _mlp_backward(ctx, grad: Tensor, _grad_pre):
+    """Plain ops, so that under torch.compile Inductor fuses fc2's input (recomputed: one (M, H) tensor less kept per
+    block), GELU's derivative and fc1's bias gradient into one pass."""
+    x, pre, w1, w2 = ctx.saved_tensors
+    grad = grad.to(x.dtype)
+    act = F.gelu(pre, approximate="tanh")
+    grad_pre = torch.ops.aten.gelu_backward(grad @ w2, pre, approximate="tanh")
+    return grad_pre @ w1, grad_pre.t() @ x, grad_pre.sum(0), grad.t() @ act, grad.sum(0)
+
+
+mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+# ------------------------------------------------------------------ AdamW on float32 masters from bfloat16 gradients
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """torch's fused AdamW, which also steps float32 master weights from a bfloat16 model's gradients and writes the
+    new weights back to the model in one kernel (bf16-pure). State and checkpoints are torch's fused AdamW's."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, fused=True, **kwargs)
+
+    @torch.no_grad()
+    def step_master_weights(self, pairs: list[tuple[Tensor, Tensor]], max_norm: float = 0.0) -> bool:
+        """Step (bfloat16 parameter with its gradient, float32 master) pairs, clipping the gradients' total norm to
+        `max_norm` when set; False, with nothing done, where the kernel does not apply."""
+        if not self._kernel_applies(pairs):
+            return False
+        group_of = {m: g for g in self.param_groups for m in g["params"]}
+        states = [self.state[m] for _, m in pairs]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        grads = [p.grad for p, _ in pairs]
+        (beta1, beta2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
+        extension().master_adamw(grads, [p for p, _ in pairs], [m for _, m in pairs], [s["exp_avg"] for s in states],
+                                 [s["exp_avg_sq"] for s in states], steps, [group_of[m]["lr"] for _, m in pairs],
+                                 [group_of[m]["weight_decay"] for _, m in pairs], beta1, beta2, eps,
+                                 clip_factor(grads, max_norm) if max_norm else None)
+        return True
+
+    def _kernel_applies(self, pairs: list[tuple[Tensor, Tensor]]) -> bool:
+        """Not before torch's first step has made the state, nor for amsgrad, maximize or per-group betas and eps."""
+        first = self.param_groups[0]
+        same = all(not g["amsgrad"] and not g["maximize"] and (g["betas"], g["eps"]) == (first["betas"], first["eps"])
+                   for g in self.param_groups)
+        return same and bool(pairs) and all(m in self.state and p.dtype == torch.bfloat16 and p.grad.is_contiguous()
+                                            for p, m in pairs)
+
+
+def clip_factor(grads: list[Tensor], max_norm: float) -> Tensor:
+    """clip_grad_norm_'s coefficient, min(1, max_norm / (total norm + 1e-6)), on the GPU, the norms in float32."""
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
 # ------------------------------------------------------------------ the seams
 
 
@@ -283,3 +369,20 @@ def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, 
     if fused_attention_fits(qkv, heads):
         return window_attention_op(qkv, bias_table, bias_index, mask, scale)[0]
     return seed_window_attention(qkv, heads, scale, bias_table, bias_index, mask)
+
+
+# cuBLASLt's GELU is the tanh form, which differs from the exact (erf) GELU of the reference and timm by under 5e-4,
+# below bfloat16's resolution: float32 runs, where that would show, take the reference.
+@register("mlp", "cuda", 35, unavailable)
+def mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """fc2(GELU(fc1(x))) with fc1's bias and GELU in its matmul's epilogue, for half and bfloat16."""
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    if dtype not in FUSED_DTYPES or not fused_mlp_fits(x, w1, w2):
+        return reference.mlp(x, w1, b1, w2, b2)
+    y, _ = mlp_op(*(t.to(dtype) for t in (x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)))
+    return y.view(*x.shape[:-1], w2.shape[0])
+
+
+@register("optimizer", "cuda", 40, unavailable)
+def master_adamw(groups: list[dict], lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    return MasterAdamW(groups, lr=lr, betas=betas, eps=eps)
