@@ -262,7 +262,7 @@ def test_swin_t_loss_parity_over_200_steps(tmp_path, precision):
     from vitctl.trainer.loop import train
 
     losses = {}
-    for fused in ("none", "all,window_partition=cuda,window_merge=cuda,window_attention=cuda"):
+    for fused in ("none", "all,window_partition=cuda,window_merge=cuda,window_attention=cuda,mlp=cuda"):
         out = tmp_path / fused.split(",")[0]
         config = load_config(None, ["model.name=swin_t", "model.num_classes=100", "model.drop_path=0.0",
                                     "data.source=synthetic", "data.batch_size=32", "data.train_samples=6400",

@@ -1,10 +1,11 @@
+import dataclasses
 import logging
 
 import pytest
 import torch
 
 from vitctl.trainer.models.swin import relative_position_index, shift_mask
-from vitctl.trainer.ops import cuda, parse_fused, reference, resolve, sdpa
+from vitctl.trainer.ops import REGISTRY, cuda, parse_fused, reference, resolve, sdpa
 
 
 def test_partition_then_merge_is_the_identity_and_matches_a_loop():
@@ -84,3 +85,12 @@ def test_unavailable_ops_fall_back_with_one_log_line_each(caplog):
     assert len([m for m in fallbacks if m.startswith("op optimizer")]) == 1
     none = resolve("none", torch.device("cpu"))
     assert set(dict(none.chosen).values()) == {"reference"}
+
+
+def test_an_implementation_that_pays_only_under_compile_is_left_out_of_eager_runs(monkeypatch):
+    impl = REGISTRY["mlp"]["cuda"]
+    monkeypatch.setitem(REGISTRY["mlp"], "cuda", dataclasses.replace(impl, unavailable=lambda device: None))
+    cpu = torch.device("cpu")
+    assert dict(resolve("all", cpu, compiling=True).chosen)["mlp"] == "cuda"
+    assert dict(resolve("all", cpu).chosen)["mlp"] == "reference"
+    assert dict(resolve("mlp=cuda", cpu).chosen)["mlp"] == "cuda"  # asked for: used

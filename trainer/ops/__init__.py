@@ -22,6 +22,7 @@ class Impl:
     priority: int  # the best available implementation has the highest
     unavailable: Callable[[torch.device], str | None]  # why it cannot run on that device, or None
     under_compile: bool = True  # False: torch.compile does better with the reference (it fuses across it)
+    in_eager: bool = True  # False: it beats the reference only under torch.compile (which fuses its backward)
 
 
 REGISTRY: dict[str, dict[str, Impl]] = {seam: {} for seam in SEAMS}
@@ -29,9 +30,9 @@ REGISTRY: dict[str, dict[str, Impl]] = {seam: {} for seam in SEAMS}
 
 def register(seam: str, name: str, priority: int,
              unavailable: Callable[[torch.device], str | None] = lambda device: None,
-             under_compile: bool = True) -> Callable:
+             under_compile: bool = True, in_eager: bool = True) -> Callable:
     def add(fn: Callable) -> Callable:
-        REGISTRY[seam][name] = Impl(name, fn, priority, unavailable, under_compile)
+        REGISTRY[seam][name] = Impl(name, fn, priority, unavailable, under_compile, in_eager)
         return fn
     return add
 
@@ -80,6 +81,8 @@ def _pick(seam: str, device: torch.device, asked: str | None, compiling: bool) -
         reason = impl.unavailable(device)
         if reason is None and compiling and not impl.under_compile and impl.name != asked:
             reason = "torch.compile fuses the reference better"
+        if reason is None and not compiling and not impl.in_eager and impl.name != asked:
+            reason = "faster than the reference only under torch.compile"
         if reason is None:
             if skipped:
                 log.warning("op %s: %s; using %s", seam, "; ".join(skipped), impl.name)

@@ -372,8 +372,9 @@ def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, 
 
 
 # cuBLASLt's GELU is the tanh form, which differs from the exact (erf) GELU of the reference and timm by under 5e-4,
-# below bfloat16's resolution: float32 runs, where that would show, take the reference.
-@register("mlp", "cuda", 35, unavailable)
+# below bfloat16's resolution: float32 runs, where that would show, take the reference. Only the forward is fused, so
+# in eager runs, where nothing fuses its backward, the reference is faster (docs/performance.md).
+@register("mlp", "cuda", 35, unavailable, in_eager=False)
 def mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
     """fc2(GELU(fc1(x))) with fc1's bias and GELU in its matmul's epilogue, for half and bfloat16."""
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
