@@ -12,8 +12,8 @@ namespace {
 constexpr int kThreads = 512, kUnroll = 4, kMaxTensors = 400;
 constexpr int64_t kChunk = 65536;  // elements per block
 
-// The tensors of one launch, passed by value: a table in device memory took a host-to-device copy per step, whose
-// pinned staging buffers made the host wait for the GPU. 27 KB, inside the 32 KB kernel parameter limit of CUDA 12.1+.
+// The tensors of one launch, passed by value: a table in device memory needed a host-to-device copy from a pinned
+// buffer each step, and measured slower. 27 KB, inside the 32 KB kernel parameter limit of CUDA 12.1+.
 struct Batch {
   const __nv_bfloat16* grad[kMaxTensors];
   __nv_bfloat16* param[kMaxTensors];
