@@ -16,6 +16,8 @@ std::vector<torch::Tensor> window_attention_backward_cuda(const torch::Tensor& g
                                                           const c10::optional<torch::Tensor>& mask, double scale);
 std::vector<at::Tensor> fused_mlp_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1,
                                                const at::Tensor& w2, const at::Tensor& b2);
+std::vector<at::Tensor> fused_mlp_backward_cuda(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& pre,
+                                                const at::Tensor& act, const at::Tensor& w1, const at::Tensor& w2);
 void master_adamw_cuda(const std::vector<torch::Tensor>& grads, const std::vector<torch::Tensor>& params,
                        const std::vector<torch::Tensor>& masters, const std::vector<torch::Tensor>& exp_avgs,
                        const std::vector<torch::Tensor>& exp_avg_sqs, const std::vector<torch::Tensor>& steps,
@@ -31,7 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax(q k^T * scale + table[index] + mask) @ v from packed qkv, with the row log-sum-exp (CUDA)");
   m.def("window_attention_backward", &window_attention_backward_cuda, "its qkv and bias-table gradients (CUDA)");
   m.def("fused_mlp_forward", &fused_mlp_forward_cuda,
-        "linear -> GELU (tanh) -> linear, fc1's bias + GELU in its cuBLASLt epilogue; returns the GELU input too");
+        "linear -> GELU (tanh) -> linear on cuBLASLt, fc1's bias + GELU in its epilogue; returns the GELU input and output too");
+  m.def("fused_mlp_backward", &fused_mlp_backward_cuda,
+        "its gradients: of the GELU input (GELU's derivative in a cuBLASLt epilogue), x, w1 and w2");
   m.def("master_adamw", &master_adamw_cuda,
         "AdamW on float32 masters from bfloat16 gradients, new weights written back to the bfloat16 model (CUDA)");
 }

@@ -212,6 +212,27 @@ def test_fused_mlp_compiles_without_graph_breaks():
     assert all(t.grad is not None for t in inputs)
 
 
+def test_fused_mlp_shapes_first_met_while_a_cuda_graph_is_captured_replay_right():
+    """Each matmul times its candidate algorithms on first use, which cannot run inside a capture: there it takes the
+    heuristic's pick."""
+    x, w1, b1, w2, b2 = (t.detach() for t in _mlp_inputs(1, 24, 72, 136, torch.bfloat16))  # shapes no other test uses
+    x, grad = x[0], torch.randn(24, 72, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, pre, act = cuda.mlp_op(x, w1, b1, w2, b2)
+        grad_pre, *grads = cuda.mlp_backward_op(grad, x, pre, act, w1, w2)
+    x.copy_(torch.randn_like(x))
+    grad.copy_(torch.randn_like(grad))
+    graph.replay()
+    exact = [t.double().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    ref = _tanh_gelu_mlp(*exact)
+    ref.backward(grad.double())
+    assert relative_error(y, ref) < TOLERANCE[torch.bfloat16]
+    for got, want in zip((*grads, grad_pre.sum(0)), (exact[0].grad, exact[1].grad, exact[3].grad, exact[2].grad),
+                         strict=True):
+        assert relative_error(got, want) < TOLERANCE[torch.bfloat16]
+
+
 def _bf16_model_and_optimizer(make_optimizer):
     from vitctl.trainer.precision import MasterWeights
 

@@ -22,7 +22,7 @@ class Impl:
     priority: int  # the best available implementation has the highest
     unavailable: Callable[[torch.device], str | None]  # why it cannot run on that device, or None
     under_compile: bool = True  # False: torch.compile does better with the reference (it fuses across it)
-    in_eager: bool = True  # False: it beats the reference only under torch.compile (which fuses its backward)
+    in_eager: bool = True  # False: it beats the reference only under torch.compile
 
 
 REGISTRY: dict[str, dict[str, Impl]] = {seam: {} for seam in SEAMS}

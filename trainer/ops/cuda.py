@@ -9,7 +9,6 @@ import importlib
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference, register
@@ -254,7 +253,7 @@ def _attention_backward(ctx, grad: Tensor, _grad_lse):
 
 window_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
 
-# ------------------------------------------------------------------ MLP: fc1's bias + GELU in its matmul's epilogue
+# ---------------------------------------------------------------- MLP on cuBLASLt, GELU and its derivative in epilogues
 
 
 def fused_mlp_fits(x: Tensor, w1: Tensor, w2: Tensor) -> bool:
@@ -263,34 +262,46 @@ def fused_mlp_fits(x: Tensor, w1: Tensor, w2: Tensor) -> bool:
 
 
 @torch.library.custom_op("vitctl::mlp", mutates_args=())
-def mlp_op(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor]:
-    """(M, K) x -> fc2(GELU(fc1(x))) (M, N) and the GELU input (M, H), kept for backward."""
+def mlp_op(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(M, K) x -> fc2(GELU(fc1(x))) (M, N), and the GELU input and output (M, H), kept for backward."""
     if x.dim() != 2 or w1.shape != (b1.shape[0], x.shape[1]) or w2.shape != (b2.shape[0], w1.shape[0]):
         raise ValueError(f"fused MLP: x {tuple(x.shape)}, fc1 {tuple(w1.shape)} + {tuple(b1.shape)}, fc2 "
                          f"{tuple(w2.shape)} + {tuple(b2.shape)} do not chain")
-    y, pre = extension().fused_mlp_forward(aligned(x), *(aligned(t) for t in (w1, b1, w2, b2)))
-    return y, pre
+    y, pre, act = extension().fused_mlp_forward(aligned(x), *(aligned(t) for t in (w1, b1, w2, b2)))
+    return y, pre, act
 
 
 @mlp_op.register_fake
-def _(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
+def _(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    rows, hidden = x.shape[0], w1.shape[0]
+    return x.new_empty(rows, w2.shape[0]), x.new_empty(rows, hidden), x.new_empty(rows, hidden)
+
+
+@torch.library.custom_op("vitctl::mlp_backward", mutates_args=())
+def mlp_backward_op(grad: Tensor, x: Tensor, pre: Tensor, act: Tensor, w1: Tensor,
+                    w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of the GELU input (GELU's derivative in the first matmul's epilogue), x, w1 and w2."""
+    return tuple(extension().fused_mlp_backward(*(aligned(t) for t in (grad, x, pre, act, w1, w2))))
+
+
+@mlp_backward_op.register_fake
+def _(grad: Tensor, x: Tensor, pre: Tensor, act: Tensor, w1: Tensor,
+      w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return torch.empty_like(pre), torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
 
 
 def _mlp_setup(ctx, inputs, output) -> None:
     x, w1, _, w2, _ = inputs
-    ctx.save_for_backward(x, output[1], w1, w2)
-    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, output[1], output[2], w1, w2)
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _mlp_backward(ctx, grad: Tensor, _grad_pre):
-    """Plain ops, so that under torch.compile Inductor fuses fc2's input (recomputed: one (M, H) tensor less kept per
-    block), GELU's derivative and fc1's bias gradient into one pass."""
-    x, pre, w1, w2 = ctx.saved_tensors
+def _mlp_backward(ctx, grad: Tensor, _grad_pre, _grad_act):
+    """The matmuls in the op; the bias gradients are plain sums, which Inductor fuses with their neighbours."""
+    x, pre, act, w1, w2 = ctx.saved_tensors
     grad = grad.to(x.dtype)
-    act = F.gelu(pre, approximate="tanh")
-    grad_pre = torch.ops.aten.gelu_backward(grad @ w2, pre, approximate="tanh")
-    return grad_pre @ w1, grad_pre.t() @ x, grad_pre.sum(0), grad.t() @ act, grad.sum(0)
+    grad_pre, grad_x, grad_w1, grad_w2 = mlp_backward_op(grad, x, pre, act, w1, w2)
+    return grad_x, grad_w1, grad_pre.sum(0), grad_w2, grad.sum(0)
 
 
 mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
@@ -372,15 +383,15 @@ def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, 
 
 
 # cuBLASLt's GELU is the tanh form, which differs from the exact (erf) GELU of the reference and timm by under 5e-4,
-# below bfloat16's resolution: float32 runs, where that would show, take the reference. Only the forward is fused, so
-# in eager runs, where nothing fuses its backward, the reference is faster (docs/performance.md).
+# below bfloat16's resolution: float32 runs, where that would show, take the reference. In eager runs, where nothing
+# fuses its bias-gradient sums with their neighbours, it lost to the reference at Swin's stage 1 (docs/performance.md).
 @register("mlp", "cuda", 35, unavailable, in_eager=False)
 def mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
-    """fc2(GELU(fc1(x))) with fc1's bias and GELU in its matmul's epilogue, for half and bfloat16."""
+    """fc2(GELU(fc1(x))) on cuBLASLt with GELU and its derivative in matmul epilogues, for half and bfloat16."""
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     if dtype not in FUSED_DTYPES or not fused_mlp_fits(x, w1, w2):
         return reference.mlp(x, w1, b1, w2, b2)
-    y, _ = mlp_op(*(t.to(dtype) for t in (x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)))
+    y, _, _ = mlp_op(*(t.to(dtype) for t in (x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)))
     return y.view(*x.shape[:-1], w2.shape[0])
 
 
