@@ -33,7 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax(q k^T * scale + table[index] + mask) @ v from packed qkv, with the row log-sum-exp (CUDA)");
   m.def("window_attention_backward", &window_attention_backward_cuda, "its qkv and bias-table gradients (CUDA)");
   m.def("fused_mlp_forward", &fused_mlp_forward_cuda,
-        "linear -> GELU (tanh) -> linear on cuBLASLt, fc1's bias + GELU in its epilogue; returns the GELU input and output too");
+        "linear -> GELU (tanh) -> linear on cuBLASLt, fc1's bias + GELU in its epilogue; returns the GELU input and "
+        "output too");
   m.def("fused_mlp_backward", &fused_mlp_backward_cuda,
         "its gradients: of the GELU input (GELU's derivative in a cuBLASLt epilogue), x, w1 and w2");
   m.def("master_adamw", &master_adamw_cuda,

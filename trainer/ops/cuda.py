@@ -383,8 +383,8 @@ def window_attention(qkv: Tensor, heads: int, scale: float, bias_table: Tensor, 
 
 
 # cuBLASLt's GELU is the tanh form, which differs from the exact (erf) GELU of the reference and timm by under 5e-4,
-# below bfloat16's resolution: float32 runs, where that would show, take the reference. In eager runs, where nothing
-# fuses its bias-gradient sums with their neighbours, it lost to the reference at Swin's stage 1 (docs/performance.md).
+# below bfloat16's resolution: float32 runs, where that would show, take the reference. In eager runs it lost to the
+# reference at Swin's stage 1 (docs/performance.md, item 10), so `--fused all` takes it only under torch.compile.
 @register("mlp", "cuda", 35, unavailable, in_eager=False)
 def mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
     """fc2(GELU(fc1(x))) on cuBLASLt with GELU and its derivative in matmul epilogues, for half and bfloat16."""
