@@ -2,7 +2,8 @@
 // also writes the GELU input; the backward's first matmul applies GELU's derivative in its epilogue (DGELU), so no
 // separate pass reads the (rows, hidden) activations either way. Each matmul takes the fastest of the heuristic's
 // candidate algorithms for its shape, timed on first use: the heuristic's first pick was up to 22% slower for these
-// shapes on an H200 (docs/performance.md). cuBLASLt's GELU is the tanh form (trainer/ops/cuda.py says what that changes).
+// shapes on an H200 (docs/performance.md). cuBLASLt's GELU is the tanh form (trainer/ops/cuda.py says what that
+// changes).
 #include <ATen/cuda/CUDAContext.h>
 #include <cublasLt.h>
 #include <torch/extension.h>
@@ -45,7 +46,8 @@ void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, co
   check_lt(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), "matmul attribute");
 }
 
-using AlgoKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, int>;  // device, type, m, n, k, ops, epilogue
+// device, data type, m, n, k, transpose a, transpose b, epilogue
+using AlgoKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, int>;
 
 // The heuristic's candidates, each run 3 times on the current stream, fastest kept per shape. Not while a CUDA graph
 // is captured (timing cannot run there) nor under torch.use_deterministic_algorithms (the choice varies between
