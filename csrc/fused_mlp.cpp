@@ -46,12 +46,39 @@ void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, co
   check_lt(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), "matmul attribute");
 }
 
-// device, data type, m, n, k, transpose a, transpose b, epilogue
-using AlgoKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, int>;
+// The candidate that ran fastest, 3 runs each after a warm-up, on the current stream.
+template <typename Run>
+cublasLtMatmulAlgo_t fastest(const cublasLtMatmulHeuristicResult_t* candidates, int found, cudaStream_t stream,
+                             const Run& run) {
+  cudaEvent_t start, stop;
+  C10_CUDA_CHECK(cudaEventCreate(&start));
+  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  cublasLtMatmulAlgo_t best = candidates[0].algo;
+  float best_ms = std::numeric_limits<float>::infinity();
+  for (int i = 0; i < found; ++i) {
+    if (run(candidates[i].algo) != CUBLAS_STATUS_SUCCESS) continue;  // also the warm-up
+    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int repeat = 0; repeat < 3; ++repeat) check_lt(run(candidates[i].algo), "matmul");
+    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (ms < best_ms) {
+      best_ms = ms;
+      best = candidates[i].algo;
+    }
+  }
+  C10_CUDA_CHECK(cudaEventDestroy(start));
+  C10_CUDA_CHECK(cudaEventDestroy(stop));
+  return best;
+}
 
-// The heuristic's candidates, each run 3 times on the current stream, fastest kept per shape. Not while a CUDA graph
-// is captured (timing cannot run there) nor under torch.use_deterministic_algorithms (the choice varies between
-// runs): both take the heuristic's first pick.
+// device, data type, m, n, k, transpose a, transpose b, epilogue, torch.use_deterministic_algorithms
+using AlgoKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, bool, int, bool>;
+
+// One matmul shape's algorithm, chosen once per process: the fastest of the heuristic's candidates, or under
+// torch.use_deterministic_algorithms (the timed choice varies between runs) the heuristic's first pick. While a CUDA
+// graph is captured, where nothing can be timed, that first pick is used but not kept, so a later call times.
 template <typename Run>
 cublasLtMatmulAlgo_t choose_algo(const AlgoKey& key, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
                                  cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld, cudaStream_t stream,
@@ -82,29 +109,9 @@ cublasLtMatmulAlgo_t choose_algo(const AlgoKey& key, cublasLtMatmulDesc_t desc, 
               std::get<4>(key), " matmul; run with --fused all,mlp=reference");
   cudaStreamCaptureStatus capture;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (found == 1 || capture != cudaStreamCaptureStatusNone || at::globalContext().deterministicAlgorithms()) {
-    return candidates[0].algo;
-  }
-  cudaEvent_t start, stop;
-  C10_CUDA_CHECK(cudaEventCreate(&start));
-  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  if (capture != cudaStreamCaptureStatusNone) return candidates[0].algo;
   cublasLtMatmulAlgo_t best = candidates[0].algo;
-  float best_ms = std::numeric_limits<float>::infinity();
-  for (int i = 0; i < found; ++i) {
-    if (run(candidates[i].algo) != CUBLAS_STATUS_SUCCESS) continue;  // also the warm-up
-    C10_CUDA_CHECK(cudaEventRecord(start, stream));
-    for (int repeat = 0; repeat < 3; ++repeat) check_lt(run(candidates[i].algo), "matmul");
-    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
-    C10_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (ms < best_ms) {
-      best_ms = ms;
-      best = candidates[i].algo;
-    }
-  }
-  C10_CUDA_CHECK(cudaEventDestroy(start));
-  C10_CUDA_CHECK(cudaEventDestroy(stop));
+  if (found > 1 && !std::get<8>(key)) best = fastest(candidates, found, stream, run);
   std::lock_guard<std::mutex> lock(mutex);
   return chosen.emplace(key, best).first->second;
 }
@@ -137,7 +144,8 @@ void lt_matmul(const at::Tensor& a, bool transpose_a, const at::Tensor& b, bool 
                           b.data_ptr(), lb.get(), &beta, d.data_ptr(), ld.get(), d.data_ptr(), ld.get(), &algo,
                           workspace.data_ptr(), kWorkspaceBytes, stream);
   };
-  const AlgoKey key{d.get_device(), type, m, n, k, transpose_a, transpose_b, epilogue};
+  const AlgoKey key{d.get_device(), type, m, n, k, transpose_a, transpose_b, epilogue,
+                    at::globalContext().deterministicAlgorithms()};
   check_lt(run(choose_algo(key, raw_desc, la.get(), lb.get(), ld.get(), stream, run)), "matmul");
 }
 
