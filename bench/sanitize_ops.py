@@ -17,13 +17,13 @@ for dtype in (torch.float32, torch.bfloat16):
         for mask in (shift_mask(H, W, window, window // 2).cuda(), None):  # fp32: matmuls + softmax kernel
             cuda.window_attention(qkv, 3, 32**-0.5, table, index, mask).sum().backward()
 x = torch.randn(2, 7, 24, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-mlp = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24)).cuda().to(torch.bfloat16)
-cuda.mlp(x, mlp[0].weight, mlp[0].bias, mlp[1].weight, mlp[1].bias).sum().backward()
-master = MasterWeights(mlp)
-optimizer = cuda.MasterAdamW(master.swap_groups([{"params": list(mlp.parameters())}]), lr=1e-3)
-for _ in range(2):  # torch's step makes the state, then the master AdamW kernel runs
-    master.step(optimizer, max_norm=1.0)
-    optimizer.zero_grad(set_to_none=True)
+mlp = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24)).cuda()
+master = MasterWeights(mlp)  # casts mlp to bf16
+optimizer = cuda.MasterAdamW([{"params": list(master.module.parameters())}], lr=1e-3)
+for accumulate in (False, False, True):  # torch's step makes the state, then the kernel: bf16, then fp32 gradients
     cuda.mlp(x, mlp[0].weight, mlp[0].bias, mlp[1].weight, mlp[1].bias).sum().backward()
+    if accumulate:
+        master.accumulate()
+    master.step(optimizer, max_norm=1.0)
 torch.cuda.synchronize()
 print("all ops ran")

@@ -12,6 +12,7 @@ from vitctl.workflows.train import ConfigError, LaunchError
 from .bench import bench, doctor
 from .console import err_console
 from .data import data
+from .export import export
 from .jobs import cancel, jobs, logs, status_command
 from .train import finetune, rank, train
 
@@ -38,7 +39,7 @@ cli.add_command(train)
 cli.add_command(finetune)
 cli.add_command(bench)
 cli.add_command(doctor)
-for command in (status_command, jobs, logs, cancel, rank):
+for command in (export, status_command, jobs, logs, cancel, rank):
     cli.add_command(command)
 
 

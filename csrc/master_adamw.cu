@@ -1,5 +1,6 @@
-// AdamW on float32 master weights from the model's bfloat16 gradients, writing the new weights back into the bfloat16
-// model, in one pass. It replaces three: gradients into float32 copies, torch's fused AdamW, weights back to bfloat16.
+// AdamW on float32 master weights from the model's gradients (bfloat16 as backward wrote them, or float32 once
+// accumulated over micro-batches or reduced across ranks), writing the new weights back into the bfloat16 model, in
+// one pass. It replaces three: gradients into float32 copies, torch's fused AdamW, weights back to bfloat16.
 // The arithmetic is torch's fused AdamW's, so optimizer state and checkpoints are the same either way.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,7 +16,7 @@ constexpr int64_t kChunk = 65536;  // elements per block
 // The tensors of one launch, passed by value: a table in device memory needed a host-to-device copy from a pinned
 // buffer each step, and measured slower. 27 KB, inside the 32 KB kernel parameter limit of CUDA 12.1+.
 struct Batch {
-  const __nv_bfloat16* grad[kMaxTensors];
+  const void* grad[kMaxTensors];  // all bfloat16 or all float32: the kernel's template argument
   __nv_bfloat16* param[kMaxTensors];
   float* master[kMaxTensors];
   float* exp_avg[kMaxTensors];
@@ -29,7 +30,11 @@ struct Batch {
 };
 static_assert(sizeof(Batch) <= 32764, "kernel parameters are limited to 32,764 bytes");
 
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
 // Each block updates one chunk of one tensor.
+template <typename Grad>
 __global__ void master_adamw_kernel(const __grid_constant__ Batch batch, float beta1, float beta2, float eps,
                                     const float* __restrict__ grad_factor) {
   int lo = 0, hi = batch.count - 1;  // the last tensor whose first block is at or before this one
@@ -38,7 +43,7 @@ __global__ void master_adamw_kernel(const __grid_constant__ Batch batch, float b
     if (batch.first_block[mid] <= static_cast<int>(blockIdx.x)) lo = mid; else hi = mid - 1;
   }
   const int t = lo;
-  const __nv_bfloat16* grad = batch.grad[t];
+  const Grad* grad = static_cast<const Grad*>(batch.grad[t]);
   __nv_bfloat16* param = batch.param[t];
   float *master = batch.master[t], *exp_avg = batch.exp_avg[t], *exp_avg_sq = batch.exp_avg_sq[t];
   const float step = *batch.step[t], lr = batch.lr[t], decay = batch.decay[t];
@@ -52,7 +57,7 @@ __global__ void master_adamw_kernel(const __grid_constant__ Batch batch, float b
     for (int u = 0; u < kUnroll; ++u) {  // all loads first: four independent reads in flight per stream
       const int64_t i = base + u * kThreads;
       if (i < end) {
-        g[u] = __bfloat162float(grad[i]) * factor;
+        g[u] = to_float(grad[i]) * factor;
         p[u] = master[i];
         m[u] = exp_avg[i];
         v[u] = exp_avg_sq[i];
@@ -91,7 +96,8 @@ void master_adamw_cuda(const std::vector<torch::Tensor>& grads, const std::vecto
                        const std::vector<double>& lrs, const std::vector<double>& decays, double beta1, double beta2,
                        double eps, const c10::optional<torch::Tensor>& grad_factor) {
   const size_t n = masters.size();
-  check_list(grads, n, at::kBFloat16, "gradients");
+  const bool float_grads = n > 0 && grads.size() == n && grads[0].scalar_type() == at::kFloat;
+  check_list(grads, n, float_grads ? at::kFloat : at::kBFloat16, "gradients");
   check_list(params, n, at::kBFloat16, "parameters");
   check_list(masters, n, at::kFloat, "masters");
   check_list(exp_avgs, n, at::kFloat, "exp_avg");
@@ -112,7 +118,7 @@ void master_adamw_cuda(const std::vector<torch::Tensor>& grads, const std::vecto
       TORCH_CHECK(grads[i].numel() == masters[i].numel() && params[i].numel() == masters[i].numel() &&
                       exp_avgs[i].numel() == masters[i].numel() && exp_avg_sqs[i].numel() == masters[i].numel(),
                   "master AdamW: tensor ", i, " has mismatched sizes");
-      batch.grad[t] = reinterpret_cast<const __nv_bfloat16*>(grads[i].data_ptr());
+      batch.grad[t] = grads[i].data_ptr();
       batch.param[t] = reinterpret_cast<__nv_bfloat16*>(params[i].data_ptr());
       batch.master[t] = masters[i].data_ptr<float>();
       batch.exp_avg[t] = exp_avgs[i].data_ptr<float>();
@@ -125,9 +131,16 @@ void master_adamw_cuda(const std::vector<torch::Tensor>& grads, const std::vecto
     }
     const int blocks = batch.first_block[batch.count];
     if (blocks == 0) continue;
-    master_adamw_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        batch, static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(eps),
-        grad_factor ? grad_factor->data_ptr<float>() : nullptr);
+    const float* factor = grad_factor ? grad_factor->data_ptr<float>() : nullptr;
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    if (float_grads) {
+      master_adamw_kernel<float><<<blocks, kThreads, 0, stream>>>(batch, static_cast<float>(beta1),
+                                                                  static_cast<float>(beta2), static_cast<float>(eps),
+                                                                  factor);
+    } else {
+      master_adamw_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
+          batch, static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(eps), factor);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -27,6 +27,15 @@ def partial_open(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
         raise
 
 
+def fsync_dir(folder: Path) -> None:
+    """Make the folder's entries (new names, renames) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish(path: Path) -> None:
     """Make the file written by `partial_open(path)` durable (fsync), then give it its name."""
     fd = os.open(partial_path(path), os.O_RDONLY)

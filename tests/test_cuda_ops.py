@@ -238,20 +238,21 @@ def _bf16_model_and_optimizer(make_optimizer):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
-    model.to(torch.bfloat16)
-    master = MasterWeights(model)
-    weights, biases = [model[0].weight, model[2].weight], [model[0].bias, model[2].bias]
-    groups = [{"params": weights, "weight_decay": 0.05}, {"params": biases, "weight_decay": 0.0, "lr": 3e-3}]
-    return model, master, make_optimizer(master.swap_groups(groups), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    master = MasterWeights(model)  # casts the model to bf16
+    masters = master.module
+    groups = [{"params": [masters[0].weight, masters[2].weight], "weight_decay": 0.05},
+              {"params": [masters[0].bias, masters[2].bias], "weight_decay": 0.0, "lr": 3e-3}]
+    return model, master, make_optimizer(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.05])
-def test_master_adamw_kernel_steps_as_torch_fused_adamw_with_copies(max_norm):
+@pytest.mark.parametrize("accum", [1, 2])  # 2: the gradients reach the kernel summed in fp32
+def test_master_adamw_kernel_steps_as_torch_fused_adamw_with_copies(max_norm, accum):
     ran = []
 
     class Counting(cuda.MasterAdamW):
-        def step_master_weights(self, pairs, max_norm=0.0):
-            ran.append(super().step_master_weights(pairs, max_norm))
+        def step_master_weights(self, triples, clip=None):
+            ran.append(super().step_master_weights(triples, clip))
             return ran[-1]
 
     ours = _bf16_model_and_optimizer(Counting)
@@ -259,9 +260,11 @@ def test_master_adamw_kernel_steps_as_torch_fused_adamw_with_copies(max_norm):
     x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     for _ in range(4):
         for model, master, optimizer in (ours, ref):
-            model(x).float().square().mean().backward()
+            for micro in range(accum):
+                model(x[micro::accum]).float().square().mean().backward()
+                if accum > 1:
+                    master.accumulate()
             master.step(optimizer, max_norm)
-            optimizer.zero_grad(set_to_none=True)
     assert ran == [False, True, True, True]  # torch's first step makes the state; the kernel takes the rest
     (_, master, optimizer), (_, ref_master, ref_optimizer) = ours, ref
     for (p, m), (_, ref_m) in zip(master.pairs, ref_master.pairs, strict=True):

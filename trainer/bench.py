@@ -44,12 +44,9 @@ def timm_model(name: str, img_size: int, fused_attn: bool) -> nn.Module:
 def training_step(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable,
                   compile_mode: str = "default") -> Callable:
     """One training step (forward, loss, backward, optimizer) as the trainer runs it."""
-    master = MasterWeights(model) if precision.mode == "bf16-pure" else None
-    if master:
-        model.to(torch.bfloat16)
-        master.master_to_model()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = fused_optimizer([{"params": [master.master_of[id(p)] for p in params] if master else params,
+    master = MasterWeights(model) if precision.mode == "bf16-pure" else None  # casts the model to bf16
+    weights = master.module if master else model
+    optimizer = fused_optimizer([{"params": [p for p in weights.parameters() if p.requires_grad],
                                   "weight_decay": 0.05}], 1e-4, (0.9, 0.999), 1e-8)
     scaler = precision.scaler()
     forward = torch.compile(model, mode=compile_mode) if compile_ else model

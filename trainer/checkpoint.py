@@ -1,77 +1,209 @@
-"""Checkpoints: atomic (temporary name, fsync, rename), the last K kept, everything needed to resume exactly."""
+"""Checkpoints with torch.distributed.checkpoint (DCP): every rank writes its own shards, and a load reshards them
+onto any number of ranks and any data-parallel layout.
 
+A checkpoint is a folder `checkpoints/step-NNNNNNNN/`: DCP's files plus `meta.json` (step, data position, world
+size, config). It is written under a hidden temporary name and renamed by rank 0 once DCP's metadata and meta.json
+are durable, so a half-written checkpoint is never taken for a complete one. The last K are kept. The run folder
+must be on a filesystem every node sees (as Slurm clusters' shared filesystems are): a load may read any rank's
+files.
+"""
+
+import json
+import logging
 import random
 import re
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from vitctl.datasets.atomic import partial_open, publish
+from vitctl.datasets.atomic import fsync_dir, write_json_atomic
 
-FORMAT = "vitctl-checkpoint/1"
-NAME = re.compile(r"step-(\d{8})\.pt")
+from .config import ConfigError
+
+log = logging.getLogger("vitctl.checkpoint")
+FORMAT = "vitctl-checkpoint/2"
+META = "meta.json"
+NAME = re.compile(r"step-(\d{8})")
+LEGACY_NAME = re.compile(r"step-(\d{8})\.pt")  # single-file checkpoints of vitctl 0.1's first releases
+# DCP warns at every save and load in one process (also from an async save's thread): that is what a 1-rank run means.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def is_checkpoint(path: Path) -> bool:
+    return (path / META).is_file() and (path / ".metadata").is_file()
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a partial one has a hidden temporary name)."""
+    """Complete checkpoints, oldest first (one being written has a hidden temporary name)."""
     folder = checkpoint_dir(run_dir)
-    return sorted(p for p in folder.iterdir() if NAME.fullmatch(p.name)) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if NAME.fullmatch(p.name) and is_checkpoint(p))
+
+
+def legacy_checkpoints(run_dir: Path) -> list[Path]:
+    folder = checkpoint_dir(run_dir)
+    return sorted(p for p in folder.iterdir() if LEGACY_NAME.fullmatch(p.name)) if folder.is_dir() else []
 
 
 def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
     """The run folder's checkpoints; refuses to start afresh over them (that would mix two runs)."""
-    from .config import ConfigError
-
-    found = list_checkpoints(run_dir)
-    if found and not resume:
-        raise ConfigError(f"{run_dir} already holds checkpoints (last: {found[-1].name}); pass --resume to "
-                          "continue that run, or choose another --out")
+    found, legacy = list_checkpoints(run_dir), legacy_checkpoints(run_dir)
+    if (found or legacy) and not resume:
+        last = (found or legacy)[-1]
+        raise ConfigError(f"{run_dir} already holds checkpoints (last: {last.name}); pass --resume to continue that "
+                          "run, or choose another --out")
+    if legacy and not found:
+        raise ConfigError(f"{run_dir} holds only single-file checkpoints of an earlier vitctl ({legacy[-1].name}), "
+                          f"which --resume cannot continue; start a new run from its weights with --out NEW "
+                          f"--from-ckpt {legacy[-1]} (vitctl finetune)")
     return found
 
 
-def save(run_dir: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
-    path = checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with partial_open(path) as f:
-        torch.save(payload, f)
-    publish(path)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink()
-    return path
+def read_meta(path: Path) -> dict[str, Any]:
+    meta = json.loads((path / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not a vitctl checkpoint ({FORMAT})")
+    return meta
 
 
-def load(path: Path) -> dict[str, Any]:
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a vitctl checkpoint")
-    return payload
+def _partial(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's random streams as plain bytes and numbers (safe to gather across ranks and to load)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state().numpy().tobytes(), "python": random.getstate(),
-             "numpy": (kind, keys.tobytes(), pos, has_gauss, gauss)}
+class CheckpointWriter:
+    """Every rank calls `save`; rank 0 publishes the folder once complete. With `async_save`, DCP writes in the
+    background from a staged copy and the training continues; the next save, `wait` or `poll` publishes it."""
+
+    def __init__(self, run_dir: Path, keep: int, is_main: bool, async_save: bool) -> None:
+        self.folder, self.keep, self.is_main = checkpoint_dir(run_dir), keep, is_main
+        self.async_save = async_save
+        # DCP's collectives for a background save run on their own gloo group, off the training's NCCL stream.
+        self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self.pending: tuple[Any, Path, dict] | None = None
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], blocking: bool = False) -> None:
+        self.wait()
+        path = self.folder / f"step-{step:08d}"
+        tmp = _partial(path)
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash at this step in an earlier attempt
+            tmp.mkdir(parents=True)
+        if dist.is_initialized():
+            dist.barrier()
+        if self.async_save and not blocking:
+            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                           no_dist=not dist.is_initialized()), path, meta)
+            return
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        self._publish(path, meta)
+
+    def poll(self) -> None:
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            future, path, meta = self.pending
+            self.pending = None
+            future.result()
+            self._publish(path, meta)
+
+    def _publish(self, path: Path, meta: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        tmp = _partial(path)
+        write_json_atomic(tmp / META, {"format": FORMAT, **meta})
+        fsync_dir(tmp)
+        shutil.rmtree(path, ignore_errors=True)  # a complete checkpoint of this step from an earlier attempt
+        tmp.rename(path)
+        fsync_dir(self.folder)
+        for old in list_checkpoints(self.folder.parent)[:-self.keep]:
+            shutil.rmtree(old)
+        log.info("checkpoint %s", path)
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Temporary folders of saves that never finished (a crash, a kill): nothing can resume from them."""
+    folder = checkpoint_dir(run_dir)
+    if folder.is_dir():
+        for stale in folder.glob(".step-*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def load(path: Path, state: dict[str, Any]) -> None:
+    """Fill `state` (the same structure a save was given, on this run's layout) from the checkpoint: DCP reads
+    each rank's part, resharding as needed."""
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def saved_keys(path: Path) -> set[str]:
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def consolidated(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
+    """Whole tensors of one part of a checkpoint (`model` or `ema`), named as the model names its parameters;
+    gathered from every rank's shards by one process."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()
+             if key.startswith(f"{prefix}.") and isinstance(meta, TensorStorageMetadata)}
+    if not state:
+        raise ConfigError(f"{path} holds no {prefix} weights")
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return {key.removeprefix(f"{prefix}."): tensor for key, tensor in state.items()}
+
+
+def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
+    """A checkpoint folder from a run folder (its last, or the one of `step`) or a checkpoint folder itself."""
+    if is_checkpoint(path):
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise ConfigError(f"{path} is neither a checkpoint folder nor a run folder with checkpoints")
+    if step is None:
+        return found[-1]
+    match = [p for p in found if int(NAME.fullmatch(p.name).group(1)) == step]
+    if not match:
+        raise ConfigError(f"{path} has no checkpoint of step {step}; it has steps "
+                          f"{', '.join(str(int(p.name[5:])) for p in found)}")
+    return match[0]
+
+
+# ---------------------------------------------------------------- random streams, as tensors
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random streams as tensors (saved as tensors, loaded without unpickling)."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, python_gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+             "numpy_rest": torch.tensor([pos, has_gauss, gauss], dtype=torch.float64),
+             "python": torch.tensor([version, *internal], dtype=torch.int64),
+             "python_gauss": torch.tensor([float("nan") if python_gauss is None else python_gauss],
+                                          dtype=torch.float64)}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _byte_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(_byte_tensor(state["torch"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos, has_gauss, gauss))
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    pos, has_gauss, gauss = state["numpy_rest"].tolist()
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(pos), int(has_gauss), gauss))
+    version, *internal = state["python"].tolist()
+    python_gauss = state["python_gauss"].item()
+    random.setstate((version, tuple(internal), None if python_gauss != python_gauss else python_gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_byte_tensor(state["cuda"]))
+        torch.cuda.set_rng_state(state["cuda"])

@@ -31,11 +31,13 @@ def build_optimizer(groups: list[dict], config: OptimConfig, ops: Ops, lr: float
     return ops.optimizer(groups, lr, config.betas, config.eps)
 
 
-def lr_at(step: int, total: int, warmup: int, base: float, minimum: float) -> float:
-    """Linear warmup from 0, then cosine decay to `minimum` at `total`."""
-    if step < warmup:
-        return base * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+def lr_at(epochs: float, total: float, warmup: float, base: float, minimum: float) -> float:
+    """The LR of the step that ends `epochs` into training: linear warmup from 0 over `warmup` epochs, then cosine
+    decay to `minimum` at `total`. In epochs rather than steps, so a run resumed with another global batch keeps
+    its place in the schedule."""
+    if epochs <= warmup:
+        return base * epochs / warmup
+    progress = min(1.0, (epochs - warmup) / max(1e-9, total - warmup))
     return minimum + 0.5 * (base - minimum) * (1 + math.cos(math.pi * progress))
 
 

@@ -1,10 +1,12 @@
-"""Mixed precision: fp32, bf16 / fp16 autocast (fp16 with a GradScaler), and bf16-pure with fp32 master weights."""
+"""One precision layer: autocast and the grad scaler, FSDP2's mixed-precision policy, and for bf16-pure the fp32
+master weights. In every mode gradients are accumulated and reduced in fp32."""
 
+import copy
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": None}
 
@@ -15,8 +17,8 @@ class Precision:
     device: torch.device
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.mode == "bf16-pure" else torch.float32
+    def pure(self) -> bool:
+        return self.mode == "bf16-pure"
 
     def autocast(self) -> AbstractContextManager:
         dtype = AUTOCAST[self.mode]
@@ -25,59 +27,70 @@ class Precision:
     def scaler(self) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(self.device.type) if self.mode == "fp16" else None
 
+    def fsdp_policy(self):
+        """FSDP2 keeps fp32 sharded weights; bf16-pure gathers them as bf16. Gradients reduce in fp32 either way
+        (and FSDP2 accumulates unsynchronised micro-batches in the reduce dtype)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.pure else None, reduce_dtype=torch.float32)
+
 
 class MasterWeights:
-    """fp32 copies of bf16 model parameters: the optimizer steps these, then they are copied back.
+    """fp32 master copies of a bf16 model's parameters (bf16-pure without FSDP), what apex's O2 did.
 
-    This is what apex's O2 did; with FSDP2 a MixedPrecisionPolicy does the same and this class is not used.
+    The masters live in a copy of the model, so they keep the model's parameter names: checkpoints, the optimizer's
+    state and the EMA are keyed like any other model's. Gradients reach them in fp32: upcast and summed over
+    micro-batches here, or reduced in fp32 across ranks by the data-parallel hook (parallel/data_parallel.py).
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.pairs = [(p, p.detach().float().clone().requires_grad_(True)) for p in model.parameters()
+        self.module = copy.deepcopy(model).float()
+        model.to(torch.bfloat16)
+        self.pairs = [(p, m) for p, m in zip(model.parameters(), self.module.parameters(), strict=True)
                       if p.requires_grad]
         self.master_of = {id(p): m for p, m in self.pairs}
 
-    def swap_groups(self, groups: list[dict]) -> list[dict]:
-        """The same groups over the fp32 master parameters."""
-        return [dict(g, params=[self.master_of[id(p)] for p in g["params"]]) for g in groups]
-
-    def grads_to_master(self) -> None:
-        # One multi-tensor copy for all parameters: a copy per parameter left the GPU waiting on the host.
-        with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
-        for p, m in self.pairs:
-            if p.grad is None:
-                m.grad = None
-            elif m.grad is None:
-                m.grad = torch.empty_like(m)
-        if with_grad:
-            torch._foreach_copy_([m.grad for _, m in with_grad], [p.grad for p, _ in with_grad])
-        for p, _ in with_grad:
+    def accumulate(self) -> None:
+        """Fold the bf16 gradients of a micro-batch into the masters' fp32 gradients (and free them)."""
+        pairs = [(p, m) for p, m in self.pairs if p.grad is not None]
+        for _, m in pairs:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        if pairs:
+            torch._foreach_add_([m.grad for _, m in pairs], [p.grad.float() for p, _ in pairs])
+        for p, _ in pairs:
             p.grad = None
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> None:
-        """Clip the gradients to `max_norm` (when set), step the masters, copy them into the model; in one kernel
-        where the optimizer has one (ops/cuda.py's MasterAdamW), else in three passes."""
-        with_grad = [(p, m) for p, m in self.pairs if p.grad is not None]
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> Tensor | None:
+        """Clip to `max_norm` (when set), step the masters, copy them into the model; in one kernel where the
+        optimizer has one (ops/cuda.py's MasterAdamW), else in three passes. Returns the gradients' total norm when
+        clipping (on the device: no host sync)."""
+        triples = [(m.grad if m.grad is not None else p.grad, p, m) for p, m in self.pairs
+                   if m.grad is not None or p.grad is not None]
+        norm = total_norm([g for g, _, _ in triples]) if max_norm and triples else None
         one_kernel = getattr(optimizer, "step_master_weights", None)
-        if one_kernel is not None and one_kernel(with_grad, max_norm):
-            for p, _ in with_grad:
-                p.grad = None
-            return
-        self.grads_to_master()
-        if max_norm:
-            torch.nn.utils.clip_grad_norm_([m for _, m in self.pairs], max_norm)
-        optimizer.step()
-        self.master_to_model()
+        if one_kernel is None or not one_kernel(triples, clip_coefficient(norm, max_norm) if norm is not None
+                                                 else None):
+            for grad, _, m in triples:
+                m.grad = grad if grad.dtype == torch.float32 else grad.float()
+            if norm is not None:
+                torch._foreach_mul_([m.grad for _, _, m in triples], clip_coefficient(norm, max_norm))
+            optimizer.step()
+            self.master_to_model()
+        for p, m in self.pairs:
+            p.grad = m.grad = None
+        return norm
 
     @torch.no_grad()
     def master_to_model(self) -> None:
         torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
 
-    def state_dict(self) -> list[torch.Tensor]:
-        return [m.detach() for _, m in self.pairs]
 
-    @torch.no_grad()
-    def load_state_dict(self, tensors: list[torch.Tensor]) -> None:
-        for (_, m), t in zip(self.pairs, tensors, strict=True):
-            m.copy_(t)
-        self.master_to_model()
+def total_norm(grads: list[Tensor]) -> Tensor:
+    """The gradients' total L2 norm, each norm taken in fp32, on their device."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+
+
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """clip_grad_norm_'s coefficient, min(1, max_norm / (norm + 1e-6)), left on the device."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)

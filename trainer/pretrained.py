@@ -1,4 +1,5 @@
-"""Load weights for finetuning: our checkpoints, timm and official Swin checkpoints, plain state_dicts.
+"""Load weights for finetuning: our exports (safetensors), run folders and checkpoints (current and single-file),
+timm and official Swin checkpoints, plain state_dicts.
 
 Swaps the head when the class count differs, drops a pretraining MLP head, and interpolates ViT position
 embeddings and Swin relative-position tables to the new resolution or window.
@@ -20,8 +21,20 @@ HEAD_PREFIXES = ("head.", "pre_logits.")
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if path.is_dir():  # a run folder (its last checkpoint) or one checkpoint folder
+        from .checkpoint import consolidated, resolve_checkpoint
+
+        return consolidated(resolve_checkpoint(path))
     if not path.is_file():
-        raise ConfigError(f"finetune.from_ckpt {path}: no such file")
+        raise ConfigError(f"finetune.from_ckpt {path}: no such file or folder")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path)
+        except SafetensorError as e:
+            raise ConfigError(f"finetune.from_ckpt {path}: not a readable safetensors file ({e})") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:

@@ -7,8 +7,8 @@ import torch
 
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import ConfigError, RunConfig, load_config
-from vitctl.trainer.data import check_split
 from vitctl.trainer.metrics import read_metrics
+from vitctl.trainer.preflight import preflight
 
 from .job import TrainJob
 from .registry import JobRecord
@@ -34,8 +34,8 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     config = load_config(preset, overrides, flags)
     if config.data.source != "synthetic" and not Path(config.data.path).is_dir():
         raise ConfigError(f"data.path {config.data.path} is not a folder; prepare one with `vitctl data shard`")
-    if config.finetune.from_ckpt and not Path(config.finetune.from_ckpt).is_file():
-        raise ConfigError(f"--from-ckpt {config.finetune.from_ckpt}: no such file")
+    if config.finetune.from_ckpt and not Path(config.finetune.from_ckpt).exists():
+        raise ConfigError(f"--from-ckpt {config.finetune.from_ckpt}: no such file or folder")
     return config
 
 
@@ -60,8 +60,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     name = f"{config.model.name}-{run_dir.name}"
     if request.executor == "slurm" and not dry_run:
         validate_slurm(request)
-    if config.data.source != "synthetic":
-        check_split(config, request.nodes * request.tasks)
+    # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
+    local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
+    preflight(config, request.nodes * request.tasks, local_device)
     if dry_run:
         return sbatch_script(request, run_dir / "submitit", name)
     check_run_dir(run_dir, resume)

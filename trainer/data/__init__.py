@@ -1,4 +1,8 @@
-"""Build a rank's train and eval batches from the config: DALI, the index loader, or synthetic data."""
+"""Build a data-parallel rank's train and eval batches from the config: DALI, the index loader, or synthetic data.
+
+The data layer knows only the rank's data-parallel coordinate and the group's size, never the global rank: the
+ranks of a tensor- or pipeline-parallel group read the same batches.
+"""
 
 import importlib.util
 import logging
@@ -6,10 +10,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..config import ConfigError, RunConfig
-from ..distributed import DistEnv
-from .loader import EvalBatches, LoaderSpec, TrainBatches
-from .shards import batches_per_epoch, rank_shards, read_table, split_shards
+from .loader import Batch, EvalBatches, LoaderSpec, TrainBatches
+from .plan import EpochPlan
+from .shards import read_table, split_shards
 from .synthetic import SyntheticBatches
 
 log = logging.getLogger("vitctl.data")
@@ -18,68 +24,52 @@ log = logging.getLogger("vitctl.data")
 @dataclass
 class Data:
     source: str
-    train: Callable[[int, int], Iterator]  # (epoch, first batch) -> batches
-    batches_per_epoch: int
-    eval: Callable[[], Iterator] | None
+    train: Callable[[int, int], Iterator[Batch]]  # (epoch, first sample) -> batches from there on, never ending
+    plan: EpochPlan
+    eval: Callable[[], Iterator[Batch | None]] | None
     num_classes: int | None  # from the manifest
 
 
-def _source(requested: str) -> str:
+def dali_installed() -> bool:
+    return importlib.util.find_spec("nvidia.dali") is not None
+
+
+def resolve_source(requested: str) -> str:
     if requested != "auto":
-        if requested == "dali" and importlib.util.find_spec("nvidia.dali") is None:
+        if requested == "dali" and not dali_installed():
             raise ConfigError("data.source=dali but nvidia-dali is not installed (pip install 'vitctl[dali]')")
         return requested
-    if importlib.util.find_spec("nvidia.dali") is not None:
-        return "dali"
-    log.info("data: nvidia-dali not installed, reading shards with the index loader")
-    return "webdataset"
+    return "dali" if dali_installed() else "webdataset"
 
 
-def build_data(config: RunConfig, env: DistEnv) -> Data:
-    c, batch = config.data, config.data.batch_size
+def build_data(config: RunConfig, dp_rank: int, dp_size: int, device: torch.device) -> Data:
+    c, batch, seed = config.data, config.data.batch_size, config.train.seed
     if c.source == "synthetic":
-        batches = c.train_samples // (batch * env.world_size)
-        train = SyntheticBatches(batch, batches, config.model.img_size, config.model.num_classes, env.device,
-                                 config.train.seed + env.rank)
-        return Data("synthetic", train, batches, None, None)
+        plan = EpochPlan(c.train_samples, batch, dp_rank, dp_size, seed)
+        train = SyntheticBatches(batch, config.model.img_size, config.model.num_classes, device, seed + dp_rank)
+        return Data("synthetic", train, plan, None, None)
     folder = Path(c.path)
     shards, classes = split_shards(folder, "train")
-    batches = check_split(config, env.world_size)
-    mine = read_table(folder, rank_shards(shards, env.rank, env.world_size))
-    source = _source(c.source)
-    spec = LoaderSpec(config.model.img_size, config.augment.min_crop_scale, config.augment.hflip, config.train.seed,
-                      c.workers, env.device, gpu_decode=env.device.type == "cuda")
+    table = read_table(folder, shards)
+    plan = EpochPlan(len(table), batch, dp_rank, dp_size, seed)
+    source = resolve_source(c.source)
+    if source == "webdataset" and c.source == "auto":
+        log.info("data: nvidia-dali not installed, reading shards with the index loader")
+    spec = LoaderSpec(config.model.img_size, config.augment.min_crop_scale, config.augment.hflip, seed,
+                      c.workers, device, gpu_decode=device.type == "cuda")
     if source == "dali":
         from .dali import DaliTrainBatches
 
-        train = DaliTrainBatches(mine, batch, batches, spec, env.rank, max(1, c.workers))
+        train = DaliTrainBatches(table, spec, plan, threads=max(1, c.workers))
     else:
-        train = TrainBatches(mine, spec, batch, batches, env.rank)
-    return Data(source, train, batches, _eval_batches(folder, spec, batch, env), len(classes))
+        train = TrainBatches(table, spec, plan)
+    return Data(source, train, plan, _eval_batches(folder, spec, batch, dp_rank, dp_size), len(classes))
 
 
-def check_split(config: RunConfig, world_size: int) -> int:
-    """Batches per epoch for `world_size` ranks; raises when some rank would get no shard or no whole batch."""
-    folder, batch = Path(config.data.path), config.data.batch_size
-    shards, _ = split_shards(folder, "train")
-    if len(shards) < world_size:
-        raise ConfigError(f"data.path {folder}: {len(shards)} train shards for {world_size} ranks; "
-                          "reshard with a smaller --maxcount so each rank gets at least one")
-    batches = batches_per_epoch(shards, world_size, batch)
-    if batches == 0:
-        smallest = min(sum(n for _, n in rank_shards(shards, r, world_size)) for r in range(world_size))
-        raise ConfigError(f"data.batch_size {batch} is more than the {smallest} samples the smallest of "
-                          f"{world_size} ranks reads; lower it or reshard")
-    return batches
-
-
-def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, env: DistEnv) -> EvalBatches | None:
+def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, dp_rank: int, dp_size: int) -> EvalBatches | None:
     try:
         shards, _ = split_shards(folder, "val")
     except ConfigError:
         log.warning("data: no complete val split in %s; skipping evaluation", folder)
         return None
-    per_rank = [sum(n for _, n in rank_shards(shards, r, env.world_size)) for r in range(env.world_size)]
-    batches = -(-max(per_rank) // batch)
-    return EvalBatches(read_table(folder, rank_shards(shards, env.rank, env.world_size)), spec, batch, batches)
-
+    return EvalBatches(read_table(folder, shards), spec, batch, dp_rank, dp_size)

@@ -34,6 +34,13 @@ def crop_box(rng: np.random.Generator, width: int, height: int, min_scale: float
     return (width - side) // 2, (height - side) // 2, side, side
 
 
+def train_view(rng: np.random.Generator, width: int, height: int, min_scale: float,
+               hflip: bool) -> tuple[tuple[int, int, int, int], bool]:
+    """A training sample's crop box and whether to mirror it, drawn in this order by every loader."""
+    box = crop_box(rng, width, height, min_scale)
+    return box, hflip and rng.random() < 0.5
+
+
 def center_box(width: int, height: int) -> tuple[int, int, int, int]:
     side = round(min(width, height) * EVAL_CROP)
     return (width - side) // 2, (height - side) // 2, side, side
@@ -45,10 +52,10 @@ def decode_pil(data: bytes, size: int, train: bool, rng: np.random.Generator, mi
     with Image.open(io.BytesIO(data)) as image:
         image.draft("RGB", (size, size))  # let libjpeg decode at a reduced scale when the image is large
         image = image.convert("RGB")
-        box = crop_box(rng, *image.size, min_scale) if train else center_box(*image.size)
-        left, top, w, h = box
+        (left, top, w, h), flip = train_view(rng, *image.size, min_scale, hflip) if train \
+            else (center_box(*image.size), False)
         image = image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
-        if train and hflip and rng.random() < 0.5:
+        if flip:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
         return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
@@ -62,10 +69,11 @@ def decode_gpu(datas: list[torch.Tensor], size: int, train: bool, rngs: list[np.
     out = torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
     for i, (image, rng) in enumerate(zip(images, rngs, strict=True)):
         height, width = image.shape[1:]
-        left, top, w, h = crop_box(rng, width, height, min_scale) if train else center_box(width, height)
+        (left, top, w, h), flip = train_view(rng, width, height, min_scale, hflip) if train \
+            else (center_box(width, height), False)
         crop = image[None, :, top:top + h, left:left + w].float()
         crop = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        if train and hflip and rng.random() < 0.5:
+        if flip:
             crop = crop.flip(-1)
         out[i] = crop[0].round_().clamp_(0, 255).to(torch.uint8)
     return out

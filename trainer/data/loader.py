@@ -1,7 +1,8 @@
 """Train and eval batches from our shards, read at the offsets their index files give (random access).
 
-Random access, rather than streaming each tar, gives every rank a full shuffle of its shards each epoch and
-lets a resumed run start at the exact batch it stopped at without re-reading what came before.
+Random access, rather than streaming each tar, lets every epoch be a full shuffle of all samples split over the
+data-parallel ranks (plan.py), and lets a resumed run start at the exact batch it stopped at without re-reading
+what came before. Batches are (images, labels, rows): rows are the samples' indices in the split.
 """
 
 from collections.abc import Iterator
@@ -12,9 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .images import decode_gpu, decode_pil, normalize, sample_rng
+from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -28,15 +30,12 @@ class LoaderSpec:
     gpu_decode: bool  # nvjpeg in the main process instead of PIL in the workers
 
 
-class ShardImages(Dataset):
-    """Items are (epoch, row); returns decoded uint8 images, or the raw bytes when decoding on the GPU."""
+class ShardReader:
+    """Reads a sample's JPEG bytes; files are opened lazily, once per process that reads."""
 
-    def __init__(self, table: SampleTable, spec: LoaderSpec, train: bool) -> None:
-        self.table, self.spec, self.train = table, spec, train
-        self.files: dict[int, object] = {}  # opened lazily in each worker process
-
-    def __len__(self) -> int:
-        return len(self.table)
+    def __init__(self, table: SampleTable) -> None:
+        self.table = table
+        self.files: dict[int, object] = {}
 
     def read(self, row: int) -> bytes:
         shard = int(self.table.shard[row])
@@ -46,9 +45,22 @@ class ShardImages(Dataset):
         f.seek(int(self.table.offset[row]))
         return f.read(int(self.table.size[row]))
 
+    def __getstate__(self) -> dict:
+        return {"table": self.table, "files": {}}  # open files stay in the process that opened them
+
+
+class ShardImages(Dataset):
+    """Items are (epoch, row); returns decoded uint8 images, or the raw bytes when decoding on the GPU."""
+
+    def __init__(self, table: SampleTable, spec: LoaderSpec, train: bool) -> None:
+        self.reader, self.spec, self.train = ShardReader(table), spec, train
+
+    def __len__(self) -> int:
+        return len(self.reader.table)
+
     def __getitem__(self, item: tuple[int, int]):
         epoch, row = item
-        data, label = self.read(row), int(self.table.label[row])
+        data, label = self.reader.read(row), int(self.reader.table.label[row])
         if self.spec.gpu_decode:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, (epoch, row)
         rng = sample_rng(self.spec.seed, epoch, row)
@@ -62,31 +74,38 @@ def _collate(items: list) -> tuple:
     return images, torch.tensor(labels), keys
 
 
+class BatchPlan:
+    """A DataLoader batch sampler over an EpochPlan's stream: never ends, one batch of (epoch, row) items at a time."""
+
+    def __init__(self, plan: EpochPlan, epoch: int, sample: int) -> None:
+        self.plan, self.epoch, self.sample = plan, epoch, sample
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for epoch, rows in self.plan.stream(self.epoch, self.sample):
+            yield [(epoch, int(r)) for r in rows]
+
+
 class TrainBatches:
-    """A rank's training batches: a seeded permutation of its samples per epoch, resumable at any batch."""
+    """A rank's training batches from a position on, epoch after epoch, through one set of loader workers."""
 
-    def __init__(self, table: SampleTable, spec: LoaderSpec, batch: int, batches: int, rank: int) -> None:
-        self.dataset, self.spec, self.batch, self.rank = ShardImages(table, spec, True), spec, batch, rank
-        self.batches_per_epoch = batches
+    def __init__(self, table: SampleTable, spec: LoaderSpec, plan: EpochPlan) -> None:
+        self.dataset, self.spec, self.plan = ShardImages(table, spec, True), spec, plan
 
-    def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.spec.seed, epoch, self.rank]).permutation(len(self.dataset))
-
-    def __call__(self, epoch: int, start: int) -> Iterator[Batch]:
-        order = self.order(epoch)
-        plan = [[(epoch, int(r)) for r in order[b * self.batch:(b + 1) * self.batch]]
-                for b in range(start, self.batches_per_epoch)]
-        yield from _run(self.dataset, plan, self.spec, train=True)
+    def __call__(self, epoch: int, sample: int) -> Iterator[Batch]:
+        yield from _run(self.dataset, BatchPlan(self.plan, epoch, sample), self.spec, train=True)
 
 
 class EvalBatches:
-    """A rank's eval batches, in order; ranks with fewer samples pad with empty batches so all run the same count."""
+    """A rank's share of the eval samples, in order, each exactly once over all ranks; a rank with fewer batches
+    than the most loaded one pads with None so all run the same count."""
 
-    def __init__(self, table: SampleTable, spec: LoaderSpec, batch: int, batches: int) -> None:
-        self.dataset, self.spec, self.batch, self.batches = ShardImages(table, spec, False), spec, batch, batches
+    def __init__(self, table: SampleTable, spec: LoaderSpec, batch: int, dp_rank: int, dp_size: int) -> None:
+        self.dataset, self.spec, self.batch = ShardImages(table, spec, False), spec, batch
+        self.rows = eval_rows(len(table), dp_rank, dp_size)
+        self.batches = -(-len(eval_rows(len(table), 0, dp_size)) // batch)  # rank 0 has the largest share
 
-    def __call__(self) -> Iterator[Batch]:
-        rows = range(len(self.dataset))
+    def __call__(self) -> Iterator[Batch | None]:
+        rows = self.rows
         plan = [[(0, r) for r in rows[b * self.batch:(b + 1) * self.batch]] for b in range(self.batches)]
         real = [p for p in plan if p]
         yield from _run(self.dataset, real, self.spec, train=False)
@@ -94,16 +113,17 @@ class EvalBatches:
             yield None  # this rank has no samples left, but collectives still need it
 
 
-def _run(dataset: ShardImages, plan: list[list[tuple[int, int]]], spec: LoaderSpec, train: bool) -> Iterator[Batch]:
-    if not plan:
+def _run(dataset: ShardImages, batches, spec: LoaderSpec, train: bool) -> Iterator[Batch]:
+    if batches == []:
         return
-    # Its own generator: a DataLoader otherwise draws a seed from the global RNG whenever an epoch starts,
-    # which would shift the model's random stream (drop path) differently in a resumed run.
-    loader = DataLoader(dataset, batch_sampler=plan, num_workers=spec.workers, collate_fn=_collate,
+    # Its own generator: a DataLoader otherwise draws a seed from the global RNG whenever it starts, which would
+    # shift the model's random stream (drop path) differently in a resumed run.
+    loader = DataLoader(dataset, batch_sampler=batches, num_workers=spec.workers, collate_fn=_collate,
                         pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed))
     for images, labels, keys in loader:
         if spec.gpu_decode:
             rngs = [sample_rng(spec.seed, epoch, row) for epoch, row in keys]
             images = decode_gpu(list(images), spec.img_size, train, rngs, spec.min_scale, spec.hflip, spec.device)
         images = images.to(spec.device, non_blocking=True)
-        yield normalize(images), labels.to(spec.device, non_blocking=True)
+        rows = torch.tensor(np.array([row for _, row in keys]))
+        yield normalize(images), labels.to(spec.device, non_blocking=True), rows

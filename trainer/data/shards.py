@@ -1,4 +1,4 @@
-"""Which shards each rank reads, and the table of its samples (from our index files)."""
+"""A split's shards from the manifest, and the table of their samples (from our index files)."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +13,7 @@ from ..config import ConfigError
 
 @dataclass(frozen=True)
 class SampleTable:
-    """Where each sample's JPEG lies, and its label: one row per sample of one rank's shards."""
+    """Where each sample's JPEG lies, and its label: one row per sample of a split, in shard order."""
 
     paths: list[str]
     shard: np.ndarray  # int32 index into paths
@@ -36,11 +36,6 @@ def split_shards(folder: Path, split: str) -> tuple[list[tuple[str, int]], list[
     return [(e["name"], e["samples"]) for e in info["shards"]], manifest["classes"]
 
 
-def rank_shards(shards: list[tuple[str, int]], rank: int, world: int) -> list[tuple[str, int]]:
-    """Disjoint shards per rank: rank r reads shards r, r + world, r + 2 * world, ..."""
-    return shards[rank::world]
-
-
 def read_table(folder: Path, shards: list[tuple[str, int]]) -> SampleTable:
     """Offsets of every jpg, and labels read from the cls members, via the shards' index files."""
     paths, rows, labels = [], [], []
@@ -52,17 +47,14 @@ def read_table(folder: Path, shards: list[tuple[str, int]]) -> SampleTable:
         samples = parse_index(idx.read_text(), str(idx))
         paths.append(str(path))
         with open(path, "rb") as f:
-            for sample in samples:
+            for number, sample in enumerate(samples):
                 parts = {ext: (offset, size) for ext, offset, size, _ in sample}
+                if "jpg" not in parts or "cls" not in parts:
+                    raise ConfigError(f"{idx}: sample {number} has members {sorted(parts)}, not jpg and cls; "
+                                      f"reshard {folder} with `vitctl data shard`")
                 f.seek(parts["cls"][0])
                 labels.append(int(f.read(parts["cls"][1])))
                 rows.append((i, *parts["jpg"]))
     table = np.array(rows, dtype=np.int64).reshape(-1, 3)
     return SampleTable(paths, table[:, 0].astype(np.int32), table[:, 1], table[:, 2].astype(np.int32),
                        np.array(labels, dtype=np.int64))
-
-
-def batches_per_epoch(shards: list[tuple[str, int]], world: int, batch: int) -> int:
-    """Whole batches every rank can fill: the same number on all ranks, so collectives stay in step."""
-    per_rank = [sum(n for _, n in rank_shards(shards, r, world)) for r in range(world)]
-    return min(per_rank) // batch

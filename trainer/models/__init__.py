@@ -7,6 +7,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..ops import Ops
+from . import swin, vit
 from .swin import SwinTransformer
 from .vit import VisionTransformer
 
@@ -48,19 +49,29 @@ def default_window(img_size: int) -> int:
     return 12 if img_size % 384 == 0 else 7
 
 
-def build_model(config: ModelConfig, ops: Ops) -> nn.Module:
+def model_error(config: ModelConfig) -> str | None:
+    """Why this model cannot be built (unknown name, image size vs patch or window), or None."""
     spec = MODELS.get(config.name)
     if spec is None:
-        raise ConfigError(f"model.name {config.name!r} is unknown; models: {', '.join(MODELS)}")
+        return f"model.name {config.name!r} is unknown; models: {', '.join(MODELS)}"
+    if spec.family is SwinTransformer:
+        error = swin.geometry_error(config.img_size, config.window_size or default_window(config.img_size),
+                                    spec.kwargs["depths"])
+    else:
+        error = vit.geometry_error(config.img_size, spec.kwargs["patch"])
+    return error and f"model {config.name}: {error}"
+
+
+def build_model(config: ModelConfig, ops: Ops) -> nn.Module:
+    if error := model_error(config):
+        raise ConfigError(error)
+    spec = MODELS[config.name]
     kwargs = dict(spec.kwargs, img_size=config.img_size, num_classes=config.num_classes, drop_path=config.drop_path)
     if spec.family is SwinTransformer:
         kwargs["window"] = config.window_size or default_window(config.img_size)
     elif config.pre_logits:
         kwargs["pre_logits"] = True
-    try:
-        return spec.family(ops, **kwargs)
-    except ValueError as e:
-        raise ConfigError(f"model {config.name}: {e}") from None
+    return spec.family(ops, **kwargs)
 
 
 def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:

@@ -107,17 +107,23 @@ class Head(nn.Module):
         return self.fc(x.mean(dim=(1, 2)))
 
 
+def geometry_error(img_size: int, window: int, depths: tuple[int, ...]) -> str | None:
+    resolutions = [img_size // 4 // 2**i for i in range(len(depths))]
+    if img_size % (4 * 2 ** (len(depths) - 1)) or any(r > window and r % window for r in resolutions):
+        return (f"image size {img_size} with window {window} gives feature maps {resolutions}; each must be a "
+                f"multiple of the window (e.g. 224 with window 7, 384 with window 12)")
+    return None
+
+
 class SwinTransformer(nn.Module):
     def __init__(self, ops: Ops, img_size: int = 224, dim: int = 96, depths: tuple[int, ...] = (2, 2, 6, 2),
                  heads: tuple[int, ...] = (3, 6, 12, 24), window: int = 7, num_classes: int = 1000,
                  drop_path: float = 0.0) -> None:
         super().__init__()
         self.img_size, self.window, self.dim, self.depths = img_size, window, dim, depths
+        if error := geometry_error(img_size, window, depths):
+            raise ValueError(error)
         resolutions = [img_size // 4 // 2**i for i in range(len(depths))]
-        bad = [r for r in resolutions if r > window and r % window]
-        if img_size % (4 * 2 ** (len(depths) - 1)) or bad:
-            raise ValueError(f"image size {img_size} with window {window} gives feature maps {resolutions}; "
-                             f"each must be a multiple of the window (e.g. 224 with window 7, 384 with window 12)")
         rates = torch.linspace(0, drop_path, sum(depths)).tolist()
         self.patch_embed = PatchEmbed(dim, ops)
         self.layers = nn.ModuleList()

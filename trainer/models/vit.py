@@ -51,13 +51,19 @@ class PreLogits(nn.Module):
         return torch.tanh(self.fc(x))
 
 
+def geometry_error(img_size: int, patch: int) -> str | None:
+    if img_size % patch:
+        return f"image size {img_size} is not a multiple of the patch size {patch}"
+    return None
+
+
 class VisionTransformer(nn.Module):
     def __init__(self, ops: Ops, img_size: int = 224, patch: int = 16, dim: int = 768, depth: int = 12,
                  heads: int = 12, mlp_ratio: float = 4.0, num_classes: int = 1000, drop_path: float = 0.0,
                  pre_logits: bool = False) -> None:
         super().__init__()
-        if img_size % patch:
-            raise ValueError(f"image size {img_size} is not a multiple of the patch size {patch}")
+        if error := geometry_error(img_size, patch):
+            raise ValueError(error)
         self.img_size, self.patch, self.dim = img_size, patch, dim
         self.patch_embed = PatchEmbed(patch, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))

@@ -317,36 +317,33 @@ class MasterAdamW(torch.optim.AdamW):
         super().__init__(params, fused=True, **kwargs)
 
     @torch.no_grad()
-    def step_master_weights(self, pairs: list[tuple[Tensor, Tensor]], max_norm: float = 0.0) -> bool:
-        """Step (bfloat16 parameter with its gradient, float32 master) pairs, clipping the gradients' total norm to
-        `max_norm` when set; False, with nothing done, where the kernel does not apply."""
-        if not self._kernel_applies(pairs):
+    def step_master_weights(self, triples: list[tuple[Tensor, Tensor, Tensor]], clip: Tensor | None = None) -> bool:
+        """Step (gradient, bfloat16 parameter, float32 master) triples, the gradients all bfloat16 or all float32 and
+        scaled by `clip` (a one-element tensor) when given; False, with nothing done, where the kernel does not
+        apply."""
+        if not self._kernel_applies(triples):
             return False
         group_of = {m: g for g in self.param_groups for m in g["params"]}
-        states = [self.state[m] for _, m in pairs]
+        states = [self.state[m] for _, _, m in triples]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1)
-        grads = [p.grad for p, _ in pairs]
         (beta1, beta2), eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
-        extension().master_adamw(grads, [p for p, _ in pairs], [m for _, m in pairs], [s["exp_avg"] for s in states],
-                                 [s["exp_avg_sq"] for s in states], steps, [group_of[m]["lr"] for _, m in pairs],
-                                 [group_of[m]["weight_decay"] for _, m in pairs], beta1, beta2, eps,
-                                 clip_factor(grads, max_norm) if max_norm else None)
+        extension().master_adamw([g for g, _, _ in triples], [p for _, p, _ in triples], [m for _, _, m in triples],
+                                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], steps,
+                                 [group_of[m]["lr"] for _, _, m in triples],
+                                 [group_of[m]["weight_decay"] for _, _, m in triples], beta1, beta2, eps,
+                                 None if clip is None else clip.float().reshape(1))
         return True
 
-    def _kernel_applies(self, pairs: list[tuple[Tensor, Tensor]]) -> bool:
+    def _kernel_applies(self, triples: list[tuple[Tensor, Tensor, Tensor]]) -> bool:
         """Not before torch's first step has made the state, nor for amsgrad, maximize or per-group betas and eps."""
         first = self.param_groups[0]
         same = all(not g["amsgrad"] and not g["maximize"] and (g["betas"], g["eps"]) == (first["betas"], first["eps"])
                    for g in self.param_groups)
-        return same and bool(pairs) and all(m in self.state and p.dtype == torch.bfloat16 and p.grad.is_contiguous()
-                                            for p, m in pairs)
-
-
-def clip_factor(grads: list[Tensor], max_norm: float) -> Tensor:
-    """clip_grad_norm_'s coefficient, min(1, max_norm / (total norm + 1e-6)), on the GPU, the norms in float32."""
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
-    return (max_norm / (total + 1e-6)).clamp(max=1.0)
+        grad_dtype = triples[0][0].dtype if triples else None
+        return same and bool(triples) and grad_dtype in (torch.bfloat16, torch.float32) and all(
+            m in self.state and p.dtype == torch.bfloat16 and g.dtype == grad_dtype and g.is_contiguous()
+            for g, p, m in triples)
 
 
 # ------------------------------------------------------------------ the seams

@@ -1,0 +1,22 @@
+"""`vitctl export`: a run's weights as one safetensors file."""
+
+from pathlib import Path
+
+import click
+
+from vitctl.workflows.export import export_weights
+
+from .console import console
+
+
+@click.command()
+@click.argument("run", type=click.Path(exists=True, path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="The .safetensors file to write.")
+@click.option("--step", type=click.IntRange(min=0), help="The checkpoint of this step [default: the last].")
+@click.option("--ema", is_flag=True, help="Export the EMA weights (runs with train.ema_decay) instead.")
+def export(run: Path, out: Path, step: int | None, ema: bool) -> None:
+    """Write RUN's weights (a run folder or one checkpoint folder) with timm's names: `finetune --from-ckpt` and
+    `timm.create_model(..., pretrained_cfg_overlay={"file": OUT})` read them."""
+    done = export_weights(run, out, step, ema)
+    console.print(f"{done.out}: {done.model}, {done.tensors} tensors, {done.parameters:,} parameters "
+                  f"({'EMA' if ema else 'weights'} of {done.checkpoint})", highlight=False)

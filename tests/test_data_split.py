@@ -1,0 +1,94 @@
+"""The data split over data-parallel ranks, through both loaders (the index loader and DALI, on the CPU): every
+sample once per epoch, a new order each epoch, and a resumed stream that continues with the same batches."""
+
+import itertools
+
+import pytest
+import torch
+
+from vitctl.trainer.data.loader import EvalBatches, LoaderSpec, TrainBatches
+from vitctl.trainer.data.plan import EpochPlan, eval_rows
+from vitctl.trainer.data.shards import read_table, split_shards
+
+RANKS, BATCH = 3, 7  # 60 train samples in shards of 16, 16, 16, 12: 2 global batches of 21 per epoch, 18 left out
+
+
+def spec(workers: int = 0) -> LoaderSpec:
+    return LoaderSpec(img_size=32, min_scale=0.35, hflip=True, seed=5, workers=workers, device=torch.device("cpu"),
+                      gpu_decode=False)
+
+
+def loader(kind: str, table, plan: EpochPlan, workers: int = 0):
+    if kind == "dali":
+        from vitctl.trainer.data.dali import DaliTrainBatches
+
+        return DaliTrainBatches(table, spec(workers), plan, threads=1)
+    return TrainBatches(table, spec(workers), plan)
+
+
+@pytest.fixture(scope="module")
+def table(prepared_shards):
+    shards, _ = split_shards(prepared_shards, "train")
+    assert len({n for _, n in shards}) > 1  # uneven shards
+    return read_table(prepared_shards, shards)
+
+
+@pytest.mark.parametrize(("kind", "workers"), [("index", 0), ("index", 2), ("dali", 0), ("dali", 1)])
+def test_every_sample_once_per_epoch_over_three_ranks(table, kind, workers):
+    plans = [EpochPlan(len(table), BATCH, rank, RANKS, seed=5) for rank in range(RANKS)]
+    streams = [loader(kind, table, plan, workers)(0, 0) for plan in plans]
+    per_epoch = plans[0].batches_per_epoch
+    orders = []
+    for _ in range(2):
+        rows = []
+        for _ in range(per_epoch):
+            for stream in streams:
+                images, labels, batch_rows = next(stream)
+                assert images.shape == (BATCH, 3, 32, 32)
+                assert torch.equal(labels, torch.from_numpy(table.label[batch_rows.numpy()]))
+                rows += batch_rows.tolist()
+        assert len(rows) == len(set(rows)) == per_epoch * RANKS * BATCH
+        assert len(table) - len(rows) < RANKS * BATCH  # fewer than one global batch left out
+        orders.append(rows)
+    assert orders[0] != orders[1]
+
+
+@pytest.mark.parametrize("kind", ["index", "dali"])
+def test_a_stream_resumed_mid_epoch_gives_the_same_remaining_batches(table, kind):
+    plan = EpochPlan(len(table), BATCH, 1, RANKS, seed=5)
+    whole = list(itertools.islice(loader(kind, table, plan)(0, 0), 5))  # across the epoch boundary
+    epoch, sample = plan.locate(0, 0, 1)
+    resumed = list(itertools.islice(loader(kind, table, plan)(epoch, sample), 4))
+    for (a_images, a_labels, a_rows), (b_images, b_labels, b_rows) in zip(whole[1:], resumed, strict=True):
+        assert torch.equal(a_rows, b_rows) and torch.equal(a_labels, b_labels)
+        assert torch.equal(a_images, b_images)  # the same crops and flips: they depend on (seed, epoch, sample)
+
+
+def test_resharded_stream_continues_the_same_permutation():
+    """Global positions: 2 ranks of 6 continue where 4 ranks of 3 stopped, reading the same samples."""
+    four = [EpochPlan(50, 3, r, 4, seed=1) for r in range(4)]
+    two = [EpochPlan(50, 6, r, 2, seed=1) for r in range(2)]
+    order = four[0].order(0)
+    position = four[0].locate(0, 0, 2)
+    assert position == two[0].locate(0, 0, 2)
+    assert [r for p in four for r in p.rows(order, position[1])] == [r for p in two for r in p.rows(order, position[1])]
+
+
+@pytest.mark.parametrize(("samples", "batch", "ranks"), [(60, 7, 3), (61, 4, 5), (8, 2, 4), (1000, 3, 7)])
+def test_locate_is_repeated_advance_and_drops_less_than_a_global_batch(samples, batch, ranks):
+    plan = EpochPlan(samples, batch, 0, ranks, seed=0)
+    position = (0, 0)
+    for step in range(3 * plan.batches_per_epoch + 2):
+        assert plan.locate(0, 0, step) == position
+        position = plan.advance(*position)
+    assert samples - plan.batches_per_epoch * plan.global_batch < plan.global_batch
+
+
+def test_eval_reads_every_sample_once_and_ranks_run_the_same_count(prepared_shards):
+    shards, _ = split_shards(prepared_shards, "val")
+    table = read_table(prepared_shards, shards)
+    outputs = [list(EvalBatches(table, spec(), 3, rank, RANKS)()) for rank in range(RANKS)]
+    assert len({len(batches) for batches in outputs}) == 1
+    rows = [r for batches in outputs for b in batches if b is not None for r in b[2].tolist()]
+    assert sorted(rows) == list(range(len(table)))
+    assert [list(eval_rows(10, r, 3)) for r in range(3)] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]

@@ -1,0 +1,101 @@
+"""Data parallelism on CPU gloo ranks: the fp32 gradient path of bf16-pure DDP, the mesh shape, and checkpoints that
+reshard onto another number of ranks and another layout (DDP, FSDP, HSDP)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from conftest import CLASSES, ok
+from vitctl.trainer import checkpoint as ckpt
+from vitctl.trainer.config import ConfigError, ParallelConfig
+from vitctl.trainer.parallel import ParallelDims, build_mesh, parallel_dims
+from vitctl.trainer.parallel.data_parallel import apply_ddp
+from vitctl.trainer.precision import MasterWeights
+
+WORLD = 2
+
+
+def _bf16_ddp_rank(rank: int, init: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8))
+    master = MasterWeights(model)  # the model is now bf16
+    plain = copy.deepcopy(model)  # the same bf16 weights, outside DDP: this rank's own gradients
+    ddp = apply_ddp(model, build_mesh(ParallelDims(WORLD, 1), torch.device("cpu")), master)
+    torch.manual_seed(1 + rank)
+    micro = [torch.randn(16, 64).bfloat16() for _ in range(3)]
+    own = [torch.zeros_like(m) for _, m in master.pairs]
+    for i, x in enumerate(micro):
+        plain(x).float().square().mean().backward()
+        for total, p in zip(own, plain.parameters(), strict=True):
+            total += p.grad.float()
+        plain.zero_grad()
+        if i < len(micro) - 1:
+            with ddp.no_sync():
+                ddp(x).float().square().mean().backward()
+            master.accumulate()
+        else:
+            ddp(x).float().square().mean().backward()
+    for total in own:  # the fp32 mean over ranks of each rank's fp32 sum over micro-batches
+        dist.all_reduce(total)
+        total /= WORLD
+    results[rank] = ([m.grad.clone() for _, m in master.pairs], own)
+    dist.destroy_process_group()
+
+
+def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(_bf16_ddp_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    for rank in range(WORLD):
+        got, want = results[rank]
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("fsdp", "dp_shard", "world", "dims"), [
+    (False, -1, 4, (4, 1)), (True, -1, 4, (1, 4)), (True, 2, 4, (2, 2)), (True, 3, 6, (2, 3))])
+def test_mesh_shape(fsdp, dp_shard, world, dims):
+    shape = parallel_dims(ParallelConfig(fsdp=fsdp, dp_shard=dp_shard), world)
+    assert (shape.dp_replicate, shape.dp_shard) == dims and shape.dp_size == world
+
+
+def test_a_shard_degree_that_does_not_divide_the_ranks_is_refused():
+    with pytest.raises(ConfigError, match="parallel.dp_shard=3 does not divide the 4 ranks"):
+        parallel_dims(ParallelConfig(fsdp=True, dp_shard=3), 4)
+
+
+RESHARD = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",
+           "--set", "augment.cutmix=0", "--set", "data.workers=0", "--set", "train.log_every=2",
+           "--set", "train.checkpoint_every=100", "--set", "train.epochs=6", "--executor", "local", "--gpus", 0]
+
+
+def run(shards, out, ranks: int, steps: int, *extra: object) -> None:
+    """The same global batch of 24 on any number of ranks, so that runs can be compared step for step."""
+    ok("train", "--config", "demo_vit", "--data", shards, "--out", out, "--tasks-per-node", ranks,
+       "--batch", 24 // ranks, "--steps", steps, *RESHARD, *extra)
+
+
+@pytest.mark.slow
+def test_resume_onto_other_rank_counts_and_layouts_reshards(prepared_shards, tmp_path):
+    """4 FSDP ranks -> 2 DDP ranks -> 3 FSDP ranks ends where 4 DDP ranks end in one go: the weights, optimizer state
+    and data position reshard (the gradient sums differ only in their order, so not bitwise)."""
+    run(prepared_shards, tmp_path / "whole", 4, 10)
+    run(prepared_shards, tmp_path / "split", 4, 4, "--set", "parallel.fsdp=true")
+    run(prepared_shards, tmp_path / "split", 2, 7, "--resume")
+    run(prepared_shards, tmp_path / "split", 3, 10, "--resume", "--set", "parallel.fsdp=true")
+    whole, split = (ckpt.list_checkpoints(tmp_path / name)[-1] for name in ("whole", "split"))
+    assert whole.name == split.name == "step-00000010"
+    assert ckpt.read_meta(whole)["position"] == ckpt.read_meta(split)["position"]
+    assert len(list(split.glob("*.distcp"))) == 3
+    for part in ("model", "optimizer"):
+        a, b = ckpt.consolidated(whole, part), ckpt.consolidated(split, part)
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)

@@ -1,0 +1,47 @@
+"""Everything checkable is checked before launch (the CLI, before anything is submitted) and again in each rank."""
+
+import pytest
+
+from conftest import CLASSES, vitctl
+from vitctl.trainer.config import ConfigError, load_config
+from vitctl.trainer.loop import train
+
+TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.name=vit_x"], "model.name 'vit_x' is unknown"),
+    (["model.img_size=36"], "model vit_micro: image size 36 is not a multiple of the patch size 8"),
+    (["model.name=swin_t", "model.img_size=200"], "model swin_t: image size 200 with window 7 gives feature maps"),
+    (["train.fused=all,mlp=bogus"], "--fused: mlp has no implementation 'bogus'"),
+    (["train.fused=al"], "--fused: unknown op 'al'"),
+    (["model.num_classes=1000"], f"pass --set model.num_classes={CLASSES}"),
+    (["augment.mixup=0.8", "data.batch_size=7"], "mixup/cutmix pair the samples of a batch and need an even"),
+    (["data.batch_size=40"], "data.batch_size 40 x 2 data-parallel ranks = 80 samples a step, more than the 60"),
+    (["parallel.fsdp=true", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not divide the 2 ranks"),
+    (["parallel.fsdp=true", "train.compile=true", "train.compile_mode=reduce-overhead"],
+     "does not run with FSDP"),
+    (["train.compile=true", "train.compile_mode=reduce-overhead"], "replays CUDA graphs and needs a GPU"),
+])
+def test_bad_requests_are_refused_before_launch(prepared_shards, tmp_path, overrides, message):
+    sets = [a for o in overrides for a in ("--set", o)]
+    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
+                    *TWO_CPU_RANKS, "--batch", 8, "--set", f"model.num_classes={CLASSES}", *sets)
+    assert result.exit_code == 1 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.output + result.stderr
+    assert not (tmp_path / "run" / "submitit").exists()  # nothing was launched
+
+
+def test_every_problem_is_reported_at_once(prepared_shards, tmp_path):
+    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
+                    *TWO_CPU_RANKS, "--set", "train.fused=bogus", "--set", "model.img_size=36")
+    assert result.exit_code == 1
+    for message in ("unknown op 'bogus'", "image size 36", f"pass --set model.num_classes={CLASSES}"):
+        assert message in result.stderr
+
+
+def test_the_ranks_check_again(prepared_shards, tmp_path):
+    """A rank started some other way (srun, torchrun, a changed data folder) refuses as the CLI would."""
+    config = load_config("demo_vit", [f"data.path={prepared_shards}", f"train.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=f"pass --set model.num_classes={CLASSES}"):
+        train(config)

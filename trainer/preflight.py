@@ -1,0 +1,92 @@
+"""Every check that can be made before a job starts, in one function. The CLI calls it before submitting, so a
+Slurm user hears of a bad request at once rather than after the queue wait; each rank calls it again at start,
+where the device is known."""
+
+from pathlib import Path
+
+import torch
+
+from vitctl.datasets.index import index_path
+
+from .config import ConfigError, RunConfig
+from .data import dali_installed
+from .data.shards import split_shards
+from .models import model_error
+from .ops import parse_fused
+from .parallel import ParallelDims, parallel_dims
+
+
+def preflight(config: RunConfig, world_size: int, device: torch.device | None) -> ParallelDims:
+    """Raises one ConfigError listing every problem; returns the mesh shape. `device` None: the ranks' device is not
+    known here (a Slurm job's nodes), so its checks wait for the ranks."""
+    problems = [p for p in (model_error(config.model), _fused_error(config.train.fused), _mixup_error(config))
+                if p]
+    dims = None
+    try:
+        dims = parallel_dims(config.parallel, world_size)
+    except ConfigError as e:
+        problems.append(str(e))
+    if dims is not None and dims.fsdp and config.train.compile_mode == "reduce-overhead":
+        problems.append("train.compile_mode=reduce-overhead (CUDA graphs) does not run with FSDP, which gathers "
+                        "each block's weights into new memory every step; use train.compile_mode=default")
+    if device is not None:
+        problems += _device_problems(config, device)
+    problems += _data_problems(config, dims.dp_size if dims else world_size)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return dims
+
+
+def _fused_error(spec: str) -> str | None:
+    try:
+        parse_fused(spec)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _mixup_error(config: RunConfig) -> str | None:
+    mixing = config.augment.mixup > 0 or config.augment.cutmix > 0
+    if mixing and config.data.batch_size % 2:
+        return (f"mixup/cutmix pair the samples of a batch and need an even data.batch_size, not "
+                f"{config.data.batch_size} (or set augment.mixup=0 augment.cutmix=0)")
+    return None
+
+
+def _device_problems(config: RunConfig, device: torch.device) -> list[str]:
+    problems = []
+    precision = config.train.precision
+    if device.type == "cuda" and precision in ("bf16", "bf16-pure") and not torch.cuda.is_bf16_supported():
+        problems.append(f"train.precision={precision} needs a GPU with bfloat16 (Ampere or newer), not "
+                        f"{torch.cuda.get_device_name(device)}; use --precision fp16")
+    if device.type != "cuda" and config.train.compile_mode == "reduce-overhead":
+        problems.append("train.compile_mode=reduce-overhead replays CUDA graphs and needs a GPU; use "
+                        "train.compile_mode=default")
+    if config.data.source == "dali" and not dali_installed():
+        problems.append("data.source=dali but nvidia-dali is not installed (pip install 'vitctl[dali]')")
+    return problems
+
+
+def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
+    c, global_batch = config.data, config.data.batch_size * dp_size
+    if c.source == "synthetic":
+        samples, classes = c.train_samples, None
+    else:
+        folder = Path(c.path)
+        try:
+            shards, class_list = split_shards(folder, "train")
+        except ConfigError as e:
+            return [str(e)]
+        missing = [name for name, _ in shards if not index_path(folder / name).exists()]
+        if missing:
+            return [f"data.path {folder}: {len(missing)} train shards have no index file (first: {missing[0]}); "
+                    f"run `vitctl data index {folder}`"]
+        samples, classes = sum(n for _, n in shards), len(class_list)
+    problems = []
+    if classes is not None and config.model.num_classes != classes:
+        problems.append(f"model.num_classes is {config.model.num_classes} but the shards hold {classes} classes; "
+                        f"pass --set model.num_classes={classes}")
+    if samples < global_batch:
+        problems.append(f"data.batch_size {c.batch_size} x {dp_size} data-parallel ranks = {global_batch} samples "
+                        f"a step, more than the {samples} train samples; lower data.batch_size or use fewer ranks")
+    return problems

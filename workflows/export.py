@@ -1,0 +1,36 @@
+"""Consolidated weights out of a run: one safetensors file with timm's parameter names."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from vitctl.datasets.atomic import partial_path, publish
+from vitctl.trainer.checkpoint import consolidated, read_meta, resolve_checkpoint
+from vitctl.trainer.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Export:
+    checkpoint: Path
+    out: Path
+    tensors: int
+    parameters: int
+    model: str
+
+
+def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = False) -> Export:
+    """The weights (or their EMA) of a run's last checkpoint, or of `step`'s, written atomically to `out`."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'model.safetensors'}")
+    source = resolve_checkpoint(run, step)
+    meta = read_meta(source)
+    tensors = {name: tensor.contiguous() for name, tensor in consolidated(source, "ema" if ema else "model").items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = meta["config"]["model"]
+    save_file(tensors, str(partial_path(out)), metadata={
+        "format": "pt", "vitctl_model": json.dumps(model), "vitctl_step": str(meta["step"]),
+        "vitctl_weights": "ema" if ema else "model", "vitctl_checkpoint": str(source.resolve())})
+    publish(out)
+    return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"])
