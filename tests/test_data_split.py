@@ -74,6 +74,13 @@ def test_resharded_stream_continues_the_same_permutation():
     assert [r for p in four for r in p.rows(order, position[1])] == [r for p in two for r in p.rows(order, position[1])]
 
 
+def test_a_position_that_no_longer_fits_a_global_batch_starts_the_next_epoch():
+    """2 ranks of 12 stopped at sample 24 of 60; 2 ranks of 20 cannot read 40 more: they start epoch 1."""
+    plan = EpochPlan(60, 20, 0, 2, seed=1)
+    epoch, rows = next(plan.stream(0, 24))
+    assert epoch == 1 and len(rows) == 20 and plan.locate(0, 24, 0) == (1, 0)
+
+
 @pytest.mark.parametrize(("samples", "batch", "ranks"), [(60, 7, 3), (61, 4, 5), (8, 2, 4), (1000, 3, 7)])
 def test_locate_is_repeated_advance_and_drops_less_than_a_global_batch(samples, batch, ranks):
     plan = EpochPlan(samples, batch, 0, ranks, seed=0)

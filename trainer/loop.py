@@ -151,6 +151,7 @@ class Trainer:
             log.warning("resuming on %d ranks from %d: model, optimizer and data position are resharded; the "
                         "random streams (drop path, mixup) restart", self.env.world_size, meta["world_size"])
         self.position = Position(**meta["position"])
+        self.position.epoch, self.position.sample = self.data.plan.start(self.position.epoch, self.position.sample)
         self.metrics.write({"step": self.position.step, "event": "resume", "checkpoint": path.name,
                             "from_world_size": meta["world_size"], "world_size": self.env.world_size})
         log.info("resumed from %s at step %d (epoch %d, sample %d)", path, self.position.step, self.position.epoch,
@@ -177,7 +178,8 @@ class Trainer:
                     loss = self.loss_fn(self.par.forward(images).float(), labels) / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             self.par.after_backward(sync)
-            total = loss.detach() if total is None else total + loss.detach()
+            # Summed at once: under CUDA graphs `loss` is a graph output that the next replay overwrites.
+            total = loss.detach().clone() if total is None else total.add_(loss.detach())
         norm = self._optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema:

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
+from .checkpoint import consolidated, resolve_checkpoint
 from .config import ConfigError
 
 log = logging.getLogger("vitctl.finetune")
@@ -22,15 +25,10 @@ HEAD_PREFIXES = ("head.", "pre_logits.")
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if path.is_dir():  # a run folder (its last checkpoint) or one checkpoint folder
-        from .checkpoint import consolidated, resolve_checkpoint
-
         return consolidated(resolve_checkpoint(path))
     if not path.is_file():
         raise ConfigError(f"finetune.from_ckpt {path}: no such file or folder")
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         try:
             return load_file(path)
         except SafetensorError as e:

@@ -31,13 +31,18 @@ class EpochPlan:
     def order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
+    def start(self, epoch: int, sample: int) -> tuple[int, int]:
+        """Where a stream from (epoch, sample) begins: a position left by a run with a smaller global batch may not
+        fit a whole batch of this one before the epoch ends, and then it is the next epoch's start."""
+        return (epoch + 1, 0) if sample + self.global_batch > self.num_samples else (epoch, sample)
+
     def advance(self, epoch: int, sample: int) -> tuple[int, int]:
         """The position after one global batch from (epoch, sample)."""
-        sample += self.global_batch
-        return (epoch + 1, 0) if sample + self.global_batch > self.num_samples else (epoch, sample)
+        return self.start(epoch, sample + self.global_batch)
 
     def locate(self, epoch: int, sample: int, batches: int) -> tuple[int, int]:
         """The position `batches` global batches after (epoch, sample), in O(1)."""
+        epoch, sample = self.start(epoch, sample)
         left = (self.num_samples - sample) // self.global_batch  # in the current epoch
         if batches < left:
             return epoch, sample + batches * self.global_batch
@@ -51,6 +56,7 @@ class EpochPlan:
 
     def stream(self, epoch: int, sample: int) -> Iterator[tuple[int, np.ndarray]]:
         """(epoch, this rank's rows) for every batch from (epoch, sample) on, epoch after epoch."""
+        epoch, sample = self.start(epoch, sample)
         order = self.order(epoch)
         while True:
             yield epoch, self.rows(order, sample)

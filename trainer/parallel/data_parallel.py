@@ -15,9 +15,10 @@ from .mesh import Mesh
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, master: MasterWeights | None) -> DistributedDataParallel:
+    device = next(model.parameters()).device
     ddp = DistributedDataParallel(
-        model, device_ids=[next(model.parameters()).device.index] if next(model.parameters()).is_cuda else None,
-        process_group=mesh.dp_group, gradient_as_bucket_view=True,
+        model, device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.dp_group,
+        gradient_as_bucket_view=True,
         # DDP otherwise re-buckets after its first step in the order gradients arrived, so a resumed run's first step
         # would reduce in another layout (and another summation order) than the uninterrupted run's: not bitwise.
         find_unused_parameters=True)

@@ -1,4 +1,4 @@
-"""torch.distributed set-up from the launcher's environment, and the few collectives the loop needs."""
+"""torch.distributed set-up from the launcher's environment."""
 
 import os
 from dataclasses import dataclass
@@ -19,13 +19,9 @@ class DistEnv:
         return self.rank == 0
 
 
-def launcher_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
 def init_distributed(use_cuda: bool) -> DistEnv:
     """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (torchrun, submitit, `vitctl train --gpus N`)."""
-    rank, world = int(os.environ.get("RANK", 0)), launcher_world_size()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # Modulo: a launcher may already have narrowed CUDA_VISIBLE_DEVICES to this rank's GPU.
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
@@ -37,17 +33,12 @@ def init_distributed(use_cuda: bool) -> DistEnv:
     return DistEnv(rank, world, local_rank, device)
 
 
-def all_reduce_sum(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if not dist.is_initialized():
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, group=group)
+    dist.all_reduce(tensor)
     return tensor.tolist()
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def shutdown() -> None:
