@@ -2,6 +2,8 @@
 reshard onto another number of ranks and another layout (DDP, FSDP, HSDP)."""
 
 import copy
+import json
+import math
 
 import pytest
 import torch
@@ -17,17 +19,21 @@ from vitctl.trainer.parallel.data_parallel import apply_ddp
 from vitctl.trainer.precision import MasterWeights
 
 WORLD = 2
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
-def _bf16_ddp_rank(rank: int, init: str, results: dict) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+def _bf16_ddp_rank(rank: int, init: str, results: dict, backend: str) -> None:
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=WORLD)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8))
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8)).to(device)
     master = MasterWeights(model)  # the model is now bf16
     plain = copy.deepcopy(model)  # the same bf16 weights, outside DDP: this rank's own gradients
-    ddp = apply_ddp(model, build_mesh(ParallelDims(WORLD, 1), torch.device("cpu")), master)
+    ddp = apply_ddp(model, build_mesh(ParallelDims(WORLD, 1), device), master)
     torch.manual_seed(1 + rank)
-    micro = [torch.randn(16, 64).bfloat16() for _ in range(3)]
+    micro = [torch.randn(16, 64).bfloat16().to(device) for _ in range(3)]
     own = [torch.zeros_like(m) for _, m in master.pairs]
     for i, x in enumerate(micro):
         plain(x).float().square().mean().backward()
@@ -43,13 +49,14 @@ def _bf16_ddp_rank(rank: int, init: str, results: dict) -> None:
     for total in own:  # the fp32 mean over ranks of each rank's fp32 sum over micro-batches
         dist.all_reduce(total)
         total /= WORLD
-    results[rank] = ([m.grad.clone() for _, m in master.pairs], own)
+    results[rank] = ([m.grad.cpu() for _, m in master.pairs], [t.cpu() for t in own])
     dist.destroy_process_group()
 
 
-def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, TWO_GPUS])])
+def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path, backend):
     results = mp.Manager().dict()
-    mp.spawn(_bf16_ddp_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    mp.spawn(_bf16_ddp_rank, args=(f"file://{tmp_path / 'init'}", results, backend), nprocs=WORLD)
     for rank in range(WORLD):
         got, want = results[rank]
         for g, w in zip(got, want, strict=True):
@@ -99,3 +106,34 @@ def test_resume_onto_other_rank_counts_and_layouts_reshards(prepared_shards, tmp
         assert a.keys() == b.keys()
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
+
+
+GPU_RUN = ["--config", "demo_swin", "--set", f"model.num_classes={CLASSES}", "--set", "data.source=webdataset",
+           "--set", "data.workers=2", "--set", "train.precision=bf16-pure", "--set", "train.compile=true",
+           "--set", "train.log_every=2", "--set", "train.checkpoint_every=100", "--set", "train.epochs=20",
+           "--executor", "local", "--gpus", 2, "--batch", 8]
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_two_gpus_resume_under_cuda_graphs_and_reshard_into_fsdp(prepared_shards, tmp_path):
+    """bf16-pure DDP over NCCL, compiled with CUDA graphs, stopped and resumed, follows the uninterrupted run (not
+    bitwise on the GPU: the attention backward sums its bias gradient with atomics); FSDP2 (bf16 gathers, fp32
+    reduction) then continues from the DDP checkpoint."""
+    ddp = [*GPU_RUN, "--data", prepared_shards, "--set", "train.compile_mode=reduce-overhead"]
+    ok("train", "--out", tmp_path / "whole", "--steps", 8, *ddp)
+    ok("train", "--out", tmp_path / "split", "--steps", 4, *ddp)
+    ok("train", "--out", tmp_path / "split", "--steps", 8, "--resume", *ddp)
+    whole, split = (ckpt.list_checkpoints(tmp_path / name)[-1] for name in ("whole", "split"))
+    assert ckpt.read_meta(whole)["position"] == ckpt.read_meta(split)["position"]
+    losses = {name: [json.loads(line).get("loss") for line in (tmp_path / name / "metrics.jsonl").read_text()
+                     .splitlines()] for name in ("whole", "split")}
+    last_whole, last_split = ([v for v in losses[name] if v is not None][-1] for name in ("whole", "split"))
+    assert abs(last_split - last_whole) < 0.02 * last_whole
+    ok("train", "--out", tmp_path / "split", "--steps", 12, "--resume", *GPU_RUN, "--data", prepared_shards,
+       "--set", "parallel.fsdp=true")
+    final = ckpt.list_checkpoints(tmp_path / "split")[-1]
+    assert ckpt.read_meta(final)["mesh"] == {"dp_replicate": 1, "dp_shard": 2}
+    assert len(list(final.glob("*.distcp"))) == 2
+    records = [json.loads(line) for line in (tmp_path / "split/metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
