@@ -29,7 +29,7 @@ class BenchResult:
     optimizer: str = "torch fused AdamW"
 
 
-def timm_model(name: str, img_size: int, fused_attn: bool) -> nn.Module:
+def timm_model(name: str, img_size: int, fused_attn: bool, drop_path: float = 0.0) -> nn.Module:
     import timm
     from timm.layers import set_fused_attn
 
@@ -38,7 +38,7 @@ def timm_model(name: str, img_size: int, fused_attn: bool) -> nn.Module:
         raise ValueError(f"{name} has no timm counterpart")
     set_fused_attn(fused_attn, experimental=fused_attn)  # experimental: Swin's masked SDPA path
     kwargs = {"img_size": img_size} if img_size != 224 else {}
-    return timm.create_model(timm_name, pretrained=False, **kwargs)
+    return timm.create_model(timm_name, pretrained=False, drop_path_rate=drop_path, **kwargs)
 
 
 def training_step(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable,

@@ -1,0 +1,245 @@
+"""Data-parallel scaling on one host, in one call: our trainer on 1 GPU and on N GPUs (DDP and FSDP2), timm + DDP
+beside it; synthetic data resident on the GPU.
+
+    python bench/bench_scaling.py --models swin_b,vit_b16 --gpus 2 --timm swin_b
+
+Every configuration runs in fresh processes (torchrun; the 1-GPU ones side by side, one per GPU). Ours is the real
+trainer (`Trainer.train_step`: the preset's recipe with mixup, drop path and clipping, bf16-pure, compile, fused
+all); timm runs its model with the same recipe under its strongest setting (bf16 autocast, compile, fused
+attention). Each rank times `--steps` steps back to back after `--warmup` with CUDA events; the figure is rank 0's
+median step. Rows print as they finish.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+PRESET = {"swin_b": ("swin_b_pretrain", 128), "vit_b16": ("vit_b16_pretrain", 256)}
+PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "kernels_ms_per_step")
+
+
+def configurations(models: list[str], gpus: int, timm: list[str], profile: bool) -> list[dict]:
+    runs = []
+    for model in models:
+        runs += [dict(model=model, impl="vitctl", strategy="1 GPU", gpus=1, mode="reduce-overhead"),
+                 dict(model=model, impl="vitctl", strategy="1 GPU", gpus=1, mode="default"),
+                 dict(model=model, impl="vitctl", strategy="DDP", gpus=gpus, mode="reduce-overhead"),
+                 dict(model=model, impl="vitctl", strategy="FSDP2", gpus=gpus, mode="default")]
+        if model in timm:
+            runs += [dict(model=model, impl="timm", strategy="1 GPU", gpus=1, mode="default"),
+                     dict(model=model, impl="timm", strategy="DDP", gpus=gpus, mode="default")]
+    return [dict(run, profile=profile) for run in runs]
+
+
+# ---------------------------------------------------------------- one configuration, in each rank
+
+
+def ours(run: dict, out_dir: str) -> tuple[Callable[[], None], str]:
+    from vitctl.trainer.config import load_config
+    from vitctl.trainer.loop import Trainer
+    from vitctl.trainer.parallel import init_distributed
+
+    preset, batch = PRESET[run["model"]]
+    config = load_config(preset, [
+        "data.source=synthetic", f"data.batch_size={batch}", "train.precision=bf16-pure", "train.fused=all",
+        "train.compile=true", f"train.compile_mode={run['mode']}", f"parallel.fsdp={run['strategy'] == 'FSDP2'}",
+        f"train.out_dir={out_dir}"])
+    trainer = Trainer(config, init_distributed(True), resume=False)
+    batches = trainer.data.train(0, 0)
+    return (lambda: trainer.train_step(batches)), trainer.ops.describe()
+
+
+def timm_ddp(run: dict) -> tuple[Callable[[], None], str]:
+    """timm's model and its strongest setting, the same recipe as our preset, DDP over the ranks."""
+    import torch
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+    from torch.nn.parallel import DistributedDataParallel
+
+    from vitctl.trainer.bench import timm_model
+    from vitctl.trainer.config import load_config
+    from vitctl.trainer.parallel import init_distributed
+
+    env = init_distributed(True)
+    preset, batch = PRESET[run["model"]]
+    c = load_config(preset, ["data.source=synthetic"])
+    model = timm_model(run["model"], 224, fused_attn=True, drop_path=c.model.drop_path).to(env.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+    wrapped = DistributedDataParallel(model, device_ids=[env.device.index]) if env.world_size > 1 else model
+    forward = torch.compile(wrapped, mode=run["mode"])
+    mixup = Mixup(mixup_alpha=c.augment.mixup, cutmix_alpha=c.augment.cutmix, label_smoothing=0.1, num_classes=1000)
+    loss_fn = SoftTargetCrossEntropy()
+    images = torch.randn(batch, 3, 224, 224, device=env.device)
+    labels = torch.randint(0, 1000, (batch,), device=env.device)
+
+    def step() -> None:
+        x, y = mixup(images, labels)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(forward(x).float(), y)
+        loss.backward()
+        if c.optim.clip_grad:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c.optim.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, "timm, bf16 autocast + compile + fused attention (TIMM_FUSED_ATTN=2), fused AdamW"
+
+
+def worker(run: dict, warmup: int, steps: int, result: str) -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    with tempfile.TemporaryDirectory() as out_dir:
+        step, setting = ours(run, out_dir) if run["impl"] == "vitctl" else timm_ddp(run)
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize()
+        extra = profile(step) if run["profile"] else {}
+    if int(os.environ.get("RANK", 0)) == 0:
+        times = [start.elapsed_time(end) for start, end in events]
+        batch = PRESET[run["model"]][1]
+        median = statistics.median(times)
+        Path(result).write_text(json.dumps({**run, **extra, "setting": setting, "ms": median, "batch": batch,
+                                            "images_per_s": run["gpus"] * batch * 1000 / median,
+                                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def profile(step: Callable[[], None]) -> dict:
+    """GPU ms per step in NCCL kernels (which run, and hold their SMs, while they wait for the peer) and in all other
+    kernels, and the time of one fp32 all-reduce of ViT-B's size over the ranks."""
+    import torch.distributed as dist
+
+    return {**kernel_ms_per_step(step), **(allreduce_probe() if dist.is_initialized() else {})}
+
+
+def kernel_ms_per_step(step: Callable[[], None], steps: int = 5) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = sum(e.device_time for e in kernels if "nccl" in e.name.lower())
+    other = sum(e.device_time for e in kernels) - nccl
+    return {"nccl_ms_per_step": nccl / steps / 1000, "kernels_ms_per_step": other / steps / 1000}
+
+
+def allreduce_probe(repeats: int = 5) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.ones(86_000_000, device="cuda")  # 344 MB: ViT-B's gradients in fp32
+    for _ in range(3):
+        dist.all_reduce(flat)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dist.all_reduce(flat)
+    end.record()
+    torch.cuda.synchronize()
+    return {"allreduce_344MB_ms": start.elapsed_time(end) / repeats}
+
+
+# ---------------------------------------------------------------- the driver
+
+
+class Launched:
+    """One configuration's processes: a single one on a chosen GPU, or torchrun over all of them."""
+
+    def __init__(self, run: dict, gpu: int, warmup: int, steps: int) -> None:
+        self.run = run
+        self.result = tempfile.NamedTemporaryFile(suffix=".json")  # noqa: SIM115  (closed in finish)
+        args = [__file__, "--worker", json.dumps(run), "--warmup", str(warmup), "--steps", str(steps),
+                "--result", self.result.name]
+        env = dict(os.environ, TIMM_FUSED_ATTN="2", PYTHONUNBUFFERED="1")
+        if run["gpus"] == 1:  # 1-GPU configurations run two at a time, one per GPU
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            command = [sys.executable, *args]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={run['gpus']}", *args]
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(self, timeout: float) -> dict | None:
+        try:
+            output, _ = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            output, _ = self.process.communicate()
+            print(f"TIMED OUT after {timeout:.0f} s: {self.run}", flush=True)
+            return None
+        finally:
+            text = Path(self.result.name).read_text()
+            self.result.close()
+        if self.process.returncode or not text:
+            print(f"FAILED {self.run}: exit {self.process.returncode}\n{output[-3000:]}", flush=True)
+            return None
+        return json.loads(text)
+
+
+def waves(runs: list[dict], gpus: int) -> list[list[dict]]:
+    """1-GPU configurations in groups of `gpus` (side by side, one per GPU), the others one at a time."""
+    single = [r for r in runs if r["gpus"] == 1]
+    return [single[i:i + gpus] for i in range(0, len(single), gpus)] + [[r] for r in runs if r["gpus"] > 1]
+
+
+def print_row(row: dict, results: list[dict]) -> None:
+    same = next((r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1
+                 and r["mode"] == row["mode"]), None)
+    best = max((r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1),
+               key=lambda r: r["images_per_s"], default=None)
+    def scale(base: dict | None) -> str:
+        return f"{row['images_per_s'] / (row['gpus'] * base['images_per_s']):.3f}" if base else "-"
+
+    print(f"| {row['model']} | {row['impl']} | {row['strategy']} | {row['mode']} | {row['gpus']} | "
+          f"{row['images_per_s']:,.0f} | {row['ms']:.2f} | {scale(same)} | {scale(best)} | {row['peak_gib']:.1f} |"
+          + "".join(f" {key}={row[key]:.2f}" for key in PROFILED if key in row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="swin_b,vit_b16")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--timm", default="swin_b", help="models to run timm + DDP for (comma-separated)")
+    parser.add_argument("--warmup", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--timeout", type=float, default=480, help="seconds per configuration")
+    parser.add_argument("--profile", action="store_true",
+                        help="also: GPU ms per step in NCCL kernels and in all others, and an all-reduce probe")
+    parser.add_argument("--worker")
+    parser.add_argument("--result")
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker), args.warmup, args.steps, args.result)
+        return
+    print("| model | impl | strategy | compile mode | GPUs | images/s | ms/step | efficiency, same setting | "
+          "efficiency vs best 1 GPU | peak GiB |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    results: list[dict] = []
+    runs = configurations(args.models.split(","), args.gpus, args.timm.split(",") if args.timm else [], args.profile)
+    for wave in waves(runs, args.gpus):
+        launched = [Launched(run, gpu, args.warmup, args.steps) for gpu, run in enumerate(wave)]
+        for row in filter(None, (job.finish(args.timeout) for job in launched)):
+            results.append(row)
+            print_row(row, results)
+    for row in results:
+        print(f"{row['model']} {row['impl']} {row['strategy']} {row['mode']}: {row['setting']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
