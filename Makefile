@@ -24,7 +24,7 @@ demo: $(BIN)/.installed
 		--executor local --gpus 0
 	$(BIN)/vitctl finetune --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/finetune --resume \
 		--executor local --gpus 0 \
-		--from-ckpt "$$(ls $(DEMO_DIR)/runs/pretrain/checkpoints/step-*.pt | tail -n 1)" \
+		--from-ckpt $(DEMO_DIR)/runs/pretrain \
 		--epochs 3 --set model.img_size=48 --set optim.warmup_epochs=0
 	$(BIN)/vitctl status
 
