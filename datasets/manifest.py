@@ -22,6 +22,15 @@ def index_name(shard: str) -> str:
     return shard.removesuffix(".tar") + ".idx"
 
 
+def encode_labels(labels: list[int]) -> str:
+    """A shard's labels in tar order, as one line (a JSON list would take a line per sample)."""
+    return " ".join(map(str, labels))
+
+
+def decode_labels(text: str) -> list[int]:
+    return [int(label) for label in text.split()]
+
+
 def load(out: Path) -> dict[str, Any] | None:
     path = out / MANIFEST
     if not path.exists():

@@ -120,7 +120,7 @@ class _HashingFile:
 
 def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str], on_bad_image: str) -> dict[str, Any]:
     """Write one shard under its temporary name (`publish` names it); returns its manifest entry."""
-    conversions, skipped = [], []
+    conversions, skipped, labels = [], [], []
     with partial_open(path) as f:
         out = _HashingFile(f)
         tar = UstarWriter(out)
@@ -138,9 +138,10 @@ def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str],
             tar.add(f"{key}.cls", str(label).encode())
             tar.add(f"{key}.jpg", jpeg)
             tar.add(f"{key}.json", json.dumps({"wnid": wnids[label], "source": source}).encode())
+            labels.append(label)
         tar.close()
-    return {"name": path.name, "samples": len(samples) - len(skipped), "bytes": out.bytes,
-            "sha256": out.sha256.hexdigest(), "conversions": conversions, "skipped": skipped}
+    return {"name": path.name, "samples": len(labels), "bytes": out.bytes, "sha256": out.sha256.hexdigest(),
+            "conversions": conversions, "skipped": skipped, "labels": mf.encode_labels(labels)}
 
 
 def _check_folder(out: Path, manifest: dict[str, Any] | None) -> None:

@@ -65,6 +65,8 @@ def check_shard(folder: Path, entry: dict) -> ShardCheck:
         check.problems.append(f"{len(samples)} samples, manifest says {entry['samples']}")
     check.problems += _check_index(index_path(shard), samples, size)
     labels = _labels(shard, samples)
+    if "labels" in entry and mf.decode_labels(entry["labels"]) != labels:
+        check.problems.append("the labels in the manifest differ from the shard's cls members")
     check.jpg = [(c[1], c[2], label) for sample, label in zip(samples, labels, strict=True)
                  for c in sample if c[0] == "jpg"]
     return check

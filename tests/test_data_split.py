@@ -3,6 +3,7 @@ sample once per epoch, a new order each epoch, and a resumed stream that continu
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,8 +30,15 @@ def loader(kind: str, table, plan: EpochPlan, workers: int = 0):
 @pytest.fixture(scope="module")
 def table(prepared_shards):
     shards, _ = split_shards(prepared_shards, "train")
-    assert len({n for _, n in shards}) > 1  # uneven shards
+    assert len({e["samples"] for e in shards}) > 1  # uneven shards
     return read_table(prepared_shards, shards)
+
+
+def test_labels_come_from_the_manifest_and_older_folders_read_them_from_the_shards(prepared_shards, table):
+    shards, _ = split_shards(prepared_shards, "train")
+    assert all("labels" in e for e in shards)
+    older = read_table(prepared_shards, [{k: v for k, v in e.items() if k != "labels"} for e in shards])
+    assert np.array_equal(older.label, table.label) and np.array_equal(older.offset, table.offset)
 
 
 @pytest.mark.parametrize(("kind", "workers"), [("index", 0), ("index", 2), ("dali", 0), ("dali", 1)])

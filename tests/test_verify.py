@@ -84,3 +84,17 @@ def test_undecodable_image_is_caught(shards_copy):
     _edit_manifest(shards_copy, lambda m: m["splits"]["val"]["shards"][1].update(sha256=digest))
     result = vitctl("data", "verify", shards_copy, "--decode", 10_000)
     assert result.exit_code == 1 and f"image at offset {offset} does not decode" in result.output
+
+
+def test_manifest_labels_that_differ_from_the_shard_are_caught(shards_copy):
+    def swap_two_labels(manifest):
+        entry = manifest["splits"]["train"]["shards"][0]
+        labels = entry["labels"].split()
+        first = next(i for i, label in enumerate(labels) if label != labels[0])
+        labels[0], labels[first] = labels[first], labels[0]
+        entry["labels"] = " ".join(labels)
+
+    _edit_manifest(shards_copy, swap_two_labels)
+    result = _verify(shards_copy)
+    assert result.exit_code == 1
+    assert "imagenet-train-000000.tar: the labels in the manifest differ from the shard's cls members" in result.output

@@ -77,11 +77,11 @@ def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
             shards, class_list = split_shards(folder, "train")
         except ConfigError as e:
             return [str(e)]
-        missing = [name for name, _ in shards if not index_path(folder / name).exists()]
+        missing = [e["name"] for e in shards if not index_path(folder / e["name"]).exists()]
         if missing:
             return [f"data.path {folder}: {len(missing)} train shards have no index file (first: {missing[0]}); "
                     f"run `vitctl data index {folder}`"]
-        samples, classes = sum(n for _, n in shards), len(class_list)
+        samples, classes = sum(e["samples"] for e in shards), len(class_list)
     problems = []
     if classes is not None and config.model.num_classes != classes:
         problems.append(f"model.num_classes is {config.model.num_classes} but the shards hold {classes} classes; "
