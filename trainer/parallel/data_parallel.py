@@ -38,8 +38,8 @@ class Fp32Reduction:
         buffer = bucket.buffer()
         flat = buffer.to(torch.float32)
         masters = [state.master_of[id(p)] for p in bucket.parameters()]
-        views = _views(flat, buffer, bucket.gradients())
-        earlier = [(view, m.grad) for view, m in zip(views, masters, strict=True) if m.grad is not None]
+        places = _places(buffer, bucket.gradients())
+        earlier = [(view, m.grad) for view, m in zip(_cut(flat, places), masters, strict=True) if m.grad is not None]
         if earlier:  # micro-batches accumulated without synchronisation (MasterWeights.accumulate)
             torch._foreach_add_([v for v, _ in earlier], [g for _, g in earlier])
         flat.div_(state.size)
@@ -47,17 +47,22 @@ class Fp32Reduction:
 
         def to_masters(future: torch.futures.Future[list[Tensor]]) -> Tensor:
             result = future.value()[0]
-            for m, view in zip(masters, _views(result, buffer, bucket.gradients()), strict=True):
+            for m, view in zip(masters, _cut(result, places), strict=True):
                 m.grad = view
             return buffer  # the bf16 gradients are left as they were; the step reads the masters'
 
         return reduced.then(to_masters)
 
 
-def _views(flat: Tensor, buffer: Tensor, grads: list[Tensor]) -> list[Tensor]:
-    """Each gradient's place in `buffer`, cut out of `flat` (same layout, other dtype)."""
+def _places(buffer: Tensor, grads: list[Tensor]) -> list[tuple[int, torch.Size]]:
+    """Each gradient's offset and shape in the bucket's flat buffer."""
     base, size = buffer.data_ptr(), buffer.element_size()
-    return [flat[(g.data_ptr() - base) // size:][:g.numel()].view_as(g) for g in grads]
+    return [((g.data_ptr() - base) // size, g.shape) for g in grads]
+
+
+def _cut(flat: Tensor, places: list[tuple[int, torch.Size]]) -> list[Tensor]:
+    """The gradients as views of `flat`, a buffer of the bucket's layout in another dtype."""
+    return [flat[start:start + shape.numel()].view(shape) for start, shape in places]
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, policy, blocks: list[nn.Module]) -> nn.Module:
