@@ -1,9 +1,10 @@
-"""Data-parallel scaling on one host, in one call: our trainer on 1 GPU and on N GPUs (DDP and FSDP2), timm + DDP
-beside it; synthetic data resident on the GPU.
+"""Data-parallel scaling on one host, in one call: our trainer on 1 GPU and on N GPUs (one all-reduce after the
+backward, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU.
 
     python bench/bench_scaling.py --models swin_b,vit_b16 --gpus 2 --timm swin_b
+    python bench/bench_scaling.py --strategies "1 GPU,DDP" --nccl NCCL_MAX_CTAS=4   # DDP rows with an NCCL setting
 
-Every configuration runs in fresh processes (torchrun; the 1-GPU ones side by side, one per GPU). Ours is the real
+Every configuration runs in fresh processes (torchrun; a 1-GPU one on every GPU at once, side by side). Ours is the real
 trainer (`Trainer.train_step`: the preset's recipe with mixup, drop path and clipping, bf16-pure, compile, fused
 all); timm runs its model with the same recipe under its strongest setting (bf16 autocast, compile, fused
 attention). Each rank times `--steps` steps back to back after `--warmup` with CUDA events; the figure is rank 0's
@@ -17,24 +18,38 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 PRESET = {"swin_b": ("swin_b_pretrain", 128), "vit_b16": ("vit_b16_pretrain", 256)}
-PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "kernels_ms_per_step")
+PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "kernels_ms_per_step", "host_ms_per_step", "syncs_per_step")
 
 
-def configurations(models: list[str], gpus: int, timm: list[str], profile: bool) -> list[dict]:
+STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "DDP": "overlap", "FSDP2": None}
+
+
+def configurations(models: list[str], gpus: int, timm: list[str], strategies: list[str], nccl: list[str],
+                   profile: bool) -> list[dict]:
     runs = []
     for model in models:
-        runs += [dict(model=model, impl="vitctl", strategy="1 GPU", gpus=1, mode="reduce-overhead"),
-                 dict(model=model, impl="vitctl", strategy="1 GPU", gpus=1, mode="default"),
+        runs += [dict(model=model, impl="vitctl", strategy="1 GPU", gpus=1, mode=mode, gpu=gpu)
+                 for mode in ("reduce-overhead", "default") for gpu in range(gpus)]
+        runs += [dict(model=model, impl="vitctl", strategy="all-reduce after backward", gpus=gpus,
+                      mode="reduce-overhead"),
                  dict(model=model, impl="vitctl", strategy="DDP", gpus=gpus, mode="reduce-overhead"),
                  dict(model=model, impl="vitctl", strategy="FSDP2", gpus=gpus, mode="default")]
+        runs += [dict(model=model, impl="vitctl", strategy="DDP", gpus=gpus, mode="reduce-overhead", env=setting)
+                 for setting in nccl]
         if model in timm:
-            runs += [dict(model=model, impl="timm", strategy="1 GPU", gpus=1, mode="default"),
-                     dict(model=model, impl="timm", strategy="DDP", gpus=gpus, mode="default")]
-    return [dict(run, profile=profile) for run in runs]
+            runs += [dict(model=model, impl="timm", strategy="1 GPU", gpus=1, mode="default", gpu=gpu)
+                     for gpu in range(gpus)]
+            runs += [dict(model=model, impl="timm", strategy="DDP", gpus=gpus, mode="default")]
+    runs = [run for run in runs if run["strategy"] in strategies or run["impl"] == "timm"]
+    # 1-GPU baselines in the compile modes that the multi-GPU rows use, and ours' best (CUDA graphs)
+    modes = {(r["model"], r["impl"], r["mode"]) for r in runs if r["gpus"] > 1}
+    return [dict(run, profile=profile) for run in runs if run["gpus"] > 1 or (run["model"], run["impl"], run["mode"])
+            in modes or (run["impl"], run["mode"]) == ("vitctl", "reduce-overhead")]
 
 
 # ---------------------------------------------------------------- one configuration, in each rank
@@ -49,7 +64,7 @@ def ours(run: dict, out_dir: str) -> tuple[Callable[[], None], str]:
     config = load_config(preset, [
         "data.source=synthetic", f"data.batch_size={batch}", "train.precision=bf16-pure", "train.fused=all",
         "train.compile=true", f"train.compile_mode={run['mode']}", f"parallel.fsdp={run['strategy'] == 'FSDP2'}",
-        f"train.out_dir={out_dir}"])
+        f"parallel.grad_reduce={STRATEGIES[run['strategy']] or 'auto'}", f"train.out_dir={out_dir}"])
     trainer = Trainer(config, init_distributed(True), resume=False)
     batches = trainer.data.train(0, 0)
     return (lambda: trainer.train_step(batches)), trainer.ops.describe()
@@ -101,12 +116,14 @@ def worker(run: dict, warmup: int, steps: int, result: str) -> None:
             step()
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        launched = time.perf_counter()
         for start, end in events:
             start.record()
             step()
             end.record()
+        launched = time.perf_counter() - launched
         torch.cuda.synchronize()
-        extra = profile(step) if run["profile"] else {}
+        extra = {**profile(step), "host_ms_per_step": launched * 1000 / steps} if run["profile"] else {}
     if int(os.environ.get("RANK", 0)) == 0:
         times = [start.elapsed_time(end) for start, end in events]
         batch = PRESET[run["model"]][1]
@@ -123,7 +140,24 @@ def profile(step: Callable[[], None]) -> dict:
     kernels, and the time of one fp32 all-reduce of ViT-B's size over the ranks."""
     import torch.distributed as dist
 
-    return {**kernel_ms_per_step(step), **(allreduce_probe() if dist.is_initialized() else {})}
+    return {**kernel_ms_per_step(step), **host_syncs(step), **(allreduce_probe() if dist.is_initialized() else {})}
+
+
+def host_syncs(step: Callable[[], None], steps: int = 3) -> dict:
+    """Operations in a step that make the host wait for the GPU (CUDA's sync debug mode), printed once each."""
+    import warnings
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            step()
+    torch.cuda.set_sync_debug_mode(0)
+    for message in sorted({str(w.message)[:300] for w in caught}):
+        print(f"sync in the step: {message}", flush=True)
+    return {"syncs_per_step": len(caught) / steps}
 
 
 def kernel_ms_per_step(step: Callable[[], None], steps: int = 5) -> dict:
@@ -162,14 +196,17 @@ def allreduce_probe(repeats: int = 5) -> dict:
 class Launched:
     """One configuration's processes: a single one on a chosen GPU, or torchrun over all of them."""
 
-    def __init__(self, run: dict, gpu: int, warmup: int, steps: int) -> None:
+    def __init__(self, run: dict, warmup: int, steps: int) -> None:
         self.run = run
         self.result = tempfile.NamedTemporaryFile(suffix=".json")  # noqa: SIM115  (closed in finish)
         args = [__file__, "--worker", json.dumps(run), "--warmup", str(warmup), "--steps", str(steps),
                 "--result", self.result.name]
         env = dict(os.environ, TIMM_FUSED_ATTN="2", PYTHONUNBUFFERED="1")
+        if run.get("env"):
+            key, _, value = run["env"].partition("=")
+            env[key] = value
         if run["gpus"] == 1:  # 1-GPU configurations run two at a time, one per GPU
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            env["CUDA_VISIBLE_DEVICES"] = str(run["gpu"])
             command = [sys.executable, *args]
         else:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -190,25 +227,32 @@ class Launched:
         if self.process.returncode or not text:
             print(f"FAILED {self.run}: exit {self.process.returncode}\n{output[-3000:]}", flush=True)
             return None
+        for line in output.splitlines():
+            if line.startswith("sync in the step"):
+                print(f"{self.run['model']} {self.run['strategy']}: {line}", flush=True)
         return json.loads(text)
 
 
 def waves(runs: list[dict], gpus: int) -> list[list[dict]]:
-    """1-GPU configurations in groups of `gpus` (side by side, one per GPU), the others one at a time."""
+    """1-GPU configurations in groups of `gpus` (side by side, one on each GPU), the others one at a time."""
     single = [r for r in runs if r["gpus"] == 1]
     return [single[i:i + gpus] for i in range(0, len(single), gpus)] + [[r] for r in runs if r["gpus"] > 1]
 
 
 def print_row(row: dict, results: list[dict]) -> None:
-    same = next((r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1
-                 and r["mode"] == row["mode"]), None)
-    best = max((r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1),
-               key=lambda r: r["images_per_s"], default=None)
-    def scale(base: dict | None) -> str:
-        return f"{row['images_per_s'] / (row['gpus'] * base['images_per_s']):.3f}" if base else "-"
+    """Efficiency: the N-GPU images/s over the sum of each GPU's own 1-GPU images/s (of the same compile mode, and
+    of the faster mode)."""
+    singles = [r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1]
+    modes = {r["mode"]: sum(s["images_per_s"] for s in singles if s["mode"] == r["mode"]) for r in singles}
 
-    print(f"| {row['model']} | {row['impl']} | {row['strategy']} | {row['mode']} | {row['gpus']} | "
-          f"{row['images_per_s']:,.0f} | {row['ms']:.2f} | {scale(same)} | {scale(best)} | {row['peak_gib']:.1f} |"
+    def scale(ideal: float | None) -> str:
+        return f"{row['images_per_s'] / ideal:.3f}" if ideal and row["gpus"] > 1 else "-"
+
+    strategy = row["strategy"] + (f" ({row['env']})" if row.get("env") else "")
+    strategy += f" (GPU {row['gpu']})" if row["gpus"] == 1 else ""
+    print(f"| {row['model']} | {row['impl']} | {strategy} | {row['mode']} | {row['gpus']} | "
+          f"{row['images_per_s']:,.0f} | {row['ms']:.2f} | {scale(modes.get(row['mode']))} | "
+          f"{scale(max(modes.values(), default=None))} | {row['peak_gib']:.1f} |"
           + "".join(f" {key}={row[key]:.2f}" for key in PROFILED if key in row), flush=True)
 
 
@@ -217,6 +261,8 @@ def main() -> None:
     parser.add_argument("--models", default="swin_b,vit_b16")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--timm", default="swin_b", help="models to run timm + DDP for (comma-separated)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"of ours (comma-separated): {STRATEGIES}")
+    parser.add_argument("--nccl", default="", help="extra DDP rows, each with one NCCL setting (e.g. NCCL_MAX_CTAS=4)")
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=480, help="seconds per configuration")
@@ -231,9 +277,10 @@ def main() -> None:
     print("| model | impl | strategy | compile mode | GPUs | images/s | ms/step | efficiency, same setting | "
           "efficiency vs best 1 GPU | peak GiB |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     results: list[dict] = []
-    runs = configurations(args.models.split(","), args.gpus, args.timm.split(",") if args.timm else [], args.profile)
+    runs = configurations(args.models.split(","), args.gpus, args.timm.split(",") if args.timm else [],
+                          args.strategies.split(","), [s for s in args.nccl.split(",") if s], args.profile)
     for wave in waves(runs, args.gpus):
-        launched = [Launched(run, gpu, args.warmup, args.steps) for gpu, run in enumerate(wave)]
+        launched = [Launched(run, args.warmup, args.steps) for run in wave]
         for row in filter(None, (job.finish(args.timeout) for job in launched)):
             results.append(row)
             print_row(row, results)

@@ -1,6 +1,8 @@
-"""Data parallelism on CPU gloo ranks: the fp32 gradient path of bf16-pure DDP, the mesh shape, and checkpoints that
+"""Data parallelism on CPU gloo ranks: the fp32 gradient path of bf16-pure replication (DDP's hook and the reduction
+after the backward), the mesh shape, and checkpoints that
 reshard onto another number of ranks and another layout (DDP, FSDP, HSDP)."""
 
+import contextlib
 import copy
 import json
 import math
@@ -15,14 +17,14 @@ from conftest import CLASSES, ok
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, ParallelConfig
 from vitctl.trainer.parallel import ParallelDims, build_mesh, parallel_dims
-from vitctl.trainer.parallel.data_parallel import apply_ddp
+from vitctl.trainer.parallel.data_parallel import ReduceAfterBackward, apply_ddp
 from vitctl.trainer.precision import MasterWeights
 
 WORLD = 2
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
-def _bf16_ddp_rank(rank: int, init: str, results: dict, backend: str) -> None:
+def _bf16_replicated_rank(rank: int, init: str, results: dict, backend: str, reduce: str) -> None:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -31,7 +33,11 @@ def _bf16_ddp_rank(rank: int, init: str, results: dict, backend: str) -> None:
     model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8)).to(device)
     master = MasterWeights(model)  # the model is now bf16
     plain = copy.deepcopy(model)  # the same bf16 weights, outside DDP: this rank's own gradients
-    ddp = apply_ddp(model, build_mesh(ParallelDims(WORLD, 1), device), master)
+    mesh = build_mesh(ParallelDims(WORLD, 1), device)
+    if reduce == "overlap":
+        ddp, sync = apply_ddp(model, mesh, master), lambda: None
+    else:
+        ddp, sync = model, ReduceAfterBackward(master.pairs, mesh.dp_group, WORLD).reduce
     torch.manual_seed(1 + rank)
     micro = [torch.randn(16, 64).bfloat16().to(device) for _ in range(3)]
     own = [torch.zeros_like(m) for _, m in master.pairs]
@@ -41,11 +47,12 @@ def _bf16_ddp_rank(rank: int, init: str, results: dict, backend: str) -> None:
             total += p.grad.float()
         plain.zero_grad()
         if i < len(micro) - 1:
-            with ddp.no_sync():
+            with ddp.no_sync() if reduce == "overlap" else contextlib.nullcontext():
                 ddp(x).float().square().mean().backward()
             master.accumulate()
         else:
             ddp(x).float().square().mean().backward()
+            sync()
     for total in own:  # the fp32 mean over ranks of each rank's fp32 sum over micro-batches
         dist.all_reduce(total)
         total /= WORLD
@@ -53,10 +60,11 @@ def _bf16_ddp_rank(rank: int, init: str, results: dict, backend: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("reduce", ["overlap", "after_backward"])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, TWO_GPUS])])
-def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path, backend):
+def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path, backend, reduce):
     results = mp.Manager().dict()
-    mp.spawn(_bf16_ddp_rank, args=(f"file://{tmp_path / 'init'}", results, backend), nprocs=WORLD)
+    mp.spawn(_bf16_replicated_rank, args=(f"file://{tmp_path / 'init'}", results, backend, reduce), nprocs=WORLD)
     for rank in range(WORLD):
         got, want = results[rank]
         for g, w in zip(got, want, strict=True):
@@ -91,11 +99,12 @@ def run(shards, out, ranks: int, steps: int, *extra: object) -> None:
 
 @pytest.mark.slow
 def test_resume_onto_other_rank_counts_and_layouts_reshards(prepared_shards, tmp_path):
-    """4 FSDP ranks -> 2 DDP ranks -> 3 FSDP ranks ends where 4 DDP ranks end in one go: the weights, optimizer state
-    and data position reshard (the gradient sums differ only in their order, so not bitwise)."""
-    run(prepared_shards, tmp_path / "whole", 4, 10)
+    """4 FSDP ranks -> 2 DDP ranks -> 3 FSDP ranks ends where 4 replicated ranks (one reduction after the backward)
+    end in one go: the weights, optimizer state and data position reshard (the gradient sums differ only in their
+    order, so not bitwise)."""
+    run(prepared_shards, tmp_path / "whole", 4, 10, "--set", "parallel.grad_reduce=after_backward")
     run(prepared_shards, tmp_path / "split", 4, 4, "--set", "parallel.fsdp=true")
-    run(prepared_shards, tmp_path / "split", 2, 7, "--resume")
+    run(prepared_shards, tmp_path / "split", 2, 7, "--resume", "--set", "parallel.grad_reduce=overlap")
     run(prepared_shards, tmp_path / "split", 3, 10, "--resume", "--set", "parallel.fsdp=true")
     whole, split = (ckpt.list_checkpoints(tmp_path / name)[-1] for name in ("whole", "split"))
     assert whole.name == split.name == "step-00000010"

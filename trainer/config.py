@@ -11,6 +11,7 @@ import yaml
 
 PRESETS = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
+GRAD_REDUCE = ("auto", "after_backward", "overlap")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile modes; reduce-overhead replays CUDA graphs
 
 
@@ -82,6 +83,9 @@ class TrainConfig:
 class ParallelConfig:
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of replicating them (DDP)
     dp_shard: int = -1  # with fsdp: ranks each parameter is sharded over (-1: all); the others replicate it (HSDP)
+    # Replicated weights: "after_backward" reduces all gradients at once (fastest within a node), "overlap" reduces
+    # DDP's buckets during the backward (across nodes, where the transfer is slow), "auto" picks by the ranks' nodes.
+    grad_reduce: str = "auto"
 
 
 @dataclass
@@ -208,6 +212,8 @@ def validate(c: RunConfig) -> None:
         (c.train.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS}, got {c.train.precision!r}"),
         (c.parallel.dp_shard == -1 or c.parallel.dp_shard >= 1, "parallel.dp_shard must be -1 (all) or at least 1"),
         (c.parallel.fsdp or c.parallel.dp_shard in (-1, 1), "parallel.dp_shard needs parallel.fsdp=true"),
+        (c.parallel.grad_reduce in GRAD_REDUCE,
+         f"parallel.grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {c.parallel.grad_reduce!r}"),
         (c.train.compile_mode in COMPILE_MODES,
          f"train.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {c.train.compile_mode!r}"),
         (c.train.compile or c.train.compile_mode == "default",

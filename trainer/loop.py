@@ -67,7 +67,8 @@ class Trainer:
         _seed(config.train.seed)  # the same initial weights on every rank
         model = self._build_model(load_weights=not checkpoints)
         _seed(config.train.seed + env.rank)  # each rank's own drop path and mixup
-        self.par = parallelize(model, self.mesh, self.precision, config.train, config.optim.accum_steps)
+        self.par = parallelize(model, self.mesh, self.precision, config.train, config.parallel.grad_reduce,
+                                config.optim.accum_steps)
         groups = param_groups(self.par.weights, config.optim.weight_decay, config.optim.layer_decay)
         self.optimizer = build_optimizer(groups, config.optim, self.ops, config.optim.lr)
         self.scaler = self.precision.scaler()

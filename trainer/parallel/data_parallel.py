@@ -1,9 +1,13 @@
-"""Data parallelism on the mesh: DDP (replicated weights) or FSDP2 (sharded, HSDP on a 2-D mesh).
+"""Data parallelism on the mesh: replicated weights (DDP, or one all-reduce after the backward) or FSDP2 (sharded,
+HSDP on a 2-D mesh).
 
-Gradients are reduced in fp32 in both. FSDP2 does it by its mixed-precision policy. DDP does it as it is for fp32
-weights; for a bf16 model (bf16-pure) a communication hook upcasts each bucket, adds the earlier micro-batches'
-fp32 sums, reduces in fp32 and hands the result to the fp32 master weights.
+Gradients are reduced in fp32 in all of them. FSDP2 does it by its mixed-precision policy. DDP does it as it is for
+fp32 weights; for a bf16 model (bf16-pure) a communication hook upcasts each bucket, adds the earlier
+micro-batches' fp32 sums, reduces in fp32 and hands the result to the fp32 master weights. The reduction after the
+backward copies every gradient into one fp32 buffer and all-reduces it at once.
 """
+
+import socket
 
 import torch
 import torch.distributed as dist
@@ -52,6 +56,49 @@ class Fp32Reduction:
             return buffer  # the bf16 gradients are left as they were; the step reads the masters'
 
         return reduced.then(to_masters)
+
+
+def one_node(group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of `group` runs on this host."""
+    hosts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) == 1
+
+
+class ReduceAfterBackward:
+    """Replicated data parallelism without DDP: after the last micro-batch's backward, one fp32 all-reduce of every
+    gradient, handed to the fp32 weights that step (the masters under bf16-pure, else the parameters themselves).
+
+    Within a node the whole model's gradients cross NVLink in about a millisecond; reduced during the backward (DDP)
+    they save little of it, because NCCL's kernels hold SMs that the backward needs (docs/performance.md).
+    """
+
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], group: dist.ProcessGroup | None,
+                 size: int) -> None:
+        self.pairs, self.group, self.size = pairs, group, size  # (parameter the backward writes, one that steps)
+        self.flat = torch.empty(sum(p.numel() for p, _ in pairs), dtype=torch.float32, device=pairs[0][0].device)
+        self.views = [v.view_as(p) for v, (p, _) in zip(self.flat.split([p.numel() for p, _ in pairs]), pairs,
+                                                        strict=True)]
+        self.average = dist.get_backend(group) == "nccl"  # gloo has no AVG
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        fresh = [(v, p.grad) for v, (p, _) in zip(self.views, self.pairs, strict=True) if p.grad is not None]
+        earlier = [(v, m.grad) for v, (p, m) in zip(self.views, self.pairs, strict=True)
+                   if m is not p and m.grad is not None]  # bf16-pure micro-batches summed by MasterWeights
+        if len(fresh) < len(self.views):
+            self.flat.zero_()
+        if fresh:
+            torch._foreach_copy_([v for v, _ in fresh], [g for _, g in fresh])
+        if earlier:
+            torch._foreach_add_([v for v, _ in earlier], [g for _, g in earlier])
+        if not self.average:
+            self.flat.div_(self.size)
+        dist.all_reduce(self.flat, op=dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM, group=self.group)
+        for view, (p, m) in zip(self.views, self.pairs, strict=True):
+            if m is not p:
+                p.grad = None
+            m.grad = view
 
 
 def _places(buffer: Tensor, grads: list[Tensor]) -> list[tuple[int, torch.Size]]:
