@@ -7,7 +7,18 @@ from dataclasses import dataclass
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
@@ -31,17 +42,32 @@ class ByteSize(click.ParamType):
         return int(float(match.group(1)) * _UNITS[unit])
 
 
+class _Count(ProgressColumn):
+    """`done/total unit`, or nothing while the total is not known yet (a listing phase)."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task: Task) -> Text:
+        if task.total is None:
+            return Text("")
+        return Text(f"{int(task.completed)}/{int(task.total)} {self.unit}".rstrip(), style="progress.download")
+
+
 @dataclass(frozen=True)
 class Bar:
     advance: Callable[[int], None]
     set_total: Callable[[int], None]
+    phase: Callable[[str, int], None]  # a new description and total, counting again from 0
 
 
 @contextmanager
 def progress_bar(description: str, total: int | None = None, unit: str = "") -> Iterator[Bar]:
     """A rich progress bar on stderr (plain and quiet when stderr is not a terminal)."""
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn(unit), TimeElapsedColumn(), TimeRemainingColumn()]
+    count = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [_Count(unit)]
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), *count, TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=err_console) as progress:
         task = progress.add_task(description, total=total)
-        yield Bar(lambda n: progress.advance(task, n), lambda n: progress.update(task, total=n))
+        yield Bar(lambda n: progress.advance(task, n), lambda n: progress.update(task, total=n),
+                  lambda text, n: progress.reset(task, total=n, description=text))

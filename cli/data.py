@@ -3,13 +3,13 @@
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from vitctl.datasets import extract as ex
 from vitctl.datasets import ilsvrc, manifest, valprep
-from vitctl.datasets.errors import DataError
-from vitctl.datasets.index import build_index
-from vitctl.datasets.parallel import default_workers, run_tasks
+from vitctl.datasets.index import index_folder
+from vitctl.datasets.parallel import default_workers
 from vitctl.datasets.shard import ShardSpec, shard_split
 from vitctl.datasets.synth import SynthSpec, write_synthetic
 from vitctl.datasets.verify import verify as verify_folder
@@ -21,6 +21,7 @@ workers_option = click.option("--workers", type=click.IntRange(min=1), default=d
                               help="Worker processes.")
 existing = click.Path(exists=True, path_type=Path)
 SPLIT_COLUMNS = ("split", "shards", "samples", "bytes", "converted", "skipped")
+SHOWN = 5  # names listed in full before "and N more"
 
 
 def split_row(split: str, entries: list[dict]) -> list[str]:
@@ -30,17 +31,22 @@ def split_row(split: str, entries: list[dict]) -> list[str]:
             str(sum(len(e["skipped"]) for e in entries))]
 
 
+def some(names: list[str]) -> str:
+    """The first few names, and how many more there are."""
+    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
 @click.group()
 def data() -> None:
     """Prepare ImageNet-1k: synth, extract, valprep, shard, index, verify."""
 
 
-@data.command()
+@data.command(short_help="Write a small dataset in the ILSVRC2012 archive formats.")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--classes", default=10, show_default=True, help="Number of classes (3 to 36 real WNIDs).")
-@click.option("--train-per-class", default=20, show_default=True)
-@click.option("--val-per-class", default=5, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@click.option("--train-per-class", default=20, show_default=True, help="Train images per class.")
+@click.option("--val-per-class", default=5, show_default=True, help="Validation images per class.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the images and of the val labels.")
 def synth(out: Path, classes: int, train_per_class: int, val_per_class: int, seed: int) -> None:
     """Write a small dataset in the real ILSVRC2012 archive formats into OUT."""
     paths = write_synthetic(out, SynthSpec(classes, train_per_class, val_per_class, seed))
@@ -50,7 +56,7 @@ def synth(out: Path, classes: int, train_per_class: int, val_per_class: int, see
     console.print(table)
 
 
-@data.command()
+@data.command(short_help="Extract the ILSVRC2012 archives into a dataset root; a rerun resumes.")
 @click.option("--train-tar", type=existing, help="ILSVRC2012_img_train.tar (nested per-class tars).")
 @click.option("--val-tar", type=existing, help="ILSVRC2012_img_val.tar (flat).")
 @click.option("--out", "root", required=True, type=click.Path(file_okay=False, path_type=Path), help="Dataset root.")
@@ -59,12 +65,10 @@ def extract(train_tar: Path | None, val_tar: Path | None, root: Path, workers: i
     """Extract the archives into ROOT/train/<wnid>/ and ROOT/val/; a rerun resumes."""
     if train_tar is None and val_tar is None:
         raise click.UsageError("pass --train-tar, --val-tar or both")
-    root.mkdir(parents=True, exist_ok=True)
     table = Table("split", "classes", "images", "resumed", title=f"extracted into {root}")
     if train_tar:
         with progress_bar("train", unit="bytes") as bar:
             report = ex.extract_train(train_tar, root, workers, bar.advance, bar.set_total)
-        ex.check_counts(report, root)
         table.add_row("train", str(len(report.classes)), f"{report.train_images:,}", f"{len(report.skipped)} classes")
     if val_tar:
         with progress_bar("val", unit="bytes") as bar:
@@ -76,7 +80,7 @@ def extract(train_tar: Path | None, val_tar: Path | None, root: Path, workers: i
                       f"{FULL_IMAGENET['train']:,} images)")
 
 
-@data.command(name="valprep")
+@data.command(name="valprep", short_help="Move the flat val images into WNID folders.")
 @click.argument("val_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--devkit", type=existing, help="ILSVRC2012_devkit_t12.tar.gz")
 @click.option("--solution", type=existing, help="Kaggle's LOC_val_solution.csv")
@@ -92,56 +96,78 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
                   + (f" ({done:,} were already in place)" if done else ""))
 
 
-@data.command()
+@data.command(short_help="Write WebDataset shards and manifest.json; a rerun resumes.")
 @click.argument("root", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Shard folder.")
-@click.option("--split", type=click.Choice(["train", "val", "both"]), default="both", show_default=True)
-@click.option("--maxsize", type=ByteSize(), default="1GB", show_default=True, help="Target bytes per shard.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Shard folder (created; a rerun into it resumes).")
+@click.option("--split", type=click.Choice(["train", "val", "both"]), default="both", show_default=True,
+              help="The split(s) to shard.")
+@click.option("--maxsize", type=ByteSize(), default="1GB", show_default=True,
+              help="Target bytes per shard: a number of bytes, or with a unit KB, MB, GB, TB (powers of 1000) or "
+                   "KiB, MiB, GiB, TiB (powers of 1024); at least 10KB.")
 @click.option("--maxcount", type=click.IntRange(min=1), default=10_000, show_default=True, help="Samples per shard.")
 @click.option("--seed", default=0, show_default=True, help="Shuffle seed.")
-@click.option("--on-bad-image", type=click.Choice(["skip", "fail"]), default="skip", show_default=True)
+@click.option("--on-bad-image", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+              help="An image that cannot be read: leave it out (manifest.json lists it) or stop. A rerun may change "
+                   "this.")
 @workers_option
 def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: int, on_bad_image: str,
           workers: int) -> None:
-    """Write WebDataset shards imagenet-{split}-%06d.tar and SHARDS/manifest.json; a rerun resumes."""
+    """Write ROOT's images as WebDataset shards OUT/imagenet-{train,val}-NNNNNN.tar, and OUT/manifest.json.
+
+    ROOT is the folder `vitctl data extract --out` wrote (val/ sorted by `vitctl data valprep`). A rerun checks
+    the shards written before (sha256), writes again any that is missing or damaged, and writes the rest.
+    Hidden files (.DS_Store, ._*) are not images and are left out.
+    """
     spec = ShardSpec(maxsize, maxcount, seed, on_bad_image)
     spec.validate()
     table = Table(*SPLIT_COLUMNS, title=f"shards in {out}")
+    notes = []
     for name in ("train", "val") if split == "both" else (split,):
-        with progress_bar(name, unit="samples") as bar:
-            info = shard_split(root, out, name, spec, workers, bar.advance, bar.set_total)
-        table.add_row(*split_row(name, info["shards"]))
+        with progress_bar(f"{name}: listing images", unit="samples") as bar:
+            result = shard_split(root, out, name, spec, workers, bar.advance, lambda n, name=name: bar.phase(name, n))
+        table.add_row(*split_row(name, result.info["shards"]))
+        skipped = [s for entry in result.info["shards"] for s in entry["skipped"]]
+        if skipped:
+            images = "image" if len(skipped) == 1 else "images"
+            notes.append(f"{name}: skipped {len(skipped)} unreadable {images} (all listed under \"skipped\" in "
+                         f"{out / manifest.MANIFEST}):")
+            notes += [f"  {s['source']}: {s['reason']}" for s in skipped[:SHOWN]]
+            notes += [f"  and {len(skipped) - SHOWN} more"] if len(skipped) > SHOWN else []
+        if result.rewritten:
+            which = "shard that was" if len(result.rewritten) == 1 else "shards that were"
+            notes.append(f"{name}: wrote again {len(result.rewritten)} {which} missing or did not match the "
+                         f"recorded sha256: {some(result.rewritten)}")
     console.print(table)
+    for note in notes:
+        console.print(note, highlight=False, markup=False, soft_wrap=True)
 
 
-@data.command()
+@data.command(short_help="Write a DALI index file beside each shard of SHARDS.")
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @workers_option
 def index(shards: Path, workers: int) -> None:
-    """Write a DALI index file (v1.2) beside each shard."""
-    found = manifest.load(shards)
-    if found is None:
-        raise DataError("no manifest.json", str(shards), "pass a folder written by `vitctl data shard`")
-    paths = [shards / entry["name"] for _, entry in manifest.all_shards(found)]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise DataError(f"{len(missing)} shards in the manifest are missing, e.g. {missing[0]}", str(shards),
-                        "rerun `vitctl data shard`")
-    with progress_bar("index", len(paths), "shards") as bar:
-        samples = 0
-        for _, count in run_tasks(build_index, [(p,) for p in paths], workers):
-            samples += count
-            bar.advance(1)
-    console.print(f"index: {len(paths)} index files, {samples:,} samples")
+    """Write a DALI index file (v1.2) beside each shard that SHARDS/manifest.json lists.
+
+    SHARDS is the folder `vitctl data shard --out` wrote; run this after every `vitctl data shard` into it.
+    """
+    with progress_bar("index", unit="shards") as bar:
+        files, samples = index_folder(shards, workers, bar.advance, bar.set_total)
+    console.print(f"index: {files} index files, {samples:,} samples")
 
 
-@data.command(name="verify")
+@data.command(name="verify", short_help="Check shards, indexes and manifest.json; decode some images.")
 @click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--decode", default=32, show_default=True, help="Random images to decode.")
+@click.option("--decode", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Random images to decode.")
 @workers_option
 def verify_command(shards: Path, decode: int, workers: int) -> None:
-    """Check manifest vs shards, each index vs its shard, and decode random images; exit 1 on any problem."""
-    report = verify_folder(shards, decode, workers)
+    """Check manifest vs shards, each index vs its shard, and decode random images; exit 1 on any problem.
+
+    Each problem comes with its fix: the command that writes the shard again, or what to do.
+    """
+    with progress_bar("verify", unit="shards") as bar:
+        report = verify_folder(shards, decode, workers, bar.advance, bar.set_total)
     found = report.manifest
     table = Table(*SPLIT_COLUMNS,
                   title=f"{shards} ({len(found['classes'])} classes, labels: {found['label_convention']})")
@@ -150,7 +176,11 @@ def verify_command(shards: Path, decode: int, workers: int) -> None:
     console.print(table)
     for name, problems in sorted(report.problems.items()):
         for problem in problems:
-            console.print(f"[red]FAIL[/] {name}: {problem}", highlight=False, soft_wrap=True)
+            console.print(f"[red]FAIL[/] {escape(name)}: {escape(problem)}", highlight=False, soft_wrap=True)
+    lines = [f"to fix {some(report.fixed_by_command)}, run:\n  {report.command}"] if report.command else []
+    lines += [f"to fix {some(names)}: {advice}" for advice, names in report.advice.items()]
+    for line in lines:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     if report.problems:
         raise SystemExit(1)
     console.print(f"[green]OK[/] every shard matches the manifest and its index; {report.decoded} images decoded")

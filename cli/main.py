@@ -1,24 +1,55 @@
 """Entry point of the `vitctl` command."""
 
-from importlib.metadata import version
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-import click
-from rich.markup import escape
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
-from vitctl.datasets.errors import DataError
-from vitctl.workflows.registry import UnknownJobError
-from vitctl.workflows.train import ConfigError, LaunchError
 
-from .bench import bench, doctor
-from .console import err_console
-from .data import data
-from .export import export
-from .jobs import cancel, jobs, logs, status_command
-from .train import finetune, rank, train
+def _exit_interrupted(signum: int, frame: object) -> None:
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
+
+
+@contextmanager
+def _quiet_interrupt() -> Iterator[None]:
+    """While the commands load (torch takes seconds), Ctrl-C ends vitctl as it does during a command."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:  # SIGINT is ignored, or whoever imports this module handles it
+        yield
+        return
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+with _quiet_interrupt():
+    from importlib.metadata import version
+
+    import click
+    from rich.markup import escape
+
+    from vitctl.datasets.errors import DataError
+    from vitctl.workflows.registry import UnknownJobError
+    from vitctl.workflows.train import ConfigError, LaunchError
+
+    from .bench import bench, doctor
+    from .console import err_console
+    from .data import data
+    from .export import export
+    from .jobs import cancel, jobs, logs, status_command
+    from .train import finetune, rank, train
 
 
 class VitctlGroup(click.Group):
-    """Turns bad input (data, config, a failed rank) anywhere below into a one-screen message and exit status 1."""
+    """Turns bad input (data, config, a failed rank) anywhere below into a one-screen message and exit status 1,
+    and Ctrl-C into one line and exit status 130."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -26,6 +57,9 @@ class VitctlGroup(click.Group):
         except (DataError, ConfigError, LaunchError, UnknownJobError) as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
+        except KeyboardInterrupt:
+            err_console.print("interrupted", highlight=False)
+            ctx.exit(INTERRUPTED)
 
 
 @click.group(cls=VitctlGroup, context_settings={"help_option_names": ["-h", "--help"]})

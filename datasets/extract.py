@@ -1,26 +1,39 @@
-"""Extract the nested ILSVRC2012 train tar and the flat val tar, in parallel and resumably."""
+"""Extract the nested ILSVRC2012 train tar and the flat val tar, in parallel, resumably and crash-safely.
 
+Each class folder (and val/ as a whole) is written under a hidden `.partial` name and made durable, then recorded
+in the ledger, and only then renamed into place: a folder under its final name is always complete and recorded.
+"""
+
+import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from .atomic import write_json_atomic
+from .atomic import PARTIAL_SUFFIX, fsync_dir, partial_path, sync_filesystem, write_json_atomic
 from .errors import DataError
-from .ilsvrc import WNID
+from .ilsvrc import TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
+from .oserrors import os_errors_explained
 from .parallel import run_tasks
 from .tarscan import TarMember, check_safe, scan, scan_path
 
 LEDGER = ".vitctl-extract.json"
+LEDGER_FORMAT = 2  # 1 (no "format" key) recorded counts only, not which archive they came from
+IDENTITY_BYTES = 1 << 20  # hashed at each end of an archive: tells copies apart in milliseconds, even at 140 GB
+COPY_CHUNK = 16 << 20
+VAL_FILES_PER_TASK = 500  # small tasks keep the progress bar moving and read the archive in order
+CLASS_PARTIAL = re.compile(rf"\.n\d{{8}}{re.escape(PARTIAL_SUFFIX)}")
 Progress = Callable[[int], None]  # advance by n bytes
 
 
 @dataclass
 class ExtractReport:
     classes: dict[str, int] = field(default_factory=dict)  # wnid -> images
-    val_images: int = 0
     skipped: list[str] = field(default_factory=list)  # parts already complete from an earlier run
 
     @property
@@ -28,37 +41,110 @@ class ExtractReport:
         return sum(self.classes.values())
 
 
-def _archive_members(path: Path) -> list[TarMember]:
+def archive_identity(path: Path) -> dict[str, Any]:
+    """What tells one archive from another: its size and a hash of its first and last MiB."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(IDENTITY_BYTES))
+        f.seek(max(size - IDENTITY_BYTES, 0))
+        digest.update(f.read(IDENTITY_BYTES))
+    return {"name": path.name, "bytes": size, "head_tail_sha256": digest.hexdigest()}
+
+
+def _same_archive(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["bytes"], a["head_tail_sha256"]) == (b["bytes"], b["head_tail_sha256"])
+
+
+def _check_same_archive(recorded: dict[str, Any], identity: dict[str, Any], folder: Path) -> None:
+    if not _same_archive(recorded, identity):
+        raise DataError(f"holds what was extracted from another archive ({recorded['name']}, {recorded['bytes']:,} "
+                        f"bytes), not from this one ({identity['name']}, {identity['bytes']:,} bytes)", str(folder),
+                        f"extract this archive into another --out, or remove {folder} and rerun")
+
+
+def _damaged(known: str, then: str = "rerun") -> str:
+    return f"the archive is damaged or not the original: download {known} again and {then}"
+
+
+def _check_archive(path: Path) -> None:
     if not path.is_file():
-        raise DataError("archive not found", str(path), "check the path")
-    members = scan_path(path)
+        raise DataError("not found" if not path.exists() else "not a file", str(path), "pass the archive file")
+
+
+def _check_file_names(members: list[TarMember], where: str, fix: str) -> None:
+    """Each member must become a distinct visible file: no empty, hidden ('.') or repeated names."""
+    seen = set()
     for m in members:
-        check_safe(m, str(path))
+        check_safe(m, where)
+        if not m.name or m.name.startswith("."):
+            raise DataError(f"member {m.name!r} is not a file name (empty or starting with a dot)", where, fix)
+        if m.name in seen:
+            raise DataError(f"member {m.name!r} appears twice", where, fix)
+        seen.add(m.name)
+
+
+def _class_tars(archive: Path, dest: Path) -> list[TarMember]:
+    members = scan_path(archive)
+    _check_file_names(members, str(archive), _train_damaged(dest))
+    for m in members:
+        if not (m.name.endswith(".tar") and WNID.fullmatch(m.name[:-4])):
+            raise DataError(f"member {m.name!r} is not a per-class tar named <wnid>.tar", str(archive),
+                            f"pass {TRAIN_ARCHIVE}, the outer archive of 1000 class tars; if you did, "
+                            + _damaged("it", "rerun"))
     return members
 
 
-def _copy_members(archive: Path, members: list[TarMember], dest: Path) -> None:
-    with open(archive, "rb") as f:
+def _train_damaged(dest: Path) -> str:
+    return _damaged(TRAIN_ARCHIVE, f"rerun (remove {dest} first if it holds classes extracted from this copy)")
+
+
+def _val_images(archive: Path) -> list[TarMember]:
+    members = scan_path(archive)
+    _check_file_names(members, str(archive), _damaged(VAL_ARCHIVE))
+    for m in members:
+        if not VAL_PATTERN.fullmatch(m.name):
+            raise DataError(f"member {m.name!r} is not a validation image ILSVRC2012_val_<8 digits>.JPEG",
+                            str(archive), f"pass {VAL_ARCHIVE}")
+    return members
+
+
+def _copy_member(archive: Path, src: int, member: TarMember, path: Path) -> None:
+    """Copy one member's bytes from `archive`, open as `src`, into a new file (made durable by `sync_filesystem`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        end = member.offset + member.size
+        for start in range(member.offset, end, COPY_CHUNK):
+            data = memoryview(os.pread(src, min(COPY_CHUNK, end - start), start))
+            if len(data) != min(COPY_CHUNK, end - start):
+                raise DataError(f"the archive shrank while member {member.name!r} was read", str(archive),
+                                "rerun the same command once nothing writes to the archive")
+            while data:
+                data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+
+
+def _copy_members(archive: Path, members: list[TarMember], folder: Path) -> int:
+    """Copy `members` as files into `folder`; returns the bytes copied."""
+    with open(archive, "rb", buffering=0) as f:
         for m in members:
-            f.seek(m.offset)
-            with open(dest / m.name, "wb") as out:
-                out.write(f.read(m.size))
+            _copy_member(archive, f.fileno(), m, folder / m.name)
+    return sum(m.size for m in members)
 
 
 def extract_class(archive: Path, inner: TarMember, dest: Path) -> tuple[str, int, int]:
-    """Extract one inner per-class tar, read in place from the outer archive, into `dest/<wnid>/`."""
+    """Write one inner per-class tar, read in place from the outer archive, durably into its `.partial` folder."""
     wnid = inner.name.removesuffix(".tar")
     where = f"{archive} member {inner.name}"
     with open(archive, "rb", buffering=0) as f:
-        f.seek(inner.offset)
         members = list(scan(_Window(f, inner.offset), inner.size, where))
-    for m in members:
-        check_safe(m, where)
-    partial = dest / f".{wnid}.partial"
+    _check_file_names(members, where, _train_damaged(dest))
+    partial = partial_path(dest / wnid)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    _copy_members(archive, [TarMember(m.name, m.type, inner.offset + m.offset, m.size) for m in members], partial)
-    os.replace(partial, dest / wnid)
+    _copy_members(archive, [m._replace(offset=inner.offset + m.offset) for m in members], partial)
+    sync_filesystem(partial)  # the class's files and names, at once: an fsync per image costs minutes on ImageNet
     return wnid, len(members), inner.size
 
 
@@ -75,45 +161,96 @@ class _Window:
         return self.f.read(n)
 
 
-def _load_ledger(root: Path) -> dict:
+def _load_ledger(root: Path) -> dict[str, Any]:
     path = root / LEDGER
-    return json.loads(path.read_text()) if path.exists() else {"train": {}, "val": None}
+    if not path.exists():
+        return {"format": LEDGER_FORMAT, "train": None, "val": None}
+    try:
+        ledger = json.loads(path.read_text())
+    except ValueError:
+        ledger = None
+    if not isinstance(ledger, dict) or ledger.get("format") != LEDGER_FORMAT:
+        raise DataError("unreadable, or written by an older vitctl that did not record which archive was extracted",
+                        str(path), f"extract into another --out, or remove {root / 'train'}, {root / 'val'} and "
+                        f"{path} and rerun")
+    return ledger
 
 
-def _check_not_foreign(dest: Path, name: str, ledger_has: bool) -> None:
-    if (dest / name).exists() and not ledger_has:
-        raise DataError(f"{dest / name} exists but was not written by `vitctl data extract`", str(dest),
-                        "move it away or extract into an empty folder")
+def _rename_into_place(partial: Path, final: Path) -> None:
+    os.replace(partial, final)
+    fsync_dir(final.parent)
+
+
+def _make_folder(path: Path, root: Path) -> None:
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise DataError(f"{blocker} is a file, not a folder", f"--out {root}",
+                        f"move {blocker} away, or pass another --out")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _remove_partials(dest: Path) -> None:
+    for entry in os.scandir(dest):
+        if CLASS_PARTIAL.fullmatch(entry.name):
+            shutil.rmtree(entry.path)
+
+
+def _recorded_classes(ledger: dict[str, Any], identity: dict[str, Any], dest: Path) -> dict[str, int]:
+    """wnid -> images of the classes an earlier run recorded, if any of them is still there; refuses another archive."""
+    record = ledger["train"]
+    if record is None or not any((dest / wnid).exists() for wnid in record["classes"]):
+        return {}
+    _check_same_archive(record["archive"], identity, dest)
+    return record["classes"]
+
+
+def _plan_classes(archive: Path, members: list[TarMember], recorded: dict[str, int], dest: Path,
+                  progress: Progress) -> tuple[ExtractReport, list[tuple[Path, TarMember, Path]]]:
+    """Report the classes an earlier run completed; the others are the tasks to do. Refuses folders not ours."""
+    report, todo = ExtractReport(), []
+    for m in members:
+        wnid = m.name[:-4]
+        if wnid in recorded and _count_files(dest / wnid) == recorded[wnid]:
+            report.classes[wnid] = recorded[wnid]
+            report.skipped.append(wnid)
+            progress(m.size)
+            continue
+        if wnid not in recorded and os.path.lexists(dest / wnid):
+            raise DataError(f"{dest / wnid} exists but was not written by `vitctl data extract`", str(dest),
+                            "move it away or extract into an empty folder")
+        todo.append((archive, m, dest))
+    return report, todo
 
 
 def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
                   on_total: Progress) -> ExtractReport:
-    members = _archive_members(archive)
-    on_total(sum(m.size for m in members))
-    for m in members:
-        if not (m.name.endswith(".tar") and WNID.fullmatch(m.name[:-4])):
-            raise DataError(f"member {m.name!r} is not a per-class tar named <wnid>.tar", str(archive),
-                            "pass ILSVRC2012_img_train.tar (the outer archive of 1000 class tars)")
-    dest = root / "train"
-    dest.mkdir(parents=True, exist_ok=True)
-    ledger = _load_ledger(root)
-    report, todo = ExtractReport(), []
-    for m in members:
-        wnid = m.name[:-4]
-        done = ledger["train"].get(wnid)
-        _check_not_foreign(dest, wnid, done is not None)
-        if done is not None and _count_files(dest / wnid) == done:
-            report.classes[wnid] = done
-            report.skipped.append(wnid)
-            progress(m.size)
-        else:
-            shutil.rmtree(dest / wnid, ignore_errors=True)
-            todo.append((archive, m, dest))
-    for wnid, count, size in run_tasks(extract_class, todo, workers):
-        report.classes[wnid] = ledger["train"][wnid] = count
-        write_json_atomic(root / LEDGER, ledger)
-        progress(size)
-    return report
+    """Extract the nested train tar into `root/train/<wnid>/`, keeping classes an earlier run completed."""
+    with os_errors_explained(root):
+        _check_archive(archive)
+        dest = root / "train"
+        ledger, identity = _load_ledger(root), archive_identity(archive)
+        recorded = _recorded_classes(ledger, identity, dest)
+        members = _class_tars(archive, dest)
+        on_total(sum(m.size for m in members))
+        report, todo = _plan_classes(archive, members, recorded, dest, progress)
+        _make_folder(dest, root)
+        record, ledger["train"] = ledger["train"], {"archive": identity, "classes": recorded}
+        if record != ledger["train"]:  # written only when changed, so that a read-only copy can still be checked
+            write_json_atomic(root / LEDGER, ledger)
+        try:
+            _remove_partials(dest)
+            for _, m, _ in todo:
+                shutil.rmtree(dest / m.name[:-4], ignore_errors=True)  # recorded but incomplete: ours to redo
+            with closing(run_tasks(extract_class, todo, workers)) as finished:
+                for wnid, count, size in finished:
+                    recorded[wnid] = report.classes[wnid] = count
+                    write_json_atomic(root / LEDGER, ledger)  # first: whatever is under a class's name is recorded
+                    _rename_into_place(partial_path(dest / wnid), dest / wnid)
+                    progress(size)
+        except BaseException:
+            _remove_partials(dest)
+            raise
+        return report
 
 
 def _count_files(path: Path) -> int:
@@ -122,38 +259,34 @@ def _count_files(path: Path) -> int:
 
 def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_total: Progress) -> int:
     """Extract the flat val tar into `root/val/`; returns the image count."""
-    members = _archive_members(archive)
-    on_total(sum(m.size for m in members))
-    ledger = _load_ledger(root)
-    dest = root / "val"
-    _check_not_foreign(root, "val", ledger["val"] is not None)
-    if ledger["val"] is not None and dest.is_dir():
-        progress(sum(m.size for m in members))
-        return ledger["val"]
-    partial = root / ".val.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    chunks = [members[i::workers] for i in range(workers)]
-    for chunk_bytes in run_tasks(_copy_chunk, [(archive, c, partial) for c in chunks if c], workers):
-        progress(chunk_bytes)
-    if _count_files(partial) != len(members):
-        raise DataError(f"{_count_files(partial)} files written, {len(members)} in the archive (repeated names?)",
-                        str(archive), "use the original archive")
-    os.replace(partial, dest)
-    ledger["val"] = len(members)
-    write_json_atomic(root / LEDGER, ledger)
-    return len(members)
-
-
-def _copy_chunk(archive: Path, members: list[TarMember], dest: Path) -> int:
-    _copy_members(archive, members, dest)
-    return sum(m.size for m in members)
-
-
-def check_counts(report: ExtractReport, root: Path) -> None:
-    """After extraction, every class folder holds exactly the images its inner tar listed."""
-    for wnid, expected in report.classes.items():
-        found = _count_files(root / "train" / wnid)
-        if found != expected:
-            raise DataError(f"class {wnid}: {found} files on disk, {expected} in the archive",
-                            str(root / "train" / wnid), "rerun the same command to redo it")
+    with os_errors_explained(root):
+        _check_archive(archive)
+        ledger = _load_ledger(root)
+        dest, partial = root / "val", partial_path(root / "val")
+        if os.path.lexists(dest):
+            if ledger["val"] is None:
+                raise DataError(f"{dest} exists but was not written by `vitctl data extract`", str(root),
+                                "move it away or extract into an empty folder")
+            _check_same_archive(ledger["val"]["archive"], archive_identity(archive), dest)
+            on_total(archive.stat().st_size)  # already done: the whole archive counts as read
+            progress(archive.stat().st_size)
+            return ledger["val"]["images"]
+        members = _val_images(archive)
+        on_total(sum(m.size for m in members))
+        _make_folder(root, root)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            tasks = [(archive, members[i:i + VAL_FILES_PER_TASK], partial)
+                     for i in range(0, len(members), VAL_FILES_PER_TASK)]
+            with closing(run_tasks(_copy_members, tasks, workers)) as finished:
+                for task_bytes in finished:
+                    progress(task_bytes)
+            sync_filesystem(partial)
+            ledger["val"] = {"archive": archive_identity(archive), "images": len(members)}
+            write_json_atomic(root / LEDGER, ledger)  # first: whatever is under the name val/ is recorded
+            _rename_into_place(partial, dest)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        return len(members)

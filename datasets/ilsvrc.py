@@ -20,6 +20,9 @@ GROUND_TRUTH = "data/ILSVRC2012_validation_ground_truth.txt"
 SYNSET_FIELDS = ("ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children",
                  "wordnet_height", "num_train_images")
 LABEL_CONVENTION = "sorted-wnid-index"  # 0 = n01440764, as torchvision ImageFolder, timm and webdataset
+# How the genuine archives are named in messages that ask for them.
+TRAIN_ARCHIVE = "ILSVRC2012_img_train.tar (147,897,477,120 bytes, md5 1d675b47d978889d74fa0da5fadfb00e)"
+VAL_ARCHIVE = "ILSVRC2012_img_val.tar (6,744,924,160 bytes, md5 29b22e2961454d5413ddabcf34fc5622)"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 import io
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from .errors import DataError
 
@@ -59,6 +59,8 @@ def to_rgb_jpeg(data: bytes, source: str) -> tuple[bytes, str | None]:
             kind = f"{(image.format or 'unknown').lower()} {image.mode} -> RGB JPEG"
             out = io.BytesIO()
             image.convert("RGB").save(out, format="JPEG", quality=JPEG_QUALITY)
+    except UnidentifiedImageError:  # its message holds the repr of the BytesIO, a different address each run
+        raise DataError("unreadable image (not in any format Pillow reads)", source) from None
     except (OSError, SyntaxError, ValueError) as e:
         raise DataError(f"unreadable image ({e})", source) from None
     return out.getvalue(), kind

@@ -1,44 +1,62 @@
 """DALI webdataset index files (format v1.2), computed in-process from the shard's tar headers."""
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
+from . import manifest as mf
 from .atomic import write_text_atomic
 from .errors import DataError
-from .manifest import index_name
-from .tarscan import scan_path
+from .oserrors import os_errors_explained
+from .parallel import run_tasks
+from .tarscan import SPARSE, scan_path
 
 VERSION = "v1.2"
 _WHITESPACE = re.compile(r"\s").search
+# webdataset 1.0's rules (tariterators.py): `base_plus_ext` splits key and extension at the first dot of the
+# basename and leaves out names it does not match (no extension, a hidden name at the top); names of the form
+# `__x__` are metadata and left out; the extensions are lower-cased, and a sample holds each at most once.
+_WDS_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_WDS_META = re.compile(r"__[^/]*__($|/)")
+_WDS_FIELDS = frozenset(("__key__", "__url__"))  # in every webdataset sample already
 # One component of a sample: (extension, data offset, size, member name).
 Component = tuple[str, int, int, str]
 
 
-def split_name(name: str) -> tuple[str, str]:
-    """WebDataset's key/extension split: at the first dot of the basename."""
-    folder, _, base = name.rpartition("/")
-    stem, _, ext = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), ext
+def split_name(name: str) -> tuple[str, str] | None:
+    """WebDataset's (key, extension) of a member name; None for a member that belongs to no sample."""
+    if ("/" not in name and name.startswith("__") and name.endswith("__")) or _WDS_META.match(name):
+        return None
+    match = _WDS_KEY_EXT.match(name)
+    return (match[1], match[2]) if match else None
 
 
 def shard_samples(shard: Path) -> list[list[Component]]:
-    """The shard's samples in tar order, each a list of its components."""
+    """The shard's samples in tar order as webdataset groups them, each a list of its components."""
     samples: list[list[Component]] = []
     seen: set[str] = set()
-    last_key = None
+    last_key, exts = None, set()
     for m in scan_path(shard):
-        if not m.is_file:
+        if m.type == SPARSE:
+            raise DataError(f"member {m.name!r} is a GNU sparse file: its bytes are not stored in one run, so no "
+                            "index can point at them", str(shard), "repack the shard without --sparse")
+        split = split_name(m.name) if m.is_file else None
+        if split is None:
             continue
         if _WHITESPACE(m.name):
             raise DataError(f"member name {m.name!r} holds whitespace, which index files cannot express", str(shard))
-        key, ext = split_name(m.name)
+        key, ext = split
         if key != last_key:
             if key in seen:
                 raise DataError(f"sample key {key!r} appears in two places; a sample's members must be adjacent",
                                 str(shard))
             seen.add(key)
             samples.append([])
-            last_key = key
+            last_key, exts = key, set(_WDS_FIELDS)
+        if ext.lower() in exts:
+            raise DataError(f"member {m.name!r} repeats the extension {ext.lower()!r} of sample {key!r} "
+                            "(webdataset lower-cases extensions and refuses a repeated one)", str(shard))
+        exts.add(ext.lower())
         samples[-1].append((ext, m.offset, m.size, m.name))
     return samples
 
@@ -71,11 +89,37 @@ def parse_index(text: str, where: str) -> list[list[Component]]:
 
 
 def index_path(shard: Path) -> Path:
-    return shard.with_name(index_name(shard.name))
+    return shard.with_name(mf.index_name(shard.name))
 
 
 def build_index(shard: Path) -> tuple[str, int]:
     """Write `<shard stem>.idx` beside the shard; returns (shard name, samples)."""
     samples = shard_samples(shard)
+    if not samples:
+        raise DataError("the shard holds no samples, and DALI refuses an index of none", str(shard),
+                        "replace or delete the images skipped for it (manifest.json lists them) and shard into a "
+                        "new --out folder")
     write_text_atomic(index_path(shard), format_index(samples))
     return shard.name, len(samples)
+
+
+def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
+                 on_total: Callable[[int], None]) -> tuple[int, int]:
+    """Index every shard `folder/manifest.json` lists; returns (index files, samples)."""
+    with os_errors_explained(folder):
+        manifest = mf.load(folder)
+        if manifest is None:
+            raise DataError("no manifest.json: this folder was not written by `vitctl data shard`", str(folder),
+                            "pass the folder given to `vitctl data shard --out`")
+        paths = [folder / entry["name"] for _, entry in mf.all_shards(manifest)]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise DataError(f"{len(missing)} shards in the manifest are missing, e.g. {missing[0]}", str(folder),
+                            "rerun the `vitctl data shard` command that wrote this folder (`vitctl data verify` "
+                            "prints it)")
+        on_total(len(paths))
+        samples = 0
+        for _, count in run_tasks(build_index, [(p,) for p in paths], workers):
+            samples += count
+            progress(1)
+    return len(paths), samples

@@ -1,5 +1,6 @@
 """The shard folder's manifest.json: label convention, classes, and what each complete shard holds."""
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ from .ilsvrc import LABEL_CONVENTION
 
 MANIFEST = "manifest.json"
 FORMAT = "vitctl-shards/1"
+HASH_CHUNK = 1 << 20
 SHARD_NAME = re.compile(r"imagenet-(train|val)-(\d{6})\.tar")
 
 
@@ -56,3 +58,12 @@ def save(out: Path, manifest: dict[str, Any]) -> None:
 def all_shards(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(split, shard entry) for every shard the manifest records as complete, in name order."""
     return [(split, entry) for split, info in sorted(manifest["splits"].items()) for entry in info["shards"]]
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 a shard entry records of its file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

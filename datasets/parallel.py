@@ -1,6 +1,8 @@
 """Run independent tasks in worker processes, reporting each result as it completes."""
 
+import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -10,28 +12,53 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
+_stopping: Any = None  # in a worker: an event the parent sets when it stops, so that tasks still queued do not start
+
+
+def _start_worker(stopping: Any) -> None:
+    global _stopping
+    _stopping = stopping
+    # Ctrl-C reaches the whole process group. A worker interrupted while it waits for work prints a traceback,
+    # and can die holding the task queue's lock, which hangs the pool's shutdown: so only tasks are interrupted.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _interruptible(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a worker, stopped by Ctrl-C like the parent, so that it removes its temporary files."""
+    if _stopping.is_set():
+        return None  # nobody waits for the result any more
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return fn(*args)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_tasks(fn: Callable[..., Any], tasks: Iterable[tuple], workers: int) -> Iterator[Any]:
     """Yield `fn(*task)` for each task, in completion order; one process runs them inline.
 
     At most `2 * workers` tasks are in flight, so a long task list is never materialised as futures.
-    On error or interrupt, pending tasks are cancelled before the exception propagates.
+    On error or interrupt, tasks not yet started are dropped (and running ones interrupted by the same Ctrl-C)
+    before the exception propagates.
     """
     if workers <= 1:
         for task in tasks:
             yield fn(*task)
         return
     pending: set[Future] = set()
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    stopping = multiprocessing.get_context().Event()
+    with ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(stopping,)) as pool:
         try:
             for task in tasks:
                 if len(pending) >= 2 * workers:
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     yield from (f.result() for f in done)
-                pending.add(pool.submit(fn, *task))
+                pending.add(pool.submit(_interruptible, fn, *task))
             while pending:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 yield from (f.result() for f in done)
         except BaseException:
+            stopping.set()
             for f in pending:
                 f.cancel()
             raise

@@ -4,9 +4,11 @@ import hashlib
 import json
 import os
 import random
+import re
+import shlex
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +17,15 @@ from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
 from .errors import DataError
 from .ilsvrc import WNID
 from .images import to_rgb_jpeg
+from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
 from .tarscan import BLOCK, padded
 from .tarwrite import UstarWriter
 
 JSON_BYTES_ESTIMATE = 96
+MAX_KEY_BYTES = 100 - len(".json")  # the longest member of a sample, `<key>.json`, in a plain ustar name field
 Progress = Callable[[int], None]
+_WHITESPACE = re.compile(r"\s").search
 
 
 @dataclass(frozen=True)
@@ -43,38 +48,84 @@ class ShardSpec:
 Sample = tuple[str, str, int, int]
 
 
+def _visible(folder: Path) -> list[os.DirEntry]:
+    """The entries of `folder` in name order, less hidden ones (`.DS_Store`, `._x.JPEG`): they are not images."""
+    return sorted((e for e in os.scandir(folder) if not e.name.startswith(".")), key=lambda e: e.name)
+
+
+def _check_extracted(folder: Path) -> None:
+    """Refuse a split folder in which `vitctl data extract` left a class half-written (`.<wnid>.partial`)."""
+    for entry in os.scandir(folder):
+        wnid = entry.name[1:].removesuffix(PARTIAL_SUFFIX)
+        if entry.name.endswith(PARTIAL_SUFFIX) and WNID.fullmatch(wnid) and not (folder / wnid).is_dir():
+            raise DataError(f"class {wnid} is not completely extracted: {entry.name} is what an interrupted "
+                            "`vitctl data extract` left", str(folder),
+                            "rerun that `vitctl data extract` command: it finishes the class")
+
+
 def list_classes(root: Path) -> list[str]:
     """Sorted WNIDs of the train split (else val): the sorted-WNID label convention."""
     for split in ("train", "val"):
         folder = root / split
         if folder.is_dir():
-            wnids = sorted(e.name for e in os.scandir(folder) if e.is_dir() and WNID.fullmatch(e.name))
+            _check_extracted(folder)
+            wnids = [e.name for e in _visible(folder) if e.is_dir() and WNID.fullmatch(e.name)]
             if wnids:
                 return wnids
     raise DataError("no class folders found under train/ or val/", str(root),
                     "run `vitctl data extract` (and `vitctl data valprep` for val) first")
 
 
+def sample_key(entry: os.DirEntry, path: Path) -> str:
+    """The sample key of the image `entry` at `path` (its name up to the first dot); what cannot be one raises."""
+    if entry.is_dir():
+        raise DataError("a folder inside a class folder, which holds only images", str(path),
+                        "move it out of the class folder")
+    if not entry.is_file():
+        if entry.is_symlink():
+            raise DataError(f"a broken symbolic link (to {os.readlink(path)})", str(path),
+                            "restore the file it points to, or delete the link")
+        raise DataError("not a regular file (a FIFO, socket or device)", str(path), "move it out of the class folder")
+    key = entry.name.split(".", 1)[0]
+    try:
+        size = len(key.encode())
+    except UnicodeEncodeError:  # a name that is not UTF-8 comes back holding surrogates
+        raise DataError("its name is not valid UTF-8, as shard member names must be", str(path),
+                        "rename the file") from None
+    if _WHITESPACE(key):
+        raise DataError(f"its sample key {key!r} (the name up to the first dot) holds whitespace, which DALI index "
+                        "files cannot hold", str(path), "rename the file without whitespace")
+    if size > MAX_KEY_BYTES:
+        raise DataError(f"its sample key (the name up to the first dot) is {size} bytes, more than the "
+                        f"{MAX_KEY_BYTES} a shard member name leaves for it", str(path), "rename the file shorter")
+    return key
+
+
 def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
+    """Every image of the split, each checked to make a valid sample key; hidden files are left out."""
     folder = root / split
     if not folder.is_dir():
         raise DataError(f"no {split}/ folder", str(root), f"extract the {split} archive first")
-    flat = [e.name for e in os.scandir(folder) if e.is_file()]
+    _check_extracted(folder)
+    entries = _visible(folder)
+    flat = [e.name for e in entries if not e.is_dir()]
     if flat:
-        raise DataError(f"{len(flat)} images lie directly in {split}/ (e.g. {flat[0]})", str(folder),
-                        "run `vitctl data valprep` to move them into WNID folders")
+        fix = ("run `vitctl data valprep` to move them into WNID folders" if split == "val"
+               else "move them out: train/ holds one folder per class")
+        raise DataError(f"{len(flat)} files lie directly in {split}/ (e.g. {flat[0]})", str(folder), fix)
     label_of = {wnid: i for i, wnid in enumerate(classes)}
     samples, keys = [], {}
-    for wnid in sorted(e.name for e in os.scandir(folder) if e.is_dir()):
-        if wnid not in label_of:
-            raise DataError(f"class folder {wnid} is not among the {len(classes)} train classes", str(folder))
-        for entry in sorted(os.scandir(folder / wnid), key=lambda e: e.name):
-            key = entry.name.split(".", 1)[0]
+    for class_dir in entries:
+        if class_dir.name not in label_of:
+            raise DataError(f"class folder {class_dir.name} is not among the {len(classes)} train classes", str(folder))
+        for entry in _visible(folder / class_dir.name):
+            source = f"{split}/{class_dir.name}/{entry.name}"
+            key = sample_key(entry, root / source)
             if key in keys:
-                raise DataError(f"two images share the key {key!r}: {keys[key]} and {split}/{wnid}/{entry.name}",
-                                str(folder), "rename one of them")
-            keys[key] = f"{split}/{wnid}/{entry.name}"
-            samples.append((keys[key], key, label_of[wnid], entry.stat().st_size))
+                raise DataError(f"two images share the key {key!r}: {keys[key]} and {source}", str(folder),
+                                "rename one of them")
+            keys[key] = source
+            samples.append((source, key, label_of[class_dir.name], entry.stat().st_size))
     if not samples:
         raise DataError(f"no images under {split}/", str(folder))
     return samples
@@ -102,7 +153,9 @@ def plan_shards(samples: list[Sample], spec: ShardSpec) -> list[list[Sample]]:
 
 
 def plan_digest(shards: list[list[Sample]], spec: ShardSpec) -> str:
-    h = hashlib.sha256(json.dumps(asdict(spec)).encode())
+    # The bad-image policy leaves the plan as it is and may change between runs (`fail`, then `skip` to go on).
+    # It stays in the digest, fixed, so that folders sharded before this rule still resume.
+    h = hashlib.sha256(json.dumps(asdict(replace(spec, on_bad_image="skip"))).encode())
     for shard in shards:
         h.update(json.dumps(shard).encode())
     return h.hexdigest()
@@ -118,6 +171,12 @@ class _HashingFile:
         self.f.write(data)
 
 
+def _some(skipped: list[dict[str, str]]) -> str:
+    """The first three skipped images with their reasons, and how many more there are."""
+    listed = "; ".join(f"{s['source']} ({s['reason']})" for s in skipped[:3])
+    return listed + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+
+
 def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str], on_bad_image: str) -> dict[str, Any]:
     """Write one shard under its temporary name (`publish` names it); returns its manifest entry."""
     conversions, skipped, labels = [], [], []
@@ -130,7 +189,8 @@ def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str],
                 jpeg, conversion = to_rgb_jpeg(data, source)
             except DataError as e:
                 if on_bad_image == "fail":
-                    raise DataError(f"{e.what}; rerun with --on-bad-image skip to leave it out", source) from None
+                    raise DataError(e.what, str(root / source), "rerun the same command with --on-bad-image skip to "
+                                    "leave it out (finished shards are kept), or replace the image") from None
                 skipped.append({"source": source, "reason": e.what})
                 continue
             if conversion:
@@ -139,6 +199,10 @@ def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str],
             tar.add(f"{key}.jpg", jpeg)
             tar.add(f"{key}.json", json.dumps({"wnid": wnids[label], "source": source}).encode())
             labels.append(label)
+        if not labels:  # DALI refuses the index of an empty shard
+            raise DataError(f"every image planned for {path.name} is unreadable, and no shard may be empty: "
+                            f"{_some(skipped)}", str(root), "replace or delete those images, then shard into a new "
+                            "--out folder (the plan changes with the images)")
         tar.close()
     return {"name": path.name, "samples": len(labels), "bytes": out.bytes, "sha256": out.sha256.hexdigest(),
             "conversions": conversions, "skipped": skipped, "labels": mf.encode_labels(labels)}
@@ -159,11 +223,49 @@ def _check_folder(out: Path, manifest: dict[str, Any] | None) -> None:
                         str(out), "shard into an empty folder, or move those files away")
 
 
+def _intact(path: Path, entry: dict[str, Any]) -> str | None:
+    """The shard's name if its file is the one its manifest entry records (size and sha256), else None."""
+    if path.is_file() and path.stat().st_size == entry["bytes"] and mf.file_sha256(path) == entry["sha256"]:
+        return path.name
+    return None
+
+
+def shard_command(folder: Path, split: str, info: dict[str, Any]) -> str:
+    """The `vitctl data shard` command that finishes `split` in `folder`, or writes again its damaged shards."""
+    source = shlex.quote(info["source"]) if "source" in info else "ROOT"  # folders sharded before it was recorded
+    return (f"vitctl data shard {source} --out {shlex.quote(str(folder))} --split {split} --maxsize {info['maxsize']} "
+            f"--maxcount {info['maxcount']} --seed {info['seed']} --on-bad-image {info['on_bad_image']}")
+
+
+def _other_plan(out: Path, split: str, spec: ShardSpec, info: dict[str, Any]) -> DataError:
+    """The error for a rerun whose plan is not the one the folder's shards were written to."""
+    changed = [f"--{key} {getattr(spec, key)} (this folder's: {info[key]})" for key in ("maxsize", "maxcount", "seed")
+               if getattr(spec, key) != info[key]]
+    if changed:
+        return DataError(f"{split} shards here were made with other settings: {', '.join(changed)}", str(out),
+                         f"use a new --out folder, or go on with this folder's settings: "
+                         f"{shard_command(out, split, info)}")
+    return DataError(f"{split} shards here were made from other images: the images under the source changed since",
+                     str(out), "shard into a new --out folder")
+
+
+@dataclass
+class SplitResult:
+    info: dict[str, Any]  # the split's manifest entry
+    rewritten: list[str]  # shards a run before recorded whose file was missing or damaged, written again
+
+
 def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int,
-                progress: Progress, on_total: Callable[[int], None]) -> dict[str, Any]:
-    """Shard one split into `out`, skipping shards an earlier run completed; returns its manifest entry."""
+                progress: Progress, on_total: Callable[[int], None]) -> SplitResult:
+    """Shard one split into `out`, keeping the shards an earlier run completed once their sha256 is checked."""
     spec.validate()
-    out.mkdir(parents=True, exist_ok=True)
+    with os_errors_explained(out):
+        return _shard_split(root, out, split, spec, workers, progress, on_total)
+
+
+def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int,
+                 progress: Progress, on_total: Callable[[int], None]) -> SplitResult:
+    make_folder(out, "--out")
     manifest = mf.load(out)
     _check_folder(out, manifest)
     classes = list_classes(root)
@@ -176,26 +278,28 @@ def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int
     digest = plan_digest(shards, spec)
     info = manifest["splits"].get(split)
     if info is not None and info["plan"] != digest:
-        raise DataError(f"{split} shards here were made from other sources or settings (seed, maxsize, maxcount)",
-                        str(out), "use a new --out folder, or delete this split's shards and its manifest entry")
-    info = {"plan": digest, **asdict(spec), "planned_shards": len(shards), "complete": False,
-            "shards": [] if info is None else info["shards"]}
+        raise _other_plan(out, split, spec, info)
+    recorded = {} if info is None else {e["name"]: e for e in info["shards"]}
+    info = {"plan": digest, **asdict(spec), "source": str(root.resolve()), "planned_shards": len(shards),
+            "complete": False, "shards": []}
     manifest["splits"][split] = info
-    done = {e["name"]: e for e in info["shards"] if (out / e["name"]).is_file()
-            and (out / e["name"]).stat().st_size == e["bytes"]}
     on_total(sum(len(s) for s in shards))
+    planned = {mf.shard_name(split, i): samples for i, samples in enumerate(shards)}
+    intact = set()
+    for name in run_tasks(_intact, [(out / name, entry) for name, entry in recorded.items()], workers):
+        if name is not None:
+            intact.add(name)
+            progress(len(planned[name]))
     todo = []
-    for i, samples in enumerate(shards):
-        path = out / mf.shard_name(split, i)
-        if path.name in done:
-            progress(len(samples))
+    for name, samples in planned.items():
+        path = out / name
+        if name in intact:
+            info["shards"].append(recorded[name])
             continue
         partial_path(path).unlink(missing_ok=True)
         (out / mf.index_name(path.name)).unlink(missing_ok=True)  # an index of an older shard is stale
         todo.append((root, path, samples, classes, spec.on_bad_image))
-    info["shards"] = sorted(done.values(), key=lambda e: e["name"])
     mf.save(out, manifest)
-
 
     def finish(entry: dict[str, Any]) -> None:
         publish(out / entry["name"])
@@ -204,10 +308,15 @@ def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int
         progress(entry["samples"] + len(entry["skipped"]))
 
     # One thread fsyncs and renames finished shards (and records them) while the writers go on with the next.
-    with ThreadPoolExecutor(max_workers=1) as finisher:
-        finished = [finisher.submit(finish, entry) for entry in run_tasks(write_shard, todo, workers)]
+    try:
+        with ThreadPoolExecutor(max_workers=1) as finisher:
+            finished = [finisher.submit(finish, entry) for entry in run_tasks(write_shard, todo, workers)]
+    except BaseException:  # every writer has stopped by now; one that finished after the error was not published
+        for task in todo:
+            partial_path(task[1]).unlink(missing_ok=True)
+        raise
     for future in finished:
         future.result()
     info["complete"] = True
     mf.save(out, manifest)
-    return info
+    return SplitResult(info, sorted(set(recorded) - intact))

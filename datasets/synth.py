@@ -12,6 +12,7 @@ from PIL import Image
 from .atomic import atomic_open
 from .errors import DataError
 from .ilsvrc import GROUND_TRUTH, META_MAT, SYNSET_FIELDS, VAL_NAME
+from .oserrors import make_folder, os_errors_explained
 
 TRAIN_TAR, VAL_TAR, DEVKIT = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz"
 DEVKIT_DIR = "ILSVRC2012_devkit_t12"
@@ -119,7 +120,12 @@ def devkit_bytes(leaves: list[tuple[str, str]], ground_truth: list[int]) -> byte
 def write_synthetic(out: Path, spec: SynthSpec) -> dict[str, Path]:
     """Write the three archives into `out`; each appears only when complete. Returns their paths."""
     spec.validate()
-    out.mkdir(parents=True, exist_ok=True)
+    with os_errors_explained(out):
+        make_folder(out, "OUT")
+        return _write_archives(out, spec)
+
+
+def _write_archives(out: Path, spec: SynthSpec) -> dict[str, Path]:
     rng = np.random.default_rng(spec.seed)
     leaves = LEAVES[:spec.classes]
     gotchas = {0: "png", 1: "cmyk", 2: "gray"}

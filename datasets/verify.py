@@ -1,34 +1,45 @@
 """Check a shard folder: manifest against shards, each index against its shard, and a decode sample."""
 
-import hashlib
 import io
 import random
+import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from . import manifest as mf
 from .errors import DataError
 from .index import index_path, parse_index, shard_samples
+from .oserrors import os_errors_explained
 from .parallel import run_tasks
+from .shard import shard_command
 
-HASH_CHUNK = 1 << 20
+# How a problem is fixed: a command (write the shard again with its split's shard command, or index again),
+# or one of the pieces of advice below.
+REWRITE, INDEX = "rewrite", "index"
+EMPTY, EDITED, UNDECODABLE, UNPLANNED = "empty", "edited", "undecodable", "unplanned"
+ADVICE = {
+    EMPTY: "replace or delete the images skipped for it (manifest.json lists them), then shard into a new --out folder",
+    EDITED: "manifest.json no longer describes the shard (it was edited after the shard was written): restore it, "
+            "or shard into a new --out folder",
+    UNDECODABLE: "replace the source image its json member names, then shard into a new --out folder",
+    UNPLANNED: "move it out of the folder: no `vitctl data shard` run here planned it",
+}
 
 
 @dataclass
 class ShardCheck:
     name: str
     problems: list[str] = field(default_factory=list)
-    jpg: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, size, label) for decode checks
+    repair: str | None = None  # how to fix the first problem; the others follow from it
+    jpg: list[tuple[int, int, int, str]] = field(default_factory=list)  # (offset, size, label, name) to decode
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    def fail(self, problem: str, repair: str) -> "ShardCheck":
+        self.problems.append(problem)
+        self.repair = self.repair or repair
+        return self
 
 
 def _labels(shard: Path, samples: list) -> list[int]:
@@ -49,32 +60,34 @@ def check_shard(folder: Path, entry: dict) -> ShardCheck:
     """Everything about one shard and its index that can be checked without decoding."""
     shard, check = folder / entry["name"], ShardCheck(entry["name"])
     if not shard.is_file():
-        check.problems.append("shard file is missing")
-        return check
+        return check.fail("shard file is missing", REWRITE)
     size = shard.stat().st_size
     if size != entry["bytes"]:
-        check.problems.append(f"size {size} bytes, manifest says {entry['bytes']}")
-    elif _sha256(shard) != entry["sha256"]:
-        check.problems.append("sha256 differs from the manifest (the shard changed after it was written)")
+        check.fail(f"size {size} bytes, manifest says {entry['bytes']}", REWRITE)
+    elif mf.file_sha256(shard) != entry["sha256"]:
+        check.fail("sha256 differs from the manifest (the shard changed after it was written)", REWRITE)
     try:
         samples = shard_samples(shard)
     except DataError as e:
-        check.problems.append(e.what)
-        return check
+        return check.fail(e.what, REWRITE)
+    if not samples:
+        check.fail("the shard holds no samples: every image planned for it was skipped, and DALI refuses an "
+                   "index of none", EMPTY)
     if len(samples) != entry["samples"]:
-        check.problems.append(f"{len(samples)} samples, manifest says {entry['samples']}")
-    check.problems += _check_index(index_path(shard), samples, size)
+        check.fail(f"{len(samples)} samples, manifest says {entry['samples']}", EDITED)
+    for problem in _check_index(index_path(shard), samples, size):
+        check.fail(problem, INDEX)
     labels = _labels(shard, samples)
     if "labels" in entry and mf.decode_labels(entry["labels"]) != labels:
-        check.problems.append("the labels in the manifest differ from the shard's cls members")
-    check.jpg = [(c[1], c[2], label) for sample, label in zip(samples, labels, strict=True)
+        check.fail("the labels in the manifest differ from the shard's cls members", EDITED)
+    check.jpg = [(c[1], c[2], label, c[3]) for sample, label in zip(samples, labels, strict=True)
                  for c in sample if c[0] == "jpg"]
     return check
 
 
 def _check_index(path: Path, samples: list, shard_size: int) -> list[str]:
     if not path.is_file():
-        return [f"index {path.name} is missing (run `vitctl data index`)"]
+        return [f"index {path.name} is missing"]
     try:
         indexed = parse_index(path.read_text(), str(path))
     except DataError as e:
@@ -94,7 +107,8 @@ def _check_index(path: Path, samples: list, shard_size: int) -> list[str]:
     return problems
 
 
-def decode_check(shard: Path, offset: int, size: int, label: int, classes: int) -> str | None:
+def decode_check(shard: Path, offset: int, size: int, label: int, classes: int, member: str) -> str | None:
+    """What is wrong with the image `member` of the shard, or None."""
     with open(shard, "rb") as f:
         f.seek(offset)
         data = f.read(size)
@@ -102,11 +116,13 @@ def decode_check(shard: Path, offset: int, size: int, label: int, classes: int) 
         with Image.open(io.BytesIO(data)) as image:
             image.load()
             if image.format != "JPEG" or image.mode != "RGB":
-                return f"image at offset {offset} is {image.format} {image.mode}, expected an RGB JPEG"
+                return f"image {member} at offset {offset} is {image.format} {image.mode}, expected an RGB JPEG"
+    except UnidentifiedImageError:  # its message holds the repr of the BytesIO
+        return f"image {member} at offset {offset} does not decode (not in any format Pillow reads)"
     except (OSError, SyntaxError) as e:
-        return f"image at offset {offset} does not decode ({e})"
+        return f"image {member} at offset {offset} does not decode ({e})"
     if not 0 <= label < classes:
-        return f"image at offset {offset} has label {label}, outside 0..{classes - 1}"
+        return f"image {member} at offset {offset} has label {label}, outside 0..{classes - 1}"
     return None
 
 
@@ -114,32 +130,71 @@ def decode_check(shard: Path, offset: int, size: int, label: int, classes: int) 
 class VerifyReport:
     manifest: dict
     problems: dict[str, list[str]]  # by shard name (or "split <name>"); empty when all is well
+    command: str | None  # one command line that fixes the problems of the names in `fixed_by_command`
+    fixed_by_command: list[str]
+    advice: dict[str, list[str]]  # what to do, for problems no command fixes -> the names
     decoded: int
 
 
-def verify(folder: Path, decode: int, workers: int, seed: int = 0) -> VerifyReport:
-    """Check everything in `folder`; decode `decode` random images."""
+def verify(folder: Path, decode: int, workers: int, progress: Callable[[int], None],
+           on_total: Callable[[int], None], seed: int = 0) -> VerifyReport:
+    """Check everything in `folder`; decode `decode` random images. `progress` counts checked shards."""
+    with os_errors_explained(folder):
+        return _verify(folder, decode, workers, progress, on_total, seed)
+
+
+def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], None],
+            on_total: Callable[[int], None], seed: int) -> VerifyReport:
     manifest = mf.load(folder)
     if manifest is None:
-        raise DataError("no manifest.json", str(folder), "pass a folder written by `vitctl data shard`")
+        raise DataError("no manifest.json: this folder was not written by `vitctl data shard`", str(folder),
+                        "pass the folder given to `vitctl data shard --out`")
     entries = [entry for _, entry in mf.all_shards(manifest)]
+    splits = manifest["splits"]
     problems: dict[str, list[str]] = {}
-    for split, info in manifest["splits"].items():
+    repairs: dict[str, str] = {}  # name -> how to fix its problems
+    for split, info in splits.items():
         if not info["complete"] or len(info["shards"]) != info["planned_shards"]:
             problems[f"split {split}"] = [f"incomplete: {len(info['shards'])} of {info['planned_shards']} shards "
-                                          "written (rerun `vitctl data shard`)"]
+                                          "written"]
+            repairs[f"split {split}"] = REWRITE
     listed = {e["name"] for e in entries}
     for path in sorted(folder.glob("imagenet-*.tar")):
         if path.name not in listed:
             problems[path.name] = ["shard on disk is not in the manifest"]
-    checks = list(run_tasks(check_shard, [(folder, e) for e in entries], workers))
-    for check in checks:
+            repairs[path.name] = REWRITE if _planned(path.name, splits) else UNPLANNED
+    on_total(len(entries))
+    checks = []
+    for check in run_tasks(check_shard, [(folder, e) for e in entries], workers):
+        checks.append(check)
+        progress(1)
         if check.problems:
-            problems[check.name] = check.problems
+            problems[check.name], repairs[check.name] = check.problems, check.repair
     pool = [(c.name, *jpg) for c in checks if not c.problems for jpg in c.jpg]
     chosen = random.Random(seed).sample(pool, min(decode, len(pool)))
-    for name, offset, size, label in chosen:
-        problem = decode_check(folder / name, offset, size, label, len(manifest["classes"]))
+    for name, offset, size, label, member in chosen:
+        problem = decode_check(folder / name, offset, size, label, len(manifest["classes"]), member)
         if problem:
             problems.setdefault(name, []).append(problem)
-    return VerifyReport(manifest, problems, len(chosen))
+            repairs[name] = UNDECODABLE
+    advice: dict[str, list[str]] = {}
+    for name, repair in sorted(repairs.items()):
+        if repair in ADVICE:
+            advice.setdefault(ADVICE[repair], []).append(name)
+    fixed = sorted(name for name, repair in repairs.items() if repair not in ADVICE)
+    rewrite = sorted({_split_of(name) for name, repair in repairs.items() if repair == REWRITE})
+    # Indexing needs every shard there, so the shards are written first; one line fixes everything it can.
+    command = " && ".join([*(shard_command(folder, split, splits[split]) for split in rewrite),
+                           f"vitctl data index {shlex.quote(str(folder))}"]) if fixed else None
+    return VerifyReport(manifest, problems, command, fixed, advice, len(chosen))
+
+
+def _split_of(name: str) -> str:
+    match = mf.SHARD_NAME.fullmatch(name)
+    return match[1] if match else name.removeprefix("split ")
+
+
+def _planned(name: str, splits: dict) -> bool:
+    """Whether `name` is a shard the plan of its split holds (a run stopped before it recorded it)."""
+    match = mf.SHARD_NAME.fullmatch(name)
+    return match is not None and match[1] in splits and int(match[2]) < splits[match[1]]["planned_shards"]

@@ -1,5 +1,8 @@
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,30 @@ def test_bench_says_which_optimizer_each_row_ran(monkeypatch):
     assert "optimizer in rows 1: one vitctl kernel" in result.output
     assert "optimizer in rows 2, 3: torch fused AdamW" in result.output
     assert "ours / timm: 1.25x" in result.output
+
+
+def test_data_help_gives_each_command_a_whole_sentence():
+    output = vitctl("data", "--help").output
+    listed = [line for line in output.splitlines() if line.startswith(tuple(f"  {c} " for c in COMMANDS))]
+    assert len(listed) == len(COMMANDS)
+    assert not [line for line in listed if line.endswith("...")]
+
+
+def test_shard_and_synth_options_say_what_they_take():
+    shard_help = vitctl("data", "shard", "--help").output
+    assert all(unit in shard_help for unit in ("KB", "MB", "GB", "KiB", "MiB", "GiB"))
+    synth_help = vitctl("data", "synth", "--help").output
+    for option in ("--train-per-class", "--val-per-class", "--seed"):
+        line = next(line for line in synth_help.splitlines() if line.strip().startswith(option))
+        assert len(line.split()) > 3, line  # option, type, and words of help
+
+
+def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(prepared_root, tmp_path):
+    args = [str(Path(sys.executable).parent / "vitctl"), "data", "shard", str(prepared_root), "--out",
+            str(tmp_path / "s")]
+    proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # Python is up; loading the commands (torch) takes seconds more
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err

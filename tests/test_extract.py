@@ -1,5 +1,13 @@
+import errno
 import io
+import itertools
+import json
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -9,15 +17,83 @@ from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, ok, vitctl
 from vitctl.datasets.extract import LEDGER
 from vitctl.datasets.synth import TRAIN_TAR, VAL_TAR
 
+SMALL_CLASSES, SMALL_TRAIN_PER_CLASS, SMALL_VAL_PER_CLASS = 3, 2, 1
+
+# Runs `vitctl data extract` with os.<call> counted; SIGKILLs itself just before or after the nth call.
+KILL_AT_CALL = """
+import os, signal, sys
+from vitctl.cli.data import data
+
+call, when, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+real, calls = getattr(os, call), 0
+
+def counted(*args, **kwargs):
+    global calls
+    calls += 1
+    if (calls, when) == (nth, "before"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    result = real(*args, **kwargs)
+    if (calls, when) == (nth, "after"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+setattr(os, call, counted)
+data(sys.argv[4:], prog_name="vitctl data")
+"""
+
 
 def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
             and p.name != LEDGER}
 
 
+def _ledger(root: Path) -> dict:
+    return json.loads((root / LEDGER).read_text())
+
+
+def _leftovers(root: Path) -> list[str]:
+    """Hidden entries extract may leave behind (temporary names), other than its ledger."""
+    return sorted(p.name for p in root.rglob(".*") if p.name != LEDGER)
+
+
+def _extract_args(archives: Path, out: Path) -> list[str]:
+    return ["extract", "--train-tar", str(archives / TRAIN_TAR), "--val-tar", str(archives / VAL_TAR),
+            "--out", str(out)]
+
+
 def _extract(archives: Path, out: Path, *extra: object):
-    return vitctl("data", "extract", "--train-tar", archives / TRAIN_TAR, "--val-tar", archives / VAL_TAR,
-                  "--out", out, *extra)
+    return vitctl("data", *_extract_args(archives, out), *extra)
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _members(raw: bytes) -> list[tuple[str, bytes]]:
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        return [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+
+
+@pytest.fixture(scope="module")
+def small_archives(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("small-archives")
+    ok("data", "synth", out, "--classes", SMALL_CLASSES, "--train-per-class", SMALL_TRAIN_PER_CLASS,
+       "--val-per-class", SMALL_VAL_PER_CLASS, "--seed", 3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_extracted(small_archives, tmp_path_factory) -> Path:
+    """The small archives extracted by one uninterrupted run: what every interrupted run must end up as."""
+    out = tmp_path_factory.mktemp("small-extracted") / "r"
+    ok("data", *_extract_args(small_archives, out), "--workers", 1)
+    return out
 
 
 def test_extract_writes_every_image_byte_for_byte(archives, tmp_path):
@@ -68,6 +144,12 @@ def test_missing_archive_is_a_clear_usage_error(tmp_path):
     assert result.exit_code == 2 and "does not exist" in result.stderr
 
 
+@pytest.mark.parametrize("flag", ["--train-tar", "--val-tar"])
+def test_a_folder_given_as_archive_is_a_clear_error(tmp_path, flag):
+    result = vitctl("data", "extract", flag, tmp_path, "--out", tmp_path / "r")
+    assert result.exit_code == 1 and f"{tmp_path}: not a file" in result.stderr and not (tmp_path / "r").exists()
+
+
 def test_truncated_train_archive_fails_and_leaves_no_complete_looking_class(archives, tmp_path):
     raw = (archives / TRAIN_TAR).read_bytes()
     cut = tmp_path / TRAIN_TAR
@@ -91,7 +173,7 @@ def test_truncated_inner_tar_is_reported_and_its_class_not_marked(archives, tmp_
             outer.addfile(info, io.BytesIO(data))
     result = vitctl("data", "extract", "--train-tar", bad, "--out", tmp_path / "r", "--workers", 1)
     assert result.exit_code == 1 and f"member {inners[1][0]}" in result.stderr and "truncated" in result.stderr
-    assert not (tmp_path / "r/train" / inners[1][0][:-4]).exists()
+    assert not (tmp_path / "r/train" / inners[1][0][:-4]).exists() and _leftovers(tmp_path / "r") == []
 
 
 @pytest.mark.parametrize("member", ["../evil.JPEG", "/abs.JPEG"])
@@ -141,3 +223,198 @@ def test_extract_output_is_usable_by_the_rest_of_the_pipeline(archives, tmp_path
     with tarfile.open(archives / TRAIN_TAR) as outer:
         expected = sorted(n.removesuffix(".tar") for n in outer.getnames())
     assert sorted(p.name for p in (tmp_path / "r/train").iterdir()) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call, when", [("replace", "before"), ("replace", "after"), ("write", "after")])
+def test_killed_at_every_phase_a_rerun_gives_the_uninterrupted_tree(small_archives, small_extracted, tmp_path,
+                                                                    call, when):
+    """SIGKILL just before or after each rename (class folder, val/, ledger), or after each image write, then rerun."""
+    kills = 0
+    for nth in itertools.count(1):
+        out = tmp_path / f"{nth}"
+        args = ["--workers", "1"]
+        killed = subprocess.run([sys.executable, "-c", KILL_AT_CALL, call, when, str(nth),
+                                 *_extract_args(small_archives, out), *args], capture_output=True, timeout=120)
+        if killed.returncode == 0:  # past the last such call: every phase was interrupted once
+            break
+        assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+        kills += 1
+        for folder in [*(out / "train").glob("n*"), out / "val"]:  # under its final name means complete
+            if folder.exists():
+                assert _tree(folder) == _tree(small_extracted / folder.relative_to(out)), folder
+        ok("data", *_extract_args(small_archives, out), *args)
+        assert _tree(out) == _tree(small_extracted) and _ledger(out) == _ledger(small_extracted)
+        assert _leftovers(out) == []
+    images = SMALL_CLASSES * (SMALL_TRAIN_PER_CLASS + SMALL_VAL_PER_CLASS)
+    assert kills >= (images if call == "write" else 2 * SMALL_CLASSES + 2)
+
+
+def _damaged_train(small_archives: Path, tmp_path: Path, fault: str) -> Path:
+    """A copy of the small train archive with one fault in its last class tar, or in the outer tar."""
+    classes = _members((small_archives / TRAIN_TAR).read_bytes())
+    name, inner = classes[-1]
+    images = _members(inner)
+    if fault == "duplicate class tar":
+        classes.append(classes[-1])
+    else:
+        odd = {"member '.'": (".", b"x"), "empty name": ("", b"x"), "duplicate image": images[0]}[fault]
+        classes[-1] = (name, _tar([*images, odd]))
+    path = tmp_path / "copy" / TRAIN_TAR
+    path.parent.mkdir()
+    path.write_bytes(_tar(classes))
+    return path
+
+
+@pytest.mark.parametrize("fault, says", [("member '.'", "member '.' is not a file name"),
+                                         ("empty name", "member '' is not a file name"),
+                                         ("duplicate image", "appears twice"),
+                                         ("duplicate class tar", "member 'n02110185.tar' appears twice")])
+def test_odd_train_members_are_named_and_following_the_fix_works(small_archives, small_extracted, tmp_path,
+                                                                fault, says):
+    bad, out = _damaged_train(small_archives, tmp_path, fault), tmp_path / "r"
+    result = vitctl("data", "extract", "--train-tar", bad, "--out", out, "--workers", 1)
+    assert result.exit_code == 1 and str(bad) in result.stderr and says in result.stderr
+    assert "download ILSVRC2012_img_train.tar" in result.stderr
+    if fault != "duplicate class tar":
+        assert "member n02110185.tar" in result.stderr  # the inner tar that holds the odd member
+    assert _leftovers(out) == []
+    # The fix: the original archive, into this folder once the classes taken from the damaged copy are removed.
+    shutil.rmtree(out / "train", ignore_errors=True)
+    ok("data", "extract", "--train-tar", small_archives / TRAIN_TAR, "--out", out, "--workers", 1)
+    assert _tree(out / "train") == _tree(small_extracted / "train")
+
+
+@pytest.mark.parametrize("odd, says", [((".", b"x"), "member '.' is not a file name"),
+                                       (("", b"x"), "member '' is not a file name"),
+                                       (None, "appears twice")])
+def test_odd_val_members_are_named_and_nothing_is_left_behind(small_archives, small_extracted, tmp_path, odd, says):
+    images = _members((small_archives / VAL_TAR).read_bytes())
+    bad, out = tmp_path / VAL_TAR, tmp_path / "r"
+    bad.write_bytes(_tar([*images, odd or images[0]]))
+    result = vitctl("data", "extract", "--val-tar", bad, "--out", out, "--workers", 2)
+    assert result.exit_code == 1 and str(bad) in result.stderr and says in result.stderr
+    assert "download ILSVRC2012_img_val.tar" in result.stderr and "rerun" in result.stderr
+    assert not out.exists() or sorted(os.listdir(out)) == []
+    ok("data", "extract", "--val-tar", small_archives / VAL_TAR, "--out", out)
+    assert _tree(out / "val") == _tree(small_extracted / "val")
+
+
+def test_the_train_archive_given_as_val_is_refused(small_archives, tmp_path):
+    result = vitctl("data", "extract", "--val-tar", small_archives / TRAIN_TAR, "--out", tmp_path / "r")
+    assert result.exit_code == 1 and "is not a validation image ILSVRC2012_val_<8 digits>.JPEG" in result.stderr
+    assert "pass ILSVRC2012_img_val.tar" in result.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_another_archive_into_the_same_out_is_refused_until_its_folder_is_removed(archives, small_archives,
+                                                                                 small_extracted, tmp_path, split):
+    flag, name = (f"--{split}-tar", TRAIN_TAR if split == "train" else VAL_TAR)
+    out = tmp_path / "r"
+    ok("data", "extract", flag, archives / name, "--out", out)  # the wrong archive first
+    before = _tree(out)
+    result = vitctl("data", "extract", flag, small_archives / name, "--out", out)
+    assert result.exit_code == 1 and "extracted from another archive" in result.stderr
+    assert f"remove {out / split} and rerun" in result.stderr
+    assert _tree(out) == before
+    shutil.rmtree(out / split)
+    ok("data", "extract", flag, small_archives / name, "--out", out)
+    assert _tree(out / split) == _tree(small_extracted / split)
+
+
+def test_a_copy_of_the_same_archive_resumes(archives, tmp_path):
+    copy = tmp_path / "elsewhere.tar"
+    shutil.copyfile(archives / TRAIN_TAR, copy)  # another name and mtime, the same bytes
+    out = tmp_path / "r"
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
+    assert f"{CLASSES} classes" in ok("data", "extract", "--train-tar", copy, "--out", out).output
+
+
+@pytest.mark.parametrize("ledger", ['{"train": {"n02119789": 12}, "val": null}', "{not json"])
+def test_an_old_or_unreadable_ledger_is_refused_and_the_fix_works(archives, tmp_path, ledger):
+    out = tmp_path / "r"
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
+    (out / LEDGER).write_text(ledger)
+    result = vitctl("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
+    assert result.exit_code == 1 and f"{out / LEDGER}: unreadable, or written by an older vitctl" in result.stderr
+    assert f"remove {out / 'train'}, {out / 'val'} and {out / LEDGER} and rerun" in result.stderr
+    shutil.rmtree(out / "train")
+    (out / LEDGER).unlink()
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
+
+
+def _fail_under(monkeypatch, call: str, folder: Path, error: int, nth: int = 1) -> None:
+    """Make os.<call> fail with `error` from its nth use on a path (or open file) under `folder`, as the OS would."""
+    real, uses, folder = getattr(os, call), [], folder.resolve()
+
+    def failing(target, *args, **kwargs):
+        by_fd = isinstance(target, int)
+        path = Path(os.readlink(f"/proc/self/fd/{target}") if by_fd else target).resolve()
+        if path.is_relative_to(folder):
+            uses.append(path)
+            if len(uses) >= nth:
+                raise OSError(error, os.strerror(error), *([] if by_fd else [str(target)]))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, call, failing)
+
+
+@pytest.mark.parametrize("nth", [3, 1 + SMALL_CLASSES * SMALL_TRAIN_PER_CLASS])  # in a class, in val
+def test_disk_full_is_a_clear_error_and_a_rerun_after_freeing_space_completes(small_archives, small_extracted,
+                                                                            tmp_path, monkeypatch, nth):
+    out = tmp_path / "r"
+    with monkeypatch.context() as patch:
+        _fail_under(patch, "write", out, errno.ENOSPC, nth)
+        result = vitctl("data", *_extract_args(small_archives, out), "--workers", 1)
+    assert result.exit_code == 1 and "no space left on the device" in result.stderr
+    assert "free space there" in result.stderr and "rerun the same command" in result.stderr
+    assert _leftovers(out) == []
+    kept = list((out / "train").iterdir())
+    for folder in kept:
+        assert _tree(folder) == _tree(small_extracted / "train" / folder.name)
+    result = ok("data", *_extract_args(small_archives, out), "--workers", 1)
+    assert _tree(out) == _tree(small_extracted) and f"{len(kept)} classes" in result.output
+
+
+@pytest.mark.parametrize("error, says, fix", [
+    (errno.EACCES, "permission denied", "give this user access to it, or use another folder"),
+    (errno.EROFS, "read-only file system", "write to a folder on a writable file system")])
+@pytest.mark.parametrize("split", ["--train-tar", "--val-tar"])
+def test_unwritable_out_is_a_clear_error(small_archives, tmp_path, monkeypatch, error, says, fix, split):
+    out = tmp_path / "r"
+    out.mkdir()
+    archive = small_archives / (TRAIN_TAR if split == "--train-tar" else VAL_TAR)
+    with monkeypatch.context() as patch:
+        _fail_under(patch, "mkdir", out, error)  # tests run as root, whom chmod does not stop: inject the OS error
+        result = vitctl("data", "extract", split, archive, "--out", out)
+    assert result.exit_code == 1 and f"{out}" in result.stderr and f"{says}\nfix: {fix}" in result.stderr
+    assert os.listdir(out) == []
+    ok("data", "extract", split, archive, "--out", out)
+
+
+def test_rerun_of_a_complete_extraction_writes_nothing_so_a_read_only_copy_checks(small_archives, tmp_path,
+                                                                                  monkeypatch):
+    out = tmp_path / "r"
+    ok("data", *_extract_args(small_archives, out))
+    with monkeypatch.context() as patch:
+        for call in ("mkdir", "replace", "rmdir", "unlink"):
+            _fail_under(patch, call, out, errno.EROFS)
+        assert f"{SMALL_CLASSES} classes" in ok("data", *_extract_args(small_archives, out)).output
+
+
+@pytest.mark.parametrize("blocker, out", [("notes.txt", "notes.txt/imagenet"), ("r/train", "r")])
+def test_out_under_a_regular_file_is_a_clear_error(archives, tmp_path, blocker, out):
+    blocker, out = tmp_path / blocker, tmp_path / out
+    blocker.parent.mkdir(exist_ok=True)
+    blocker.write_text("mine")
+    result = vitctl("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
+    assert result.exit_code == 1 and f"{blocker} is a file, not a folder" in result.stderr
+    assert f"move {blocker} away, or pass another --out" in result.stderr and blocker.read_text() == "mine"
+    blocker.unlink()
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
+
+
+def test_progress_shows_human_sizes(archives, tmp_path):
+    result = ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", tmp_path / "r")
+    size = (archives / TRAIN_TAR).stat().st_size
+    assert re.search(r"train\b.* [\d.]+/[\d.]+ kB", result.stderr) and f"{size}" not in result.stderr

@@ -103,3 +103,44 @@ def test_parse_rejects_a_damaged_index():
 def test_index_without_manifest_is_a_clear_error(tmp_path):
     result = vitctl("data", "index", tmp_path)
     assert result.exit_code == 1 and "no manifest.json" in result.stderr
+
+
+def test_members_webdataset_leaves_out_are_not_indexed(tmp_path):
+    names = ["__info__", ".hidden.jpg", "README", "a.cls", "a.JPG", "b.cls", "__meta__/c.jpg"]
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(_tar_with(tarfile.GNU_FORMAT, names))
+    assert [[c[3] for c in sample] for sample in shard_samples(shard)] == [["a.cls", "a.JPG"], ["b.cls"]]
+    build_index(shard)
+    assert (tmp_path / "x.idx").read_text().splitlines()[1].split()[4] == "JPG"  # the extension as it is named
+
+
+def test_an_extension_repeated_in_another_case_is_refused(tmp_path):
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(_tar_with(tarfile.GNU_FORMAT, ["a.jpg", "a.JPG"]))
+    with pytest.raises(DataError, match="repeats the extension 'jpg' of sample 'a'"):
+        shard_samples(shard)
+
+
+def test_a_sparse_member_is_refused(tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo("a.jpg")
+        info.type = tarfile.GNUTYPE_SPARSE
+        tar.addfile(info)
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(buf.getvalue())
+    with pytest.raises(DataError, match="'a.jpg' is a GNU sparse file"):
+        build_index(shard)
+
+
+def test_an_empty_shard_gets_no_index(tmp_path):
+    shard = tmp_path / "x.tar"
+    shard.write_bytes(_tar_with(tarfile.GNU_FORMAT, []))
+    with pytest.raises(DataError, match="holds no samples, and DALI refuses an index of none"):
+        build_index(shard)
+    assert not (tmp_path / "x.idx").exists()
+
+
+def test_index_help_says_it_reads_what_shard_wrote():
+    output = vitctl("data", "index", "--help").output
+    assert "manifest.json" in output and "vitctl data shard" in output

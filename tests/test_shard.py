@@ -1,6 +1,8 @@
+import errno
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -12,6 +14,8 @@ import pytest
 from PIL import Image
 
 from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, ok, vitctl
+from vitctl.datasets import manifest as manifest_module
+from vitctl.datasets import shard as shard_module
 from vitctl.datasets.tarscan import scan_path
 
 VITCTL = str(Path(sys.executable).parent / "vitctl")
@@ -152,10 +156,12 @@ def test_ctrl_c_halfway_leaves_only_complete_shards_and_a_rerun_finishes(prepare
     while not list(out.glob("imagenet-train-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
-    proc.wait(timeout=60)
+    err = proc.communicate(timeout=60)[1].decode()
     written = sorted(out.glob("imagenet-*.tar"))
     total = CLASSES * (TRAIN_PER_CLASS + VAL_PER_CLASS)
-    assert proc.returncode != 0 and 0 < len(written) < total, "interrupt came too late to test anything"
+    assert 0 < len(written) < total, "interrupt came too late to test anything"
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert not list(out.glob(".*.partial"))  # the writers the interrupt stopped removed their temporary files
     recorded = {e["name"]: e for e in _manifest(out)["splits"]["train"]["shards"]}
     for shard in written:
         scan_path(shard)  # every file under a shard name is a whole tar, end marker included
@@ -180,8 +186,20 @@ def test_folder_with_foreign_files_is_refused_and_left_alone(prepared_root, tmp_
 def test_other_settings_into_the_same_folder_are_refused(prepared_root, shards_copy):
     before = _shard_bytes(shards_copy)
     result = vitctl("data", "shard", prepared_root, "--out", shards_copy, "--maxcount", 16, "--seed", 3)
-    assert result.exit_code == 1 and "other sources or settings" in result.stderr
+    assert result.exit_code == 1 and "train shards here were made with other settings: --seed 3 (this folder's: 0)" \
+        in result.stderr
     assert _shard_bytes(shards_copy) == before
+    command = shlex.split(result.stderr.split("go on with this folder's settings: ")[1])
+    assert command[:3] == ["vitctl", "data", "shard"]
+    ok(*command[1:])
+    assert _shard_bytes(shards_copy) == before
+
+
+def test_other_images_under_the_same_settings_are_refused(root_copy, shards_copy):
+    next((root_copy / "val").glob("*/*.JPEG")).unlink()
+    result = vitctl("data", "shard", root_copy, "--out", shards_copy, "--maxcount", 16, "--split", "val")
+    assert result.exit_code == 1 and "val shards here were made from other images" in result.stderr
+    assert "shard into a new --out folder" in result.stderr
 
 
 def test_val_before_valprep_is_a_clear_error(archives, tmp_path):
@@ -197,3 +215,161 @@ def test_val_before_valprep_is_a_clear_error(archives, tmp_path):
 def test_bad_maxsize_is_a_usage_error(prepared_root, tmp_path, size):
     result = vitctl("data", "shard", prepared_root, "--out", tmp_path / "s", "--maxsize", size)
     assert result.exit_code == 2 and "is not a size" in result.stderr
+
+
+def _damage_one_image(root: Path) -> Path:
+    victim = sorted((root / "train").glob("*/*.JPEG"))[5]
+    victim.write_bytes(b"not an image at all")
+    return victim
+
+
+def test_a_damaged_shard_of_the_same_size_is_written_again(prepared_shards, shards_copy, prepared_root):
+    shard = shards_copy / "imagenet-train-000002.tar"
+    raw = bytearray(shard.read_bytes())
+    raw[3000] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    kept = shards_copy / "imagenet-train-000001.tar"
+    kept_mtime = kept.stat().st_mtime_ns
+    result = ok("data", "shard", prepared_root, "--out", shards_copy, "--maxcount", 16)
+    assert "train: wrote again 1 shard that was missing or did not match the recorded sha256: " \
+           "imagenet-train-000002.tar" in result.output
+    assert _shard_bytes(shards_copy) == _shard_bytes(prepared_shards)
+    assert kept.stat().st_mtime_ns == kept_mtime
+    assert not (shards_copy / "imagenet-train-000002.idx").exists()  # the index of the damaged shard is stale
+
+
+def test_skipped_images_are_named_and_their_reasons_reproducible(root_copy, tmp_path):
+    victim = _damage_one_image(root_copy)
+    source = str(victim.relative_to(root_copy))
+    result = ok("data", "shard", root_copy, "--out", tmp_path / "a", "--split", "train")
+    assert f"train: skipped 1 unreadable image (all listed under \"skipped\" in {tmp_path / 'a'}" in result.output
+    assert f"  {source}: unreadable image (not in any format Pillow reads)" in result.output
+    ok("data", "shard", root_copy, "--out", tmp_path / "b", "--split", "train")
+    manifests = [(tmp_path / name / "manifest.json").read_text() for name in "ab"]
+    assert manifests[0] == manifests[1] and "0x" not in manifests[0]
+
+
+def test_fail_policy_advice_works_when_followed(root_copy, tmp_path):
+    _damage_one_image(root_copy)
+    out = tmp_path / "s"
+    result = vitctl("data", "shard", root_copy, "--out", out, "--maxcount", 8, "--on-bad-image", "fail")
+    assert result.exit_code == 1 and "rerun the same command with --on-bad-image skip" in result.stderr
+    ok("data", "shard", root_copy, "--out", out, "--maxcount", 8, "--on-bad-image", "skip")
+    ok("data", "shard", root_copy, "--out", tmp_path / "clean", "--maxcount", 8)
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "clean")
+    assert _manifest(out)["splits"]["train"]["on_bad_image"] == "skip"
+
+
+def test_a_shard_whose_every_image_is_unreadable_is_never_written(root_copy, tmp_path):
+    victim = _damage_one_image(root_copy)
+    out = tmp_path / "s"
+    result = vitctl("data", "shard", root_copy, "--out", out, "--maxcount", 1, "--split", "train")
+    assert result.exit_code == 1 and "is unreadable, and no shard may be empty" in result.stderr
+    assert str(victim.relative_to(root_copy)) in result.stderr
+    assert all(entry["samples"] > 0 for entry in _manifest(out)["splits"]["train"]["shards"])
+    assert not list(out.glob(".*.partial"))
+    victim.unlink()  # what the message says to do, then into a new folder
+    ok("data", "shard", root_copy, "--out", tmp_path / "new", "--maxcount", 1, "--split", "train")
+    ok("data", "index", tmp_path / "new")
+
+
+@pytest.mark.parametrize(("make", "message", "follow_fix"), [
+    (lambda c: (c / "my image.JPEG").write_bytes((next(c.iterdir())).read_bytes()),
+     "its sample key 'my image' (the name up to the first dot) holds whitespace",
+     lambda c: (c / "my image.JPEG").rename(c / "my_image.JPEG")),
+    (lambda c: (c / "sub").mkdir(), "a folder inside a class folder", lambda c: (c / "sub").rmdir()),
+    (lambda c: (c / "gone.JPEG").symlink_to(c / "nowhere"), "a broken symbolic link (to ",
+     lambda c: (c / "gone.JPEG").unlink()),
+    (lambda c: os.mkfifo(c / "pipe.JPEG"), "not a regular file", lambda c: (c / "pipe.JPEG").unlink()),
+    (lambda c: (c / ("k" * 96 + ".JPEG")).write_bytes(b""), "sample key (the name up to the first dot) is 96 bytes",
+     lambda c: (c / ("k" * 96 + ".JPEG")).rename(c / "short.JPEG")),
+])
+def test_names_and_entries_a_shard_cannot_hold_are_refused_up_front(root_copy, tmp_path, make, message, follow_fix):
+    class_dir = next((root_copy / "train").iterdir())
+    make(class_dir)
+    out = tmp_path / "s"
+    result = vitctl("data", "shard", root_copy, "--out", out)
+    assert result.exit_code == 1 and message in result.stderr and str(class_dir) in result.stderr
+    assert not list(out.glob("*.tar"))
+    follow_fix(class_dir)
+    ok("data", "shard", root_copy, "--out", out, "--split", "train")
+    ok("data", "index", out)
+
+
+def test_hidden_files_and_a_finished_class_left_partial_are_ignored(root_copy, prepared_shards, tmp_path):
+    class_dir = next((root_copy / "train").iterdir())
+    (class_dir / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (root_copy / "train" / f".{class_dir.name}.partial").mkdir()
+    ok("data", "shard", root_copy, "--out", tmp_path / "s", "--maxcount", 16)
+    assert _shard_bytes(tmp_path / "s") == _shard_bytes(prepared_shards)
+
+
+def test_a_class_an_interrupted_extract_left_partial_is_refused_until_extract_finishes(archives, tmp_path):
+    from vitctl.datasets.synth import TRAIN_TAR
+
+    root = tmp_path / "r"
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", root)
+    wnid = sorted(p.name for p in (root / "train").iterdir())[2]
+    (root / "train" / wnid).rename(root / "train" / f".{wnid}.partial")  # where extract writes a class
+    result = vitctl("data", "shard", root, "--out", tmp_path / "s", "--split", "train")
+    assert result.exit_code == 1 and f"class {wnid} is not completely extracted" in result.stderr
+    assert "rerun that `vitctl data extract` command" in result.stderr
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", root)
+    ok("data", "shard", root, "--out", tmp_path / "s", "--split", "train")
+    assert wnid in _manifest(tmp_path / "s")["classes"]
+
+
+@pytest.mark.parametrize(("blocker", "out", "kind"), [("file", "file/shards", "a file"),
+                                                     ("link", "link", "a broken symbolic link")])
+def test_an_out_folder_that_cannot_be_made_is_a_clear_error(prepared_root, tmp_path, blocker, out, kind):
+    if blocker == "file":
+        (tmp_path / blocker).write_text("x")
+    else:
+        (tmp_path / blocker).symlink_to(tmp_path / "nowhere")
+    result = vitctl("data", "shard", prepared_root, "--out", tmp_path / out)
+    assert result.exit_code == 1 and f"{tmp_path / blocker} is {kind}, not a folder" in result.stderr
+    assert "choose another --out" in result.stderr
+
+
+def _write_fails(monkeypatch, error: OSError, after_bytes: int) -> None:
+    """Inject `error` at the shard writer's write once `after_bytes` are written (one worker: in this process)."""
+    written = 0
+    real_write = shard_module._HashingFile.write
+
+    def write(self, data: bytes) -> None:
+        nonlocal written
+        written += len(data)
+        if written > after_bytes:
+            raise error
+        real_write(self, data)
+
+    monkeypatch.setattr(shard_module._HashingFile, "write", write)
+
+
+def test_a_full_disk_stops_cleanly_and_a_rerun_finishes(prepared_root, prepared_shards, tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    _write_fails(monkeypatch, OSError(errno.ENOSPC, "No space left on device"), after_bytes=150_000)
+    result = vitctl("data", "shard", prepared_root, "--out", out, "--maxcount", 16, "--workers", 1)
+    assert result.exit_code == 1 and f"{out}: no space left on the device" in result.stderr
+    assert "rerun the same command: it keeps what is finished" in result.stderr
+    assert 0 < len(_manifest(out)["splits"]["train"]["shards"]) < 4 and not list(out.glob(".*.partial"))
+    monkeypatch.undo()
+    ok("data", "shard", prepared_root, "--out", out, "--maxcount", 16, "--workers", 1)
+    assert _shard_bytes(out) == _shard_bytes(prepared_shards)
+
+
+def test_a_folder_this_user_may_not_write_is_a_clear_error(prepared_root, tmp_path, monkeypatch):
+    out = tmp_path / "s"
+
+    def refuse(path, obj):  # what writing into a read-only folder raises (the tests run as root, whom chmod allows)
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(manifest_module, "write_json_atomic", refuse)
+    result = vitctl("data", "shard", prepared_root, "--out", out, "--workers", 1)
+    assert result.exit_code == 1
+    assert f"{out / 'manifest.json'}: permission denied" in result.stderr and "give this user access" in result.stderr
+
+
+def test_listing_then_the_real_total_show_on_the_progress_bar(prepared_root, tmp_path):
+    result = ok("data", "shard", prepared_root, "--out", tmp_path / "s", "--split", "train", "--workers", 1)
+    assert "train" in result.stderr and "60/60 samples" in result.stderr and "?" not in result.stderr

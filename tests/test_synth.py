@@ -65,3 +65,12 @@ def test_synth_is_deterministic(tmp_path):
         ok("data", "synth", tmp_path / name, "--classes", 3, "--train-per-class", 2, "--val-per-class", 1)
     for archive in (TRAIN_TAR, VAL_TAR):
         assert (tmp_path / "a" / archive).read_bytes() == (tmp_path / "b" / archive).read_bytes()
+
+
+def test_synth_into_a_path_under_a_file_is_a_clear_error(tmp_path):
+    from conftest import vitctl
+
+    (tmp_path / "file").write_text("x")
+    result = vitctl("data", "synth", tmp_path / "file" / "archives")
+    assert result.exit_code == 1 and f"{tmp_path / 'file'} is a file, not a folder" in result.stderr
+    assert "choose another OUT" in result.stderr

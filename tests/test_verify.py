@@ -1,7 +1,11 @@
 import hashlib
 import json
+import shlex
 import shutil
+import tarfile
 from pathlib import Path
+
+import pytest
 
 from conftest import ok, vitctl
 
@@ -83,7 +87,8 @@ def test_undecodable_image_is_caught(shards_copy):
     digest = hashlib.sha256(raw).hexdigest()
     _edit_manifest(shards_copy, lambda m: m["splits"]["val"]["shards"][1].update(sha256=digest))
     result = vitctl("data", "verify", shards_copy, "--decode", 10_000)
-    assert result.exit_code == 1 and f"image at offset {offset} does not decode" in result.output
+    assert result.exit_code == 1 and f"image {jpg[3]} at offset {offset} does not decode" in result.output
+    assert "to fix imagenet-val-000001.tar: replace the source image its json member names" in result.output
 
 
 def test_manifest_labels_that_differ_from_the_shard_are_caught(shards_copy):
@@ -98,3 +103,86 @@ def test_manifest_labels_that_differ_from_the_shard_are_caught(shards_copy):
     result = _verify(shards_copy)
     assert result.exit_code == 1
     assert "imagenet-train-000000.tar: the labels in the manifest differ from the shard's cls members" in result.output
+
+
+def _fix_commands(output: str) -> list[list[str]]:
+    """The command lines verify prints under 'run:', each split at '&&' into argument lists."""
+    lines = output.splitlines()
+    commands = [lines[i + 1].strip() for i, line in enumerate(lines) if line.endswith(", run:")]
+    return [shlex.split(part) for command in commands for part in command.split(" && ")]
+
+
+def _follow(commands: list[list[str]]) -> None:
+    for args in commands:
+        assert args[0] == "vitctl"
+        ok(*args[1:])
+
+
+def test_damaged_shards_and_index_come_with_commands_that_repair_them(shards_copy):
+    shard = shards_copy / "imagenet-train-000001.tar"
+    raw = bytearray(shard.read_bytes())
+    raw[2000] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    (shards_copy / "imagenet-val-000001.tar").unlink()
+    (shards_copy / "imagenet-val-000000.idx").unlink()
+    result = _verify(shards_copy)
+    assert result.exit_code == 1
+    commands = _fix_commands(result.output)
+    assert [args[2] for args in commands] == ["shard", "shard", "index"]
+    assert [args[args.index("--split") + 1] for args in commands[:2]] == ["train", "val"]
+    _follow(commands)
+    assert "OK" in ok("data", "verify", shards_copy, "--decode", 1000).output
+
+
+def test_incomplete_split_comes_with_the_command_that_finishes_it(prepared_root, tmp_path):
+    out = tmp_path / "s"
+    ok("data", "shard", prepared_root, "--out", out, "--maxcount", 16, "--maxsize", "1MB", "--seed", 4)
+    ok("data", "index", out)
+    _edit_manifest(out, lambda m: m["splits"]["train"].update(complete=False,
+                                                              shards=m["splits"]["train"]["shards"][1:]))
+    result = _verify(out)
+    assert result.exit_code == 1 and "split train: incomplete: 3 of 4 shards written" in result.output
+    assert "imagenet-train-000000.tar: shard on disk is not in the manifest" in result.output
+    commands = _fix_commands(result.output)
+    assert commands[0][:3] == ["vitctl", "data", "shard"] and "--seed" in commands[0]
+    _follow(commands)
+    assert "OK" in ok("data", "verify", out).output
+
+
+def _write_empty_shard(shards: Path) -> None:
+    """A shard of no samples, as earlier versions wrote when every image of a shard was skipped."""
+    path = shards / "imagenet-val-000002.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT):
+        pass
+    entry = {"name": path.name, "samples": 0, "bytes": path.stat().st_size,
+             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "conversions": [], "labels": "",
+             "skipped": [{"source": "val/n01440764/x.JPEG", "reason": "unreadable image"}]}
+
+    def add(manifest):
+        info = manifest["splits"]["val"]
+        info["shards"].append(entry)
+        info["planned_shards"] += 1
+
+    _edit_manifest(shards, add)
+
+
+def test_an_empty_shard_is_flagged_and_not_indexed(shards_copy):
+    _write_empty_shard(shards_copy)
+    result = _verify(shards_copy)
+    assert result.exit_code == 1
+    assert "FAIL imagenet-val-000002.tar: the shard holds no samples" in result.output
+    assert "to fix imagenet-val-000002.tar: replace or delete the images skipped for it" in result.output
+    result = vitctl("data", "index", shards_copy)
+    assert result.exit_code == 1 and "holds no samples, and DALI refuses an index of none" in result.stderr
+    assert not (shards_copy / "imagenet-val-000002.idx").exists()
+
+
+def test_verify_shows_its_progress_on_stderr(prepared_shards):
+    result = ok("data", "verify", prepared_shards, "--workers", 1)
+    assert "verify" in result.stderr and "6/6 shards" in result.stderr
+
+
+@pytest.mark.parametrize("decode", ["-1", "lots"])
+def test_bad_decode_count_is_a_usage_error(prepared_shards, decode):
+    result = vitctl("data", "verify", prepared_shards, "--decode", decode)
+    assert result.exit_code == 2 and "Invalid value for '--decode'" in result.stderr

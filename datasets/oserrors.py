@@ -1,0 +1,46 @@
+"""The operating system's refusals (permissions, a full disk, a read-only file system) as DataError with a fix."""
+
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import DataError
+
+_RERUN = "then rerun the same command: it keeps what is finished"
+_EXPLAINED = {
+    errno.EACCES: ("permission denied", "give this user access to it, or use another folder"),
+    errno.EPERM: ("operation not permitted", "give this user access to it, or use another folder"),
+    errno.EROFS: ("read-only file system", "write to a folder on a writable file system"),
+    errno.ENOSPC: ("no space left on the device", f"free space there or use a folder on another device, {_RERUN}"),
+    errno.EDQUOT: ("disk quota exceeded", f"free space within your quota, {_RERUN}"),
+}
+
+
+def as_data_error(e: OSError, folder: Path) -> DataError:
+    """`e` as a message saying what failed on which file (else in `folder`), and how to fix it."""
+    what, fix = _EXPLAINED.get(e.errno, (e.strerror or str(e), f"check the file system, {_RERUN}"))
+    if e.filename is None:  # a failed write() names no file
+        return DataError(what, str(folder), fix)
+    where = str(e.filename) if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+    return DataError(what, where, fix)
+
+
+def make_folder(path: Path, option: str) -> None:
+    """Create the folder `path` (given as `option`) and its parents; a file or a broken link in the way is bad input."""
+    blocker = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if blocker is not None and not blocker.is_dir():
+        kind = "a broken symbolic link" if blocker.is_symlink() and not blocker.exists() else "a file"
+        raise DataError(f"{blocker} is {kind}, not a folder", str(path),
+                        f"choose another {option}: each part of its path must be a folder or not exist yet")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def os_errors_explained(folder: Path) -> Iterator[None]:
+    """Re-raise any OSError in the block, where `folder` is written, as DataError (one line, not a traceback)."""
+    try:
+        yield
+    except OSError as e:
+        raise as_data_error(e, folder) from None
