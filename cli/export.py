@@ -19,4 +19,4 @@ def export(run: Path, out: Path, step: int | None, ema: bool) -> None:
     `timm.create_model(..., pretrained_cfg_overlay={"file": OUT})` read them."""
     done = export_weights(run, out, step, ema)
     console.print(f"{done.out}: {done.model}, {done.tensors} tensors, {done.parameters:,} parameters "
-                  f"({'EMA' if ema else 'weights'} of {done.checkpoint})", highlight=False)
+                  f"({'EMA' if ema else 'weights'} of {done.checkpoint})", highlight=False, soft_wrap=True)

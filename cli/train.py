@@ -56,7 +56,8 @@ def _flags(o: dict) -> dict:
              "model": {"name": o["model"]},
              "train": {"out_dir": str(o["out"]) if o["out"] else None, "epochs": o["epochs"], "max_steps": o["steps"],
                        "precision": o["precision"], "fused": o["fused"], "compile": o["compile"]},
-             "finetune": {"from_ckpt": str(o["from_ckpt"]) if o.get("from_ckpt") else None}}
+             "finetune": {"from_ckpt": str(o["from_ckpt"]) if o.get("from_ckpt") else None,
+                          "trust_checkpoint": o.get("trust_checkpoint") or None}}
     return {section: {k: v for k, v in values.items() if v is not None} for section, values in flags.items()}
 
 
@@ -114,6 +115,9 @@ def train(**options) -> None:
 @click.command()
 @click.option("--from-ckpt", required=True, type=click.Path(path_type=Path),
               help="Our checkpoint, a timm or official Swin checkpoint, or a plain state_dict.")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Unpickle --from-ckpt in full when it holds Python objects besides tensors (official Swin "
+                   "checkpoints do). That can run code: only for files you trust.")
 @run_options
 def finetune(**options) -> None:
     """Finetune from a checkpoint: new head when classes differ, position tables resized to the new resolution."""

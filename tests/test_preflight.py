@@ -45,3 +45,17 @@ def test_the_ranks_check_again(prepared_shards, tmp_path):
     config = load_config("demo_vit", [f"data.path={prepared_shards}", f"train.out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=f"pass --set model.num_classes={CLASSES}"):
         train(config)
+
+
+def test_a_checkpoint_to_finetune_from_is_checked_before_launch_and_in_the_ranks(tmp_path):
+    source = tmp_path / "weights.pt"
+    source.write_text("not weights")
+    sets = ["data.source=synthetic", f"finetune.from_ckpt={source}"]
+    result = vitctl("train", "--config", "demo_vit", "--out", tmp_path / "run", *TWO_CPU_RANKS,
+                    *[a for s in sets for a in ("--set", s)], "--set", "train.fused=bogus")
+    assert result.exit_code == 1
+    for message in (f"finetune.from_ckpt {source} is not a checkpoint", "unknown op 'bogus'"):  # reported together
+        assert message in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "submitit").exists()
+    with pytest.raises(ConfigError, match=f"finetune.from_ckpt {source} is not a checkpoint"):
+        train(load_config("demo_vit", [*sets, f"train.out_dir={tmp_path / 'rank'}"]))

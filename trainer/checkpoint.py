@@ -2,8 +2,9 @@
 onto any number of ranks and any data-parallel layout.
 
 A checkpoint is a folder `checkpoints/step-NNNNNNNN/`: DCP's files plus `meta.json` (step, data position, world
-size, config). It is written under a hidden temporary name and renamed by rank 0 once DCP's metadata and meta.json
-are durable, so a half-written checkpoint is never taken for a complete one. The last K are kept. The run folder
+size, config, and the sha256 of each of DCP's files). It is written under a hidden temporary name and renamed by rank 0
+once DCP's metadata and meta.json are durable, so a half-written checkpoint is never taken for a complete one; every
+read checks the checksums first, so a damaged one is never taken for an intact one. The last K are kept. The run folder
 must be on a filesystem every node sees (as Slurm clusters' shared filesystems are): a load may read any rank's
 files.
 """
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from vitctl.datasets.atomic import fsync_dir, write_json_atomic
 
 from .config import ConfigError
+from .integrity import files_sha256
 
 log = logging.getLogger("vitctl.checkpoint")
 FORMAT = "vitctl-checkpoint/2"
@@ -72,10 +74,56 @@ def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    meta = json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(_damaged(path, f"{META} is not readable JSON ({e})")) from None
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} is not a vitctl checkpoint ({FORMAT})")
     return meta
+
+
+def read_checked(path: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint whose files all match the checksums taken when it was saved. Under
+    torch.distributed every rank calls it, and each hashes its share of the files."""
+    meta = read_meta(path)
+    recorded = meta.get("files", {})  # checkpoints of vitctl releases before checksums have none
+    names = sorted(recorded)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = _mismatches(path, names[rank::world], recorded)
+    if world > 1:
+        gathered: list[list[str]] = [[] for _ in range(world)]
+        dist.all_gather_object(gathered, problems)
+        problems = sorted(p for part in gathered for p in part)
+    if problems:
+        raise ConfigError(_damaged(path, "; ".join(problems)))
+    return meta
+
+
+def _mismatches(path: Path, names: list[str], recorded: dict[str, dict[str, Any]]) -> list[str]:
+    problems, same_size = [], []
+    for name in names:
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None:
+            problems.append(f"{name} is missing")
+        elif size != recorded[name]["bytes"]:
+            problems.append(f"{name} has {size} bytes, not the {recorded[name]['bytes']} it was saved with")
+        else:
+            same_size.append(name)
+    digests = files_sha256([path / name for name in same_size])
+    return problems + [f"{name} does not match the sha256 taken when it was saved"
+                       for name, digest in zip(same_size, digests, strict=True) if digest != recorded[name]["sha256"]]
+
+
+def _damaged(path: Path, what: str) -> str:
+    """How to go on without the damaged checkpoint `path`: its run folder's previous one, where there is one."""
+    earlier = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    aside = f"mv {path} {path}.damaged"
+    if not earlier:
+        return (f"checkpoint {path} is damaged: {what}. Its run folder holds no earlier checkpoint: move it aside "
+                f"({aside}) and --resume starts the run afresh; or finetune from another checkpoint")
+    return (f"checkpoint {path} is damaged: {what}. To go on from the previous checkpoint, {earlier[-1].name}, move "
+            f"this one aside ({aside}): --resume, `vitctl export` and --from-ckpt of the run folder then take it")
 
 
 def _partial(path: Path) -> Path:
@@ -124,7 +172,10 @@ class CheckpointWriter:
         if not self.is_main:
             return
         tmp = _partial(path)
-        write_json_atomic(tmp / META, {"format": FORMAT, **meta})
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != META)
+        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": digest}
+                 for name, digest in zip(names, files_sha256([tmp / name for name in names]), strict=True)}
+        write_json_atomic(tmp / META, {"format": FORMAT, **meta, "files": files})
         fsync_dir(tmp)
         shutil.rmtree(path, ignore_errors=True)  # a complete checkpoint of this step from an earlier attempt
         tmp.rename(path)
@@ -154,7 +205,8 @@ def saved_keys(path: Path) -> set[str]:
 
 def consolidated(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Whole tensors of one part of a checkpoint (`model` or `ema`), named as the model names its parameters;
-    gathered from every rank's shards by one process."""
+    gathered from every rank's shards by one process, after the checkpoint's checksums are verified."""
+    read_checked(path)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()
              if key.startswith(f"{prefix}.") and isinstance(meta, TensorStorageMetadata)}

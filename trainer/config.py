@@ -92,6 +92,7 @@ class ParallelConfig:
 class FinetuneConfig:
     from_ckpt: str | None = None
     reset_head: bool | None = None  # None: reset when the class count differs
+    trust_checkpoint: bool = False  # unpickle from_ckpt in full when it holds more than tensors (that can run code)
 
 
 @dataclass

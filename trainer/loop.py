@@ -59,11 +59,11 @@ class EMA:
 class Trainer:
     def __init__(self, config: RunConfig, env: DistEnv, resume: bool) -> None:
         self.c, self.env, self.run_dir = config, env, Path(config.train.out_dir)
-        self.mesh = build_mesh(preflight(config, env.world_size, env.device), env.device)
+        checkpoints = ckpt.checkpoints_to_resume(self.run_dir, resume)
+        self.mesh = build_mesh(preflight(config, env.world_size, env.device, resuming=bool(checkpoints)), env.device)
         self.data = build_data(config, self.mesh.dp_rank, self.mesh.dp_size, env.device)
         self.ops = resolve(config.train.fused, env.device, compiling=config.train.compile)
         self.precision = Precision(config.train.precision, env.device)
-        checkpoints = ckpt.checkpoints_to_resume(self.run_dir, resume)
         _seed(config.train.seed)  # the same initial weights on every rank
         model = self._build_model(load_weights=not checkpoints)
         _seed(config.train.seed + env.rank)  # each rank's own drop path and mixup
@@ -89,7 +89,8 @@ class Trainer:
         c = self.c
         model = build_model(c.model, self.ops)
         if c.finetune.from_ckpt and load_weights:
-            load_pretrained(model, Path(c.finetune.from_ckpt), c.finetune.reset_head, c.model.name)
+            load_pretrained(model, Path(c.finetune.from_ckpt), c.finetune.reset_head, c.model.name,
+                            trust=c.finetune.trust_checkpoint, seed=c.train.seed)
         return model.to(self.env.device)
 
     def _schedule(self) -> None:
@@ -129,7 +130,7 @@ class Trainer:
         self.writer.save(self.position.step, self._state(rng=True), meta, blocking)
 
     def _restore(self, path: Path) -> None:
-        meta = ckpt.read_meta(path)
+        meta = ckpt.read_checked(path)
         if meta["config"]["model"] != self.c.to_dict()["model"]:
             raise ConfigError(f"{path} was trained with model {meta['config']['model']}, "
                               f"not {self.c.to_dict()['model']}; use another --out")

@@ -14,12 +14,15 @@ from .data.shards import split_shards
 from .models import model_error
 from .ops import parse_fused
 from .parallel import ParallelDims, parallel_dims
+from .pretrained import source_kind
 
 
-def preflight(config: RunConfig, world_size: int, device: torch.device | None) -> ParallelDims:
+def preflight(config: RunConfig, world_size: int, device: torch.device | None, resuming: bool = False) -> ParallelDims:
     """Raises one ConfigError listing every problem; returns the mesh shape. `device` None: the ranks' device is not
-    known here (a Slurm job's nodes), so its checks wait for the ranks."""
-    problems = [p for p in (model_error(config.model), _fused_error(config.train.fused), _mixup_error(config))
+    known here (a Slurm job's nodes), so its checks wait for the ranks. `resuming`: the weights come from the run's
+    own checkpoint, not from finetune.from_ckpt."""
+    source = None if resuming else _source_error(config)
+    problems = [p for p in (model_error(config.model), _fused_error(config.train.fused), _mixup_error(config), source)
                 if p]
     dims = None
     try:
@@ -41,6 +44,17 @@ def _fused_error(spec: str) -> str | None:
     try:
         parse_fused(spec)
     except ValueError as e:
+        return str(e)
+    return None
+
+
+def _source_error(config: RunConfig) -> str | None:
+    """What can be known of finetune.from_ckpt without reading its weights: its format, whether it needs trust."""
+    if not config.finetune.from_ckpt:
+        return None
+    try:
+        source_kind(Path(config.finetune.from_ckpt), config.finetune.trust_checkpoint)
+    except ConfigError as e:
         return str(e)
     return None
 

@@ -1,51 +1,166 @@
 """Load weights for finetuning: our exports (safetensors), run folders and checkpoints (current and single-file),
 timm and official Swin checkpoints, plain state_dicts.
 
-Swaps the head when the class count differs, drops a pretraining MLP head, and interpolates ViT position
-embeddings and Swin relative-position tables to the new resolution or window.
+Every source is checked before its weights are used: ours against the checksums written with them, all for
+non-finite values. A file holding Python objects besides tensors is unpickled in full (which can run code) only when
+the user trusts it (finetune.trust_checkpoint).
+
+Swaps the head when the class count differs (a new head is seeded apart from the pretraining's), drops a pretraining
+MLP head, and interpolates ViT position embeddings and Swin relative-position tables to the new resolution or window.
 """
 
+import hashlib
 import logging
 import math
 import pickle
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
+from torch.serialization import MAGIC_NUMBER, get_unsafe_globals_in_checkpoint
 
-from .checkpoint import consolidated, resolve_checkpoint
+from .checkpoint import consolidated, read_meta, resolve_checkpoint
 from .config import ConfigError
+from .integrity import nonfinite, tensors_sha256
+from .models.layers import init_weights
 
 log = logging.getLogger("vitctl.finetune")
 HEAD_PREFIXES = ("head.", "pre_logits.")
+EXPORT_SHA256 = "vitctl_sha256"  # safetensors metadata key: the digest `vitctl export` takes of the tensors
+HEAD_SEED_SALT = "vitctl finetune head"
+ACCEPTED = ("accepted: a vitctl run or checkpoint folder, a .safetensors file (`vitctl export`, timm), or a torch.save "
+            "file (.pt, .pth, .bin: timm, official Swin, vitctl 0.1 checkpoints)")
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save since torch 1.6 writes a zip archive
+LEGACY_MAGIC = pickle.dumps(MAGIC_NUMBER, protocol=2)  # before, a pickle stream opening with this number
+UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if path.is_dir():  # a run folder (its last checkpoint) or one checkpoint folder
-        return consolidated(resolve_checkpoint(path))
-    if not path.is_file():
+def source_kind(path: Path, trust: bool) -> str:
+    """folder, safetensors, zip or legacy (the two torch.save formats), checked as far as it can be without reading
+    the tensors; a ConfigError says what the source is not. Cheap: preflight calls it before launch."""
+    if path.is_dir():
+        read_meta(resolve_checkpoint(path))
+        return "folder"
+    if not path.exists():
         raise ConfigError(f"finetune.from_ckpt {path}: no such file or folder")
-    if path.suffix == ".safetensors":
+    if not path.is_file():
+        raise ConfigError(f"finetune.from_ckpt {path} is neither a file nor a folder; {ACCEPTED}")
+    kind = _file_kind(path)
+    if kind == "zip":
         try:
-            return load_file(path)
-        except SafetensorError as e:
-            raise ConfigError(f"finetune.from_ckpt {path}: not a readable safetensors file ({e})") from None
+            unsafe = get_unsafe_globals_in_checkpoint(path)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(_unreadable(path, e)) from None
+        if unsafe and not trust:
+            raise ConfigError(_needs_trust(path, unsafe))
+    elif kind == "safetensors":
+        _safetensors_metadata(path)
+    return kind
+
+
+def _file_kind(path: Path) -> str:
+    """By the first bytes (safetensors: a little-endian header length, then the JSON header)."""
+    size = path.stat().st_size
+    if not size:
+        raise ConfigError(f"finetune.from_ckpt {path} is empty (0 bytes), not a checkpoint; {ACCEPTED}")
+    with open(path, "rb") as f:
+        head = f.read(len(LEGACY_MAGIC))
+    if head.startswith(ZIP_MAGIC):
+        return "zip"
+    if head.startswith(LEGACY_MAGIC):
+        return "legacy"
+    if path.suffix == ".safetensors" or (8 + int.from_bytes(head[:8], "little") <= size and head[8:9] == b"{"):
+        return "safetensors"
+    raise ConfigError(f"finetune.from_ckpt {path} is not a checkpoint: neither a torch.save file nor a safetensors "
+                      f"file (it starts with {head[:12]!r}); {ACCEPTED}")
+
+
+def read_state_dict(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
+    """The weights of `path`, verified against their checksums (ours) and checked for non-finite values (all)."""
+    kind = source_kind(path, trust)
+    if kind == "folder":  # a run folder (its last checkpoint) or one checkpoint folder; consolidated verifies it
+        state = consolidated(resolve_checkpoint(path))
+    elif kind == "safetensors":
+        state = _read_safetensors(path)
+    else:
+        state = _tensors_of(path, _read_torch(path, trust))
+    if bad := nonfinite(state):
+        raise ConfigError(f"finetune.from_ckpt {path}: tensor {bad[0]} holds {bad[1]} non-finite values (inf or "
+                          "nan); the weights are damaged or come from a run that diverged: use another checkpoint")
+    return state
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Official Swin checkpoints pickle their yacs config; load them only from a path the user chose.
-        log.warning("%s holds more than tensors; loading it with full unpickling", path)
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-    for key in ("model", "state_dict", "module"):  # ours and official Swin use "model"
+        with safe_open(path, "pt") as f:
+            return f.metadata() or {}
+    except SafetensorError as e:
+        raise ConfigError(f"finetune.from_ckpt {path} is not a readable safetensors file ({e}); {ACCEPTED}") from None
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    metadata = _safetensors_metadata(path)
+    try:
+        state = load_file(path)
+    except SafetensorError as e:
+        raise ConfigError(f"finetune.from_ckpt {path} is not a readable safetensors file ({e}); {ACCEPTED}") from None
+    if EXPORT_SHA256 in metadata and tensors_sha256(state) != metadata[EXPORT_SHA256]:
+        again = f"vitctl export {metadata.get('vitctl_checkpoint', 'RUN')} --out {path}"
+        if metadata.get("vitctl_weights") == "ema":
+            again += " --ema"
+        raise ConfigError(f"finetune.from_ckpt {path} is damaged: its tensors do not match the sha256 `vitctl export` "
+                          f"recorded in it; export it again ({again})")
+    return state
+
+
+def _read_torch(path: Path, trust: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        needed = UNSAFE_GLOBAL.search(str(e))
+        if needed is None:
+            raise ConfigError(_unreadable(path, e)) from None
+        if not trust:
+            raise ConfigError(_needs_trust(path, [needed.group(1)])) from None
+    except (RuntimeError, EOFError) as e:
+        raise ConfigError(_unreadable(path, e)) from None
+    log.warning("%s: unpickling it in full, as finetune.trust_checkpoint allows", path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"finetune.from_ckpt {path} pickles objects of the Python module {e.name}, which is not "
+                          "installed here; install it to read the file") from None
+    except Exception as e:  # full unpickling runs the file's own code, which may raise anything
+        raise ConfigError(_unreadable(path, e)) from None
+
+
+def _tensors_of(path: Path, obj: Any) -> dict[str, torch.Tensor]:
+    for key in ("model", "state_dict", "module"):  # ours and official Swin use "model", timm's training "state_dict"
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ConfigError(f"finetune.from_ckpt {path}: no state_dict of tensors found")
+        raise ConfigError(f"finetune.from_ckpt {path} holds no state_dict of tensors (neither the whole file nor under "
+                          f"the keys model, state_dict, module); {ACCEPTED}")
     return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def _needs_trust(path: Path, names: list[str]) -> str:
+    return (f"finetune.from_ckpt {path} holds Python objects besides tensors ({', '.join(names)}): this file needs "
+            "full unpickling, which can run code; if you trust it, add --trust-checkpoint "
+            "(--set finetune.trust_checkpoint=true)")
+
+
+def _unreadable(path: Path, error: Exception) -> str:
+    # The first sentence: torch's messages go on for a paragraph.
+    reason = re.split(r"(?<=\.)\s", str(error).strip())[0][:200].rstrip(".") or type(error).__name__
+    return (f"finetune.from_ckpt {path} is damaged or not a torch.save file ({reason}); copy it again or use another "
+            f"checkpoint; {ACCEPTED}")
 
 
 def official_swin_to_timm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,6 +209,9 @@ def adapt(state: dict[str, torch.Tensor], model: nn.Module, reset_head: bool | N
             state[key] = interpolate_pos_embed(value, target[key].shape[1])
         elif key.endswith("relative_position_bias_table"):
             state[key] = interpolate_bias_table(value, target[key].shape[0])
+        else:
+            continue
+        log.info("resized %s %s -> %s", key, tuple(value.shape), tuple(state[key].shape))
     head_differs = any(k.startswith(HEAD_PREFIXES) and (k not in target or state[k].shape != target[k].shape)
                        for k in state)
     if reset_head or (reset_head is None and head_differs):
@@ -102,9 +220,11 @@ def adapt(state: dict[str, torch.Tensor], model: nn.Module, reset_head: bool | N
     return state, fresh
 
 
-def load_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model_name: str) -> list[str]:
-    """Load `path` into `model`; raises ConfigError naming the keys when the architectures do not match."""
-    state, fresh = adapt(read_state_dict(path), model, reset_head)
+def load_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model_name: str, *, trust: bool = False,
+                    seed: int = 0) -> list[str]:
+    """Load `path` into `model` (a new head seeded from `seed`); raises ConfigError naming the keys when the
+    architectures do not match, or when the source is unusable."""
+    state, fresh = adapt(read_state_dict(path, trust), model, reset_head)
     target = model.state_dict()
     missing = sorted(set(target) - set(state) - set(fresh))
     unexpected = sorted(set(state) - set(target))
@@ -115,7 +235,22 @@ def load_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
 
         details = [f"{name} ({len(keys)}): {few(keys)}" for name, keys in
                    (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)) if keys]
+        if any(k.startswith(HEAD_PREFIXES) for k in missing):
+            details.append("the checkpoint has no classifier head for it: start a new one with "
+                           "--set finetune.reset_head=true")
         raise ConfigError(f"finetune.from_ckpt {path} does not fit model {model_name}: " + "; ".join(details))
     model.load_state_dict(state, strict=False)
+    _init_fresh(model, fresh, seed)
     log.info("loaded %s (%d tensors); initialised afresh: %s", path, len(state), ", ".join(fresh) or "nothing")
     return fresh
+
+
+def _init_fresh(model: nn.Module, fresh: list[str], seed: int) -> None:
+    """Initialise the new head from a stream of its own: from the model's, seeded like the pretraining run's, it would
+    be that run's initial head bit for bit."""
+    digest = hashlib.sha256(f"{HEAD_SEED_SALT} {seed}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    for name, module in model.named_modules():
+        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+        if own and set(own) <= set(fresh):
+            init_weights(module, generator)

@@ -1,4 +1,5 @@
-"""Consolidated weights out of a run: one safetensors file with timm's parameter names."""
+"""Consolidated weights out of a run: one safetensors file with timm's parameter names and a sha256 of its tensors,
+which `finetune --from-ckpt` verifies."""
 
 import json
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ from safetensors.torch import save_file
 from vitctl.datasets.atomic import partial_path, publish
 from vitctl.trainer.checkpoint import consolidated, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
+from vitctl.trainer.integrity import tensors_sha256
+from vitctl.trainer.pretrained import EXPORT_SHA256
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = Fa
     model = meta["config"]["model"]
     save_file(tensors, str(partial_path(out)), metadata={
         "format": "pt", "vitctl_model": json.dumps(model), "vitctl_step": str(meta["step"]),
-        "vitctl_weights": "ema" if ema else "model", "vitctl_checkpoint": str(source.resolve())})
+        "vitctl_weights": "ema" if ema else "model", "vitctl_checkpoint": str(source.resolve()),
+        EXPORT_SHA256: tensors_sha256(tensors)})
     publish(out)
     return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"])

@@ -67,9 +67,9 @@ class CheckpointableBlock(nn.Module):
         raise NotImplementedError
 
 
-def init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module, generator: torch.Generator | None = None) -> None:
     """timm's initialisation: truncated normal (std 0.02) for linear layers, zero biases."""
     if isinstance(module, nn.Linear):
-        nn.init.trunc_normal_(module.weight, std=0.02)
+        nn.init.trunc_normal_(module.weight, std=0.02, generator=generator)
         if module.bias is not None:
             nn.init.zeros_(module.bias)

@@ -1,0 +1,278 @@
+"""What reads a checkpoint (finetune --from-ckpt, export, --resume) refuses a bad one with one clear message: files
+that are not checkpoints, files that need full unpickling, damaged checkpoints and exports, non-finite weights, a
+missing head. The fix each message names works."""
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import ok, vitctl
+from vitctl.trainer import checkpoint as ckpt
+from vitctl.trainer.config import ConfigError, ModelConfig, load_config
+from vitctl.trainer.loop import train
+from vitctl.trainer.models import build_model
+from vitctl.trainer.ops import resolve
+from vitctl.trainer.pretrained import load_pretrained, read_state_dict
+
+BASE = ["model.name=vit_micro", "model.num_classes=5", "model.img_size=32", "data.source=synthetic",
+        "data.batch_size=8", "data.train_samples=64", "data.workers=0", "train.precision=fp32", "augment.mixup=0",
+        "augment.cutmix=0", "train.checkpoint_every=2"]
+SETS = [a for s in BASE for a in ("--set", s)]
+ACCEPTED = "accepted: a vitctl run or checkpoint folder, a .safetensors file"
+
+
+def config(out: Path, *extra: str):
+    return load_config(None, [*BASE, f"train.out_dir={out}", *extra])
+
+
+def finetune(source: Path, out: Path, *extra: object):
+    return vitctl("finetune", "--from-ckpt", source, "--out", out, "--executor", "local", "--gpus", 0, "--steps", 1,
+                  *SETS, *extra)
+
+
+def micro_model(**kw) -> torch.nn.Module:
+    return build_model(ModelConfig(name="vit_micro", num_classes=5, img_size=32, drop_path=0.0, **kw),
+                       resolve("none", torch.device("cpu")))
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A run folder with checkpoints of steps 2 and 3 (read-only: copy it before damaging it)."""
+    out = tmp_path_factory.mktemp("pretrain") / "run"
+    train(config(out, "train.max_steps=3"))
+    return out
+
+
+@pytest.fixture
+def run_copy(pretrained, tmp_path) -> Path:
+    return Path(shutil.copytree(pretrained, tmp_path / "run"))
+
+
+@pytest.fixture(scope="module")
+def weights(pretrained) -> dict[str, torch.Tensor]:
+    return ckpt.consolidated(ckpt.list_checkpoints(pretrained)[-1])
+
+
+def flip_bytes(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset:offset + 4] = bytes(255 - b for b in raw[offset:offset + 4])
+    path.write_bytes(bytes(raw))
+
+
+def follow(message: str, command: str) -> list[str]:
+    """The arguments of the `command ...` the message tells the user to run, e.g. `mv A B` (the last one named)."""
+    return shlex.split(re.findall(rf"(?<![\w`-]){command} [^)`;]*", message)[-1])[1:]
+
+
+# ---------------------------------------------------------------- files that are not checkpoints
+
+
+def _torch_zip_cut_short(path: Path, weights: dict) -> None:
+    torch.save(weights, path)
+    path.write_bytes(path.read_bytes()[:-4000])
+
+
+@pytest.mark.parametrize(("name", "make", "message"), [
+    ("empty.pt", lambda p, w: p.write_bytes(b""), "is empty (0 bytes), not a checkpoint"),
+    ("notes.pt", lambda p, w: p.write_text("epoch 3: top-1 71.2\n"),
+     "is not a checkpoint: neither a torch.save file nor a safetensors file (it starts with b'epoch 3"),
+    ("random.pth", lambda p, w: p.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator()
+                                                            .manual_seed(3), dtype=torch.uint8).numpy().tobytes()),
+     "is not a checkpoint: neither a torch.save file nor a safetensors file"),
+    ("cut.pt", _torch_zip_cut_short, "is damaged or not a torch.save file (PytorchStreamReader failed reading zip"),
+    ("model.safetensors", lambda p, w: p.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}"),
+     "is not a readable safetensors file"),
+])
+def test_a_file_that_is_no_checkpoint_is_refused_before_launch(weights, tmp_path, name, make, message):
+    source = tmp_path / name
+    make(source, weights)
+    result = finetune(source, tmp_path / "ft")
+    assert result.exit_code == 1, result.output
+    assert f"error: finetune.from_ckpt {source} {message}" in result.stderr, result.stderr
+    assert "Traceback" not in result.output + result.stderr and "full unpickling" not in result.stderr
+    assert not (tmp_path / "ft").exists()  # nothing was launched
+    if name != "model.safetensors":
+        assert ACCEPTED in result.stderr
+
+
+@pytest.mark.slow
+def test_python_objects_need_trust_which_the_flag_gives_the_ranks(weights, tmp_path):
+    """timm's training checkpoints pickle their argparse arguments (official Swin's, a yacs config)."""
+    source = tmp_path / "checkpoint-3.pth.tar"
+    torch.save({"state_dict": weights, "args": argparse.Namespace(lr=0.1), "epoch": 3}, source)
+    refused = finetune(source, tmp_path / "ft")
+    assert refused.exit_code == 1
+    assert (f"error: finetune.from_ckpt {source} holds Python objects besides tensors (argparse.Namespace): this file "
+            "needs full unpickling, which can run code; if you trust it, add --trust-checkpoint") in refused.stderr
+    assert not (tmp_path / "ft").exists()
+    tuned = finetune(source, tmp_path / "ft", "--trust-checkpoint")
+    assert tuned.exit_code == 0, tuned.output + tuned.stderr
+    assert "unpickling it in full, as finetune.trust_checkpoint allows" in tuned.stderr
+
+
+def test_a_single_file_checkpoint_of_the_old_format_needs_trust_too(weights, tmp_path):
+    """torch.save's format before torch 1.6 is checked when read: the message is the same."""
+    source = tmp_path / "old.pth"
+    torch.save({"model": weights, "args": argparse.Namespace(lr=0.1)}, source, _use_new_zipfile_serialization=False)
+    with pytest.raises(ConfigError, match=r"argparse\.Namespace\): this file needs full unpickling.*--trust-checkp"):
+        read_state_dict(source)
+    got = read_state_dict(source, trust=True)
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+
+
+# ---------------------------------------------------------------- damaged checkpoints: checksums
+
+
+def _flip_data(step: Path) -> str:
+    flip_bytes(step / "__0_0.distcp", (step / "__0_0.distcp").stat().st_size // 2)
+    return "__0_0.distcp does not match the sha256 taken when it was saved"
+
+
+def _cut_metadata(step: Path) -> str:
+    size = (step / ".metadata").stat().st_size
+    (step / ".metadata").write_bytes((step / ".metadata").read_bytes()[:100])
+    return f".metadata has 100 bytes, not the {size} it was saved with"
+
+
+def _garble_meta(step: Path) -> str:
+    (step / "meta.json").write_text((step / "meta.json").read_text()[:50])
+    return "meta.json is not readable JSON (Unterminated string"
+
+
+@pytest.mark.parametrize("damage", [_flip_data, _cut_metadata, _garble_meta])
+def test_a_damaged_checkpoint_is_refused_by_every_reader(run_copy, tmp_path, damage):
+    last = run_copy / "checkpoints/step-00000003"
+    what = damage(last)
+    expected = (f"checkpoint {last} is damaged: {what}", "To go on from the previous checkpoint, step-00000002, "
+                f"move this one aside (mv {last} {last}.damaged): --resume, `vitctl export` and --from-ckpt")
+    result = vitctl("export", run_copy, "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 1 and all(part in result.stderr for part in expected), result.stderr
+    assert "Traceback" not in result.output + result.stderr and not (tmp_path / "w.safetensors").exists()
+    with pytest.raises(ConfigError) as finetune_error:
+        read_state_dict(run_copy)
+    with pytest.raises(ConfigError) as resume_error:
+        train(config(run_copy, "train.max_steps=4"), resume=True)
+    assert all(part in str(e.value) for e in (finetune_error, resume_error) for part in expected)
+
+
+def test_the_way_on_from_a_damaged_checkpoint_works(run_copy, tmp_path):
+    _flip_data(run_copy / "checkpoints/step-00000003")
+    result = vitctl("export", run_copy, "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 1
+    shutil.move(*follow(result.stderr, "mv"))
+    assert "step-00000002" in ok("export", run_copy, "--out", tmp_path / "w.safetensors").output
+    assert read_state_dict(run_copy).keys() == read_state_dict(tmp_path / "w.safetensors").keys()
+    assert train(config(run_copy, "train.max_steps=4"), resume=True)["step"] == 4
+    events = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert [e["checkpoint"] for e in events if e.get("event") == "resume"] == ["step-00000002"]
+
+
+def test_a_damaged_only_checkpoint_says_there_is_none_before_it(run_copy):
+    shutil.rmtree(run_copy / "checkpoints/step-00000002")
+    _flip_data(run_copy / "checkpoints/step-00000003")
+    with pytest.raises(ConfigError, match="holds no earlier checkpoint: move it aside .* --resume starts the run "
+                                          "afresh"):
+        read_state_dict(run_copy)
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_check_and_both_refuse(run_copy, tmp_path):
+    _flip_data(run_copy / "checkpoints/step-00000003")
+    result = finetune(run_copy, tmp_path / "ft", "--tasks-per-node", 2)
+    assert result.exit_code == 1 and "__0_0.distcp does not match the sha256" in result.output + result.stderr
+
+
+def test_an_export_carries_a_checksum_that_is_verified(pretrained, weights, tmp_path):
+    export = tmp_path / "w.safetensors"
+    ok("export", pretrained, "--out", export)
+    header = int.from_bytes(export.read_bytes()[:8], "little")
+    flip_bytes(export, 8 + header + (export.stat().st_size - 8 - header) // 2)
+    with pytest.raises(ConfigError) as error:
+        read_state_dict(export)
+    assert (f"finetune.from_ckpt {export} is damaged: its tensors do not match the sha256 `vitctl export` recorded "
+            "in it; export it again (vitctl export ") in str(error.value)
+    ok(*follow(str(error.value), "vitctl"))
+    got = read_state_dict(export)
+    assert all(torch.equal(got[k], weights[k]) for k in weights)
+
+
+# ---------------------------------------------------------------- foreign weights: finite values
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_non_finite_foreign_weights_name_the_tensor(weights, tmp_path, suffix):
+    state = {k: v.clone() for k, v in weights.items()}
+    state["blocks.1.attn.qkv.weight"][3, :2] = torch.tensor([float("inf"), float("nan")])
+    source = tmp_path / f"timm{suffix}"
+    save_file(state, source) if suffix == ".safetensors" else torch.save(state, source)
+    with pytest.raises(ConfigError, match=r"tensor blocks\.1\.attn\.qkv\.weight holds 2 non-finite values"):
+        read_state_dict(source)
+
+
+# ---------------------------------------------------------------- the head, resized tables
+
+
+def test_a_checkpoint_without_a_head_says_how_to_start_one_and_that_works(weights, tmp_path):
+    source = tmp_path / "backbone.pth"
+    torch.save({k: v for k, v in weights.items() if not k.startswith("head.")}, source)
+    with pytest.raises(ConfigError, match=r"missing \(2\): head\.bias, head\.weight; the checkpoint has no classifier "
+                                          r"head for it: start a new one with --set finetune.reset_head=true") as error:
+        load_pretrained(micro_model(), source, None, "vit_micro")
+    fix = follow(str(error.value), "--set")  # what --set would add to the config, here given to the trainer itself
+    assert train(config(tmp_path / "ft", "train.max_steps=1", f"finetune.from_ckpt={source}", *fix))["step"] == 1
+
+
+def test_a_new_head_is_not_the_pretraining_runs_initial_head(pretrained):
+    """Both runs start from train.seed: the finetune's model is built from the same stream as the pretraining's."""
+    torch.manual_seed(0)
+    initial = micro_model().head  # the pretraining run's initial head
+    heads = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = micro_model()
+        assert load_pretrained(model, pretrained, True, "vit_micro", seed=0) == ["head.bias", "head.weight"]
+        heads.append(model.head)
+    assert not torch.equal(heads[0].weight, initial.weight)
+    assert torch.equal(heads[0].weight, heads[1].weight)  # still reproducible from the seed
+    assert heads[0].weight.std().item() == pytest.approx(0.02, rel=0.2) and not heads[0].bias.any()
+    torch.manual_seed(0)
+    other = micro_model()
+    load_pretrained(other, pretrained, True, "vit_micro", seed=1)
+    assert not torch.equal(other.head.weight, heads[0].weight)
+
+
+def test_resized_tables_are_logged_once(pretrained, tmp_path, caplog):
+    swin = build_model(ModelConfig(name="swin_micro", img_size=64, window_size=4, drop_path=0.0),
+                       resolve("none", torch.device("cpu")))
+    torch.save(swin.state_dict(), tmp_path / "swin.pth")
+    target = build_model(ModelConfig(name="swin_micro", img_size=96, window_size=6, drop_path=0.0),
+                         resolve("none", torch.device("cpu")))
+    with caplog.at_level("INFO", logger="vitctl.finetune"):
+        load_pretrained(target, tmp_path / "swin.pth", None, "swin_micro")
+    resized = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resized")]
+    assert len(resized) == 5 and "resized layers.0.blocks.0.attn.relative_position_bias_table (49, 1) -> (121, 1)" \
+        in resized
+
+
+@pytest.mark.slow
+def test_two_ranks_finetune_from_a_run_folder_and_rank_0_logs_the_resize(pretrained, tmp_path):
+    result = finetune(pretrained, tmp_path / "ft", "--tasks-per-node", 2, "--set", "model.img_size=48")
+    assert result.exit_code == 0, result.output + result.stderr
+    assert result.stderr.count("resized pos_embed (1, 17, 96) -> (1, 37, 96)") == 1, result.stderr
+
+
+def test_a_resumed_finetune_needs_its_source_no_more(weights, tmp_path):
+    """A requeued finetune resumes from its own checkpoint, even after the file it started from is gone."""
+    source = tmp_path / "source.pth"
+    torch.save(weights, source)
+    assert train(config(tmp_path / "ft", "train.max_steps=2", f"finetune.from_ckpt={source}"))["step"] == 2
+    source.unlink()
+    resumed = train(config(tmp_path / "ft", "train.max_steps=3", f"finetune.from_ckpt={source}"), resume=True)
+    assert resumed["step"] == 3
