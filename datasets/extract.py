@@ -18,7 +18,7 @@ from typing import Any
 from .atomic import PARTIAL_SUFFIX, fsync_dir, partial_path, sync_filesystem, write_json_atomic
 from .errors import DataError
 from .ilsvrc import TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
-from .oserrors import os_errors_explained
+from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
 from .tarscan import TarMember, check_safe, scan, scan_path
 
@@ -181,14 +181,6 @@ def _rename_into_place(partial: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def _make_folder(path: Path, root: Path) -> None:
-    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise DataError(f"{blocker} is a file, not a folder", f"--out {root}",
-                        f"move {blocker} away, or pass another --out")
-    path.mkdir(parents=True, exist_ok=True)
-
-
 def _remove_partials(dest: Path) -> None:
     for entry in os.scandir(dest):
         if CLASS_PARTIAL.fullmatch(entry.name):
@@ -233,7 +225,7 @@ def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
         members = _class_tars(archive, dest)
         on_total(sum(m.size for m in members))
         report, todo = _plan_classes(archive, members, recorded, dest, progress)
-        _make_folder(dest, root)
+        make_folder(dest, "--out")
         record, ledger["train"] = ledger["train"], {"archive": identity, "classes": recorded}
         if record != ledger["train"]:  # written only when changed, so that a read-only copy can still be checked
             write_json_atomic(root / LEDGER, ledger)
@@ -273,7 +265,7 @@ def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_
             return ledger["val"]["images"]
         members = _val_images(archive)
         on_total(sum(m.size for m in members))
-        _make_folder(root, root)
+        make_folder(root, "--out")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         try:
