@@ -3,9 +3,20 @@
 import click
 from rich.table import Table
 
-from vitctl.workflows.bench import COMPILE_MODES, MODEL_NAMES, bench_train, op_report
+from vitctl.workflows.bench import COMPILE_MODES, MODEL_NAMES, PRECISIONS, bench_train, op_report
 
 from .console import console
+
+
+def _precision_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    chosen = [p.strip() for p in value.split(",")]
+    unknown = [p for p in chosen if p not in PRECISIONS]
+    if unknown:
+        raise click.BadParameter(f"{', '.join(map(repr, unknown))}: not a precision; choose from "
+                                 f"{', '.join(PRECISIONS)}, e.g. --precisions bf16,bf16-pure")
+    return chosen
 
 
 @click.group()
@@ -16,8 +27,9 @@ def bench() -> None:
 @bench.command(name="train")
 @click.option("--model", "model_name", type=click.Choice(MODEL_NAMES), default="vit_b16", show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or bf16-pure.")
-@click.option("--precisions", help="Several, comma-separated: prints the memory / speed table per precision.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
+@click.option("--precisions", callback=_precision_list, metavar="P1,P2,...",
+              help=f"Several of {', '.join(PRECISIONS)}, comma-separated: the memory / speed table per precision.")
 @click.option("--compile/--no-compile", "compile_", default=False)
 @click.option("--compile-mode", type=click.Choice(list(COMPILE_MODES)), default="default", show_default=True,
               help="torch.compile mode for our rows; reduce-overhead replays the step as CUDA graphs.")
@@ -34,9 +46,8 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
     """Images/s, ms/step, peak memory and MFU of a training step."""
     if compile_mode != "default" and not compile_:
         raise click.UsageError(f"--compile-mode {compile_mode} needs --compile")
-    chosen = [p.strip() for p in (precisions or precision).split(",")]
-    results = bench_train(model_name, batch, chosen, compile_, fused, compare, timm_setting, img_size, steps, warmup,
-                          compile_mode)
+    results = bench_train(model_name, batch, precisions or [precision], compile_, fused, compare, timm_setting,
+                          img_size, steps, warmup, compile_mode)
     table = Table("model", "setting", "images/s (median step)", "ms/step (median)", "peak GiB", "MFU", "vs first",
                   title=f"{model_name}, batch {batch}, {img_size} px, {steps} timed steps after {warmup}")
     for r in results:

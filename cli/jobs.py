@@ -8,12 +8,15 @@ from rich.live import Live
 from rich.table import Table
 
 from vitctl.workflows import registry, status
+from vitctl.workflows.errors import LaunchError
 
 from .console import console
 
 SPARKS = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {"RUNNING": "green", "COMPLETED": "bold green", "PENDING": "yellow", "REQUEUED": "yellow",
-               "FAILED": "bold red", "CANCELLED": "red", "TIMEOUT": "red"}
+               "SUBMITTING": "yellow", "INTERRUPTED": "yellow", "FAILED": "bold red", "OUT_OF_MEMORY": "bold red",
+               "NODE_FAIL": "red", "CANCELLED": "red", "TIMEOUT": "red"}
+WATCH_INTERVAL_S = 2
 
 
 def sparkline(values: list[float]) -> str:
@@ -33,15 +36,15 @@ def _rows(statuses: list[status.JobStatus]) -> list[list[str]]:
     rows = []
     for s in statuses:
         rate = f"{s.images_per_s[-1]:,.0f} {sparkline(s.images_per_s)}" if s.images_per_s else ""
-        rows.append([s.job_id, s.name, s.state, s.layout, s.elapsed,
+        rows.append([s.job_id or "-", s.name, s.state, s.layout, s.elapsed,
                      f"{s.step}/{s.total_steps}" if s.step is not None else "",
-                     f"{s.loss:.4f}" if s.loss is not None else "", rate, _eta(None if s.finished else s.eta_s),
-                     s.last_checkpoint or "", str(s.restarts)])
+                     f"{s.loss:.4f}" if s.loss is not None else "", rate, _eta(s.eta_s),
+                     s.last_checkpoint or "", str(s.restarts), s.note])
     return rows
 
 
 HEADERS = ["job", "name", "state", "nodes x GPUs", "elapsed", "step", "loss", "images/s", "ETA", "checkpoint",
-           "restarts"]
+           "restarts", "note"]
 
 
 def status_table(statuses: list[status.JobStatus]) -> Table:
@@ -56,24 +59,35 @@ def _selected(job: str | None) -> list[registry.JobRecord]:
     return [registry.find_record(job)] if job else registry.load_records()
 
 
+def _print_plain(statuses: list[status.JobStatus], as_json: bool, watch: bool) -> None:
+    """One snapshot for a pipe or a file: tab-separated rows under their header, or JSON (a line each, watching)."""
+    if as_json:
+        click.echo(json.dumps([s.to_dict() for s in statuses], indent=None if watch else 1))
+        return
+    click.echo("\t".join(HEADERS))
+    for row in _rows(statuses):
+        click.echo("\t".join(row))
+
+
 @click.command(name="status")
 @click.argument("job", required=False)
-@click.option("--watch", is_flag=True, help="Refresh until every job has ended.")
+@click.option("--watch", is_flag=True, help="Refresh until every job has ended (piped: a snapshot every "
+              f"{WATCH_INTERVAL_S} s).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status_command(job: str | None, watch: bool, as_json: bool) -> None:
     """State, progress, throughput and ETA of submitted jobs (JOB: id or run folder)."""
     records = _selected(job)
     statuses = status.collect(records)
-    if as_json:
-        click.echo(json.dumps([s.to_dict() for s in statuses], indent=1))
-    elif not console.is_terminal:
-        click.echo("\t".join(HEADERS))
-        for row in _rows(statuses):
-            click.echo("\t".join(row))
+    if as_json or not console.is_terminal:
+        _print_plain(statuses, as_json, watch)
+        while watch and not all(s.finished for s in statuses):
+            time.sleep(WATCH_INTERVAL_S)
+            statuses = status.collect(records)
+            _print_plain(statuses, as_json, watch)
     elif watch:
         with Live(status_table(statuses), console=console, refresh_per_second=1) as live:
             while not all(s.finished for s in statuses):
-                time.sleep(2)
+                time.sleep(WATCH_INTERVAL_S)
                 statuses = status.collect(records)
                 live.update(status_table(statuses))
     else:
@@ -86,7 +100,7 @@ def jobs() -> None:
     table = Table("job", "executor", "name", "run folder", "submitted", title=str(registry.registry_path()))
     for r in registry.load_records():
         submitted = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted))
-        table.add_row(r.job_id, r.executor, r.name, r.run_dir, submitted)
+        table.add_row(r.job_id or "(submitting)", r.executor, r.name, r.run_dir, submitted)
     console.print(table)
 
 
@@ -95,29 +109,37 @@ def jobs() -> None:
 @click.option("--rank", default=0, show_default=True, help="Task (rank) whose log to show.")
 @click.option("--follow", is_flag=True, help="Keep printing until the job ends.")
 def logs(job: str, rank: int, follow: bool) -> None:
-    """A task's log (stderr, where the trainer logs; stdout after it)."""
+    """A task's log: its stdout and stderr (the trainer's log, where errors end up), merged in time order."""
     record = registry.find_record(job)
-    out, err = status.log_paths(record, rank)
-    if not err.exists() and not follow:
-        raise click.ClickException(f"no log yet for rank {rank} of job {record.job_id} ({err})")
-    offset = 0
+    paths = status.log_paths(record, rank)
+    if not follow and not any(p.exists() for p in paths):
+        state = status.state_of(record)
+        raise registry.UnknownJobError(
+            f"no log yet for rank {rank} of job {record.job_id} ({state.state}): it appears in {record.folder} once "
+            f"the job starts; `vitctl logs {record.job_id} --rank {rank} --follow` waits for it")
+    click.echo(f"==> rank {rank} of job {record.job_id}: {paths[0]} and {paths[1].name}, merged by time <==")
+    tail = status.LogTail(list(paths))
     while True:
-        if err.exists():
-            with open(err) as f:
-                f.seek(offset)
-                click.echo(f.read(), nl=False)
-                offset = f.tell()
-        if not follow or status.collect([record])[0].finished:
+        ended = not follow or status.state_of(record).finished
+        click.echo(tail.read(final=ended), nl=False)
+        if ended:
             break
         time.sleep(1)
-    if out.exists() and out.stat().st_size:
-        click.echo(out.read_text(), nl=False)
 
 
 @click.command()
 @click.argument("job")
 def cancel(job: str) -> None:
-    """Cancel a job (scancel on Slurm; the local executor's processes otherwise)."""
+    """Cancel a job: its ranks checkpoint, then stop (scancel on Slurm; SIGTERM to a local job)."""
     record = registry.find_record(job)
-    status.cancel(record)
-    console.print(f"cancel requested for job {record.job_id} ({record.name})")
+    ended = status.cancel(record)
+    if ended is None:
+        click.echo(f"cancel requested for job {record.job_id} ({record.name}): its ranks checkpoint, then stop; "
+                   f"`vitctl status {record.job_id}` shows when it has ended")
+    elif ended.state == "SUBMITTING":
+        raise LaunchError(f"the job into {record.run_dir} is still being submitted ({ended.note}); run `vitctl "
+                          "cancel` again once `vitctl jobs` shows its id")
+    else:
+        reason = f": {ended.note}" if ended.note else ""
+        verb = "has already ended" if ended.finished else "is not running"
+        click.echo(f"job {record.job_id} ({record.name}) {verb} ({ended.state}{reason}); nothing to cancel")

@@ -44,7 +44,8 @@ def run_options(command):
         click.option("--container-mounts", help="pyxis mounts, e.g. /data:/data."),
         click.option("--max-requeues", type=click.IntRange(min=0), default=3, show_default=True,
                      help="Times a timed-out job is requeued from its checkpoint."),
-        click.option("--dry-run", is_flag=True, help="Print the sbatch script; submit nothing."),
+        click.option("--dry-run", is_flag=True,
+                     help="Print an sbatch script that runs this job (submit it as it is); submit nothing."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -79,7 +80,7 @@ def _run(o: dict) -> None:
     outcome = wf.launch(config, request, o["resume"], o["dry_run"],
                         lambda text: err_console.print(text, markup=False, highlight=False, soft_wrap=True))
     if o["dry_run"]:
-        console.print(outcome, highlight=False, markup=False)
+        click.echo(outcome, nl=False)  # byte for byte: rich would wrap the srun line at the terminal's width
         return
     if request.executor == "slurm":
         console.print(f"submitted job {outcome.job_id} ({outcome.name}: {request.nodes} node(s) x "

@@ -94,3 +94,18 @@ def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(prepared_root, tmp_pa
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+
+
+def test_bench_precision_is_a_choice():
+    result = vitctl("bench", "train", "--precision", "fp64")
+    assert result.exit_code == 2 and "'fp64' is not one of 'fp32', 'bf16', 'fp16', 'bf16-pure'" in result.output
+    result = vitctl("bench", "train", "--precisions", "bf16,fp64")
+    assert result.exit_code == 2 and "'fp64': not a precision; choose from fp32, bf16, fp16, bf16-pure" in result.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="says what it needs only where CUDA is missing")
+def test_bench_without_cuda_says_where_to_run_it():
+    result = vitctl("bench", "train", "--model", "vit_micro", "--steps", 5)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert "error: vitctl bench train times a training step on a CUDA GPU" in result.stderr
+    assert "srun --gpus 1 vitctl bench train" in result.stderr

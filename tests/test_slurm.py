@@ -2,7 +2,10 @@
 requeue from checkpoint, cancel, status. Marked slurm."""
 
 import json
+import os
+import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +34,7 @@ def cluster(tmp_path, monkeypatch):
 def wait_for(job_id: str, states: set[str], timeout: float = 240) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = status.slurm_states([job_id]).get(job_id, ("UNKNOWN", ""))[0]
+        state = status.slurm_states([job_id]).get(job_id, status.JobState("UNKNOWN", None)).state
         if state in states:
             return state
         time.sleep(1)
@@ -92,18 +95,38 @@ def test_requeued_job_resumes_and_ends_with_the_same_weights(prepared_shards, tm
         time.sleep(0.2)
     if interrupt == "usr2":  # what Slurm sends before the time limit, or on pre-emption
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    else:  # killed at once: resumes from the last periodic checkpoint
+    else:  # SIGTERM at once, then SIGKILL after KillWait: the ranks checkpoint in between
         subprocess.run(["scontrol", "requeue", job], check=True)
+    wait_for(job, {"PENDING"})
+    waiting = status.collect(registry.load_records())[0]
+    assert waiting.state == "PENDING" and waiting.eta_s is None and waiting.elapsed != "00:00:00"
+    assert waiting.note.startswith("requeued") and "(BeginTime)" in waiting.note
     start_now(job)
     assert wait_for(job, status.TERMINAL) == "COMPLETED"
     assert same(weights(tmp_path / "run"), local_reference)
     events = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e.get("event") == "resume"]
-    assert len(resumed) == 1
-    if interrupt == "usr2":
-        stopped = [e for e in events if e.get("event") == "stopped"]
-        assert stopped and stopped[0]["step"] == resumed[0]["step"]  # checkpointed on the signal, nothing lost
+    stopped = [e for e in events if e.get("event") == "stopped"]
+    assert len(resumed) == 1 and stopped and stopped[0]["step"] == resumed[0]["step"]  # nothing lost
     assert status.collect(registry.load_records())[0].restarts == 1
+
+
+@pytest.mark.slow
+def test_after_a_node_failure_status_says_why_the_job_waits(prepared_shards, tmp_path):
+    job = submit(prepared_shards, tmp_path / "run", "--set", "train.epochs=200")
+    deadline = time.monotonic() + 120
+    while logged_steps(tmp_path / "run") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:  # a node failure at once: DOWN kills its jobs as NODE_FAIL and requeues them (a dead slurmd takes minutes)
+        subprocess.run(["scontrol", "update", "NodeName=n1", "State=DOWN", "Reason=vitctl-test"], check=True)
+        wait_for(job, {"PENDING"})
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=n1", "State=RESUME"], capture_output=True)
+    listed = json.loads(ok("status", job, "--json").output)[0]
+    assert listed["state"] == "PENDING" and listed["eta_s"] is None
+    assert listed["note"].startswith("requeued after NODE_FAIL; ") and listed["elapsed"] != "00:00:00"
+    subprocess.run(["scancel", job], check=True)
+    assert wait_for(job, status.TERMINAL) == "CANCELLED"
 
 
 def test_cancel_shows_cancelled(prepared_shards, tmp_path):
@@ -111,6 +134,7 @@ def test_cancel_shows_cancelled(prepared_shards, tmp_path):
     wait_for(job, {"RUNNING"})
     assert "cancel requested" in ok("cancel", job).output
     assert wait_for(job, status.TERMINAL) == "CANCELLED"
+    assert "has already ended (CANCELLED)" in ok("cancel", job).output
     text = ok("status", job).output  # not a terminal: plain text
     assert f"{job}\tvit_micro-run\tCANCELLED\t2x2 CPU" in text
     console = Console(record=True, width=200)
@@ -127,6 +151,7 @@ def test_cancel_shows_cancelled(prepared_shards, tmp_path):
     (["--gpus", 8], "partition debug's nodes have no GPUs"),
     (["--tasks-per-node", 4], "4 tasks x 1 CPUs per node but partition debug's nodes have 2 CPUs"),
     (["--time", "1:xx"], "is not a Slurm time"),
+    (["--partition", "gpu", "--dry-run"], "--partition 'gpu' does not exist; partitions: debug"),
 ])
 def test_bad_requests_are_refused_before_submission(prepared_shards, tmp_path, extra, message):
     args = ["train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *SLURM_2x2, *extra]
@@ -154,18 +179,77 @@ def test_missing_paths_and_unwritable_run_folder_are_refused(prepared_shards, tm
     assert registry.load_records() == []
 
 
-def test_dry_run_prints_the_sbatch_script(tmp_path):
-    result = ok("train", "--set", "data.source=synthetic", "--out", tmp_path / "run", "--config", "swin_b_pretrain",
-                "--executor", "slurm", "--nodes", 2, "--gpus", 8,
-                "--cpus-per-gpu", 12, "--time", "1-00:00:00", "--partition", "gpu", "--account", "vision",
-                "--container-image", "nvcr.io#nvidia/pytorch:25.10-py3", "--container-mounts", "/data:/data",
-                "--dry-run")
-    script = result.output
-    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --cpus-per-task=12", "#SBATCH --time=1440", "#SBATCH --partition=gpu",
-                 "#SBATCH --account=vision", "#SBATCH --signal=USR2@90", "--container-image=nvcr.io#nvidia/pytorch"]:
-        assert line in script, line
-    assert registry.load_records() == [] and not list(tmp_path.glob("run/submitit/*"))
+@pytest.mark.slow
+def test_dry_run_script_runs_as_printed(prepared_shards, tmp_path, local_reference):
+    script = ok("train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *SLURM_2x2, "--dry-run").output
+    assert "#SBATCH --requeue" in script.splitlines() and "wckey" not in script
+    assert registry.load_records() == [] and not (tmp_path / "run").exists()
+    (tmp_path / "job.sh").write_text(script)
+    job = subprocess.run(["sbatch", "--parsable", "job.sh"], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout.strip()
+    log = tmp_path / f"vit_micro-run-{job}.out"
+    assert wait_for(job, status.TERMINAL) == "COMPLETED", log.read_text()[-2000:]
+    assert same(weights(tmp_path / "run"), local_reference)
+
+
+def test_one_run_folder_takes_one_live_job(prepared_shards, tmp_path):
+    job = submit(prepared_shards, tmp_path / "run", "--set", "train.epochs=200")
+    for extra in ([], ["--resume"]):
+        refused = vitctl("train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *SLURM_2x2, *extra)
+        assert refused.exit_code == 1
+        assert f"run folder {tmp_path / 'run'} is in use by job {job} (" in refused.stderr
+        assert f"cancel it (`vitctl cancel {job}`), or choose another --out" in refused.stderr
+    assert [r.job_id for r in registry.load_records()] == [job]
+    ok("cancel", job)
+    assert wait_for(job, status.TERMINAL) == "CANCELLED"
+
+
+@pytest.mark.slow
+def test_a_damaged_registry_gets_its_slurm_jobs_back_from_sacct(prepared_shards, tmp_path):
+    job = submit(prepared_shards, tmp_path / "run", "--steps", 2)
+    registry.registry_path().write_text("[\n {\n  \"job_id\": ")
+    registry.backup_path().unlink()
+    listed = subprocess.run([Path(sys.executable).parent / "vitctl", "status", job], capture_output=True, text=True,
+                            env=os.environ)
+    assert listed.returncode == 0, listed.stderr
+    assert "recovered no jobs from" in listed.stderr and "Slurm jobs from sacct" in listed.stderr
+    recovered = registry.find_record(job)
+    assert (recovered.run_dir, recovered.nodes, recovered.tasks_per_node) == (str(tmp_path / "run"), 2, 2)
+    assert wait_for(job, status.TERMINAL) == "COMPLETED"
+
+
+@pytest.mark.slow
+def test_a_failing_scancel_is_a_clear_error(prepared_shards, tmp_path, monkeypatch):
+    registry.add_record(registry.JobRecord("999999", "slurm", "vit_micro-run", str(tmp_path / "old"),
+                                           str(tmp_path / "old/submitit"), 2, 2, 0, time.time()))
+    result = vitctl("cancel", "999999")
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert "error: Slurm knows no job 999999 (neither squeue nor sacct lists it)" in result.stderr
+    job = submit(prepared_shards, tmp_path / "run", "--set", "train.epochs=200")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/scancel").write_text("#!/bin/sh\necho 'scancel: error: Unable to contact slurm controller "
+                                          "(connect failure)' >&2\nexit 1\n")  # as when slurmctld is down
+    (tmp_path / "bin/scancel").chmod(0o755)
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+        result = vitctl("cancel", job)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert (f"error: scancel {job} failed: scancel: error: Unable to contact slurm controller (connect failure); "
+            f"`squeue -j {job}` shows whether it is still queued") in result.stderr
+    ok("cancel", job)
+    assert wait_for(job, status.TERMINAL) == "CANCELLED"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_reported_with_its_log(prepared_shards, tmp_path):
+    ok("train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, "--steps", 1, "--executor", "local",
+       "--gpus", 0)
+    job = submit(prepared_shards, tmp_path / "run", "--resume", "--set", "model.drop_path=0.3")
+    assert wait_for(job, status.TERMINAL) == "FAILED"
+    note = json.loads(ok("status", job, "--json").output)[0]["note"]
+    assert re.fullmatch(r"rank \d raised ConfigError: .* was trained with model .* \(traceback in (\S+)\)", note), note
+    log = Path(re.search(r"traceback in (\S+)\)$", note)[1])
+    assert "Traceback (most recent call last)" in log.read_text()
 
 
 def test_plain_sbatch_template_trains_across_both_nodes(prepared_shards, tmp_path):

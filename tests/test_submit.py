@@ -1,7 +1,19 @@
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
+from conftest import ok, vitctl
 from vitctl.trainer.config import ConfigError
-from vitctl.workflows.submit import parse_time
+from vitctl.workflows import registry, status
+from vitctl.workflows.process import start_time
+from vitctl.workflows.submit import parse_time, rendezvous_port
 
 
 @pytest.mark.parametrize(("text", "minutes"), [("30", 30), ("4:00:00", 240), ("1-12", 2160), ("1-00:00:00", 1440),
@@ -14,3 +26,133 @@ def test_slurm_time_formats(text, minutes):
 def test_bad_times_are_refused(text):
     with pytest.raises(ConfigError, match="time"):
         parse_time(text)
+
+
+# ---------------------------------------------------------------- jobs on this machine, and their records
+
+QUICK = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64", "--batch", 4,
+         "--executor", "local", "--gpus", 0]
+
+
+def test_rendezvous_ports_are_below_the_ephemeral_range():
+    ports = [rendezvous_port(str(job)) for job in range(100_000, 100_300)]
+    assert all(20000 <= port < 32768 for port in [*ports, rendezvous_port("4242_7")])
+    assert len(set(ports)) == len(ports)  # consecutive jobs on one node do not collide
+
+
+@pytest.fixture(scope="module")
+def finished_job(tmp_path_factory) -> registry.JobRecord:
+    """A real two-rank job of the local executor, ended."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 2, "--out", out)
+    return registry.find_record(str(out))
+
+
+@pytest.mark.slow
+def test_an_error_in_a_rank_is_one_line_naming_its_log(finished_job, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(Path(finished_job.run_dir) / "checkpoints", run / "checkpoints")
+    result = vitctl("train", *QUICK, "--tasks-per-node", 2, "--steps", 4, "--out", run, "--resume",
+                    "--set", "model.num_classes=7")
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(r"failed: rank \d raised ConfigError: .* was trained with model", errors[0])
+    log = Path(re.search(r"\(traceback in (\S+)\)$", errors[0])[1])
+    assert "Traceback (most recent call last)" in log.read_text()
+    listed = json.loads(ok("status", registry.find_record(str(run)).job_id, "--json").output)[0]
+    assert listed["state"] == "FAILED" and "raised ConfigError" in listed["note"] and str(log) in listed["note"]
+
+
+@pytest.mark.slow
+def test_logs_merge_a_rank_s_stdout_and_stderr_in_time_and_name_the_ranks(finished_job):
+    shown = ok("logs", finished_job.job_id, "--rank", 1).output.splitlines()
+    out, err = status.log_paths(finished_job, 1)
+    assert shown[0] == f"==> rank 1 of job {finished_job.job_id}: {out} and {err.name}, merged by time <=="
+    assert sorted(shown[1:]) == sorted(out.read_text().splitlines() + err.read_text().splitlines())
+    stamps = [m[0] for m in map(status.TIMESTAMP.search, shown[1:]) if m]
+    assert stamps == sorted(stamps) and shown[-1].endswith("Exiting after successful completion")
+    result = vitctl("logs", finished_job.job_id, "--rank", 9)
+    assert result.exit_code == 1
+    assert f"error: job {finished_job.job_id} has no rank 9: its ranks are 0-1 (1 node(s) x 2 tasks)" in result.stderr
+
+
+@pytest.mark.slow
+def test_cancel_of_an_ended_job_says_so(finished_job):
+    said = ok("cancel", finished_job.job_id).output
+    assert f"job {finished_job.job_id} (vit_micro-run) has already ended (COMPLETED); nothing to cancel" in said
+
+
+def _local_record(run_dir: Path, pid: int, started: int | None) -> registry.JobRecord:
+    record = registry.JobRecord(str(pid), "local", "vit_micro-run", str(run_dir), str(run_dir / "submitit"), 1, 1, 0,
+                                time.time(), started=started)
+    registry.add_record(record)
+    return record
+
+
+def test_cancel_never_signals_a_process_that_took_over_the_pid(tmp_path):
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "run/submitit").mkdir(parents=True)
+        _local_record(tmp_path / "run", stranger.pid, start_time(stranger.pid) - 1)  # the job's process started earlier
+        result = ok("cancel", stranger.pid)
+        assert f"job {stranger.pid} (vit_micro-run) has already ended (FAILED: " in result.output
+        assert stranger.poll() is None  # not killed
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_status_reads_past_a_half_written_metrics_line(tmp_path):
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 2, "loss": 2.5, "images_per_s": 9.0, "step_time_s": 0.1, '
+                                       '"total_steps": 8}\n{"step": 4, "loss": 2.')  # being appended right now
+    record = _local_record(run, 1, None)
+    listed = json.loads(ok("status", record.job_id, "--json").output)
+    assert (listed[-1]["step"], listed[-1]["loss"]) == (2, 2.5)
+
+
+@pytest.mark.slow
+def test_status_watch_into_a_pipe_prints_a_snapshot_per_interval_until_the_end(tmp_path):
+    job = subprocess.Popen(["sleep", "5"])  # stands for the job's controller: running, then gone
+    (tmp_path / "run/submitit").mkdir(parents=True)
+    record = _local_record(tmp_path / "run", job.pid, start_time(job.pid))
+    watched = subprocess.run([Path(sys.executable).parent / "vitctl", "status", record.job_id, "--watch"],
+                             capture_output=True, text=True, timeout=60, env=os.environ)
+    job.wait()
+    snapshots = [line.split("\t")[2] for line in watched.stdout.splitlines() if line.startswith(record.job_id)]
+    assert watched.returncode == 0 and len(snapshots) >= 2, watched.stdout
+    assert snapshots[0] == "RUNNING" and snapshots[-1] == "FAILED" and set(snapshots) == {"RUNNING", "FAILED"}
+
+
+def test_an_unanswering_sinfo_is_a_clear_error(tmp_path, monkeypatch):
+    for command, script in [("sinfo", "sleep 10"), ("sbatch", "exit 1")]:
+        (tmp_path / command).write_text(f"#!/bin/sh\n{script}\n")
+        (tmp_path / command).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(status, "SLURM_TIMEOUT_S", 1)
+    result = vitctl("train", "--config", "demo_vit", "--set", "data.source=synthetic", "--executor", "slurm",
+                    "--gpus", 0, "--out", tmp_path / "run")
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert "error: sinfo did not answer within 1 s: slurmctld is down or overloaded" in result.stderr
+
+
+def test_dry_run_prints_a_complete_script_byte_for_byte(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch: nothing to check it against
+    monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
+    image = "nvcr.io#nvidia/pytorch:25.10-py3"
+    result = ok("train", "--set", "data.source=synthetic", "--out", tmp_path / "run", "--config", "swin_b_pretrain",
+                "--executor", "slurm", "--nodes", 2, "--gpus", 8, "--cpus-per-gpu", 12, "--time", "1-00:00:00",
+                "--partition", "gpu", "--account", "vision", "--container-image", image,
+                "--container-mounts", "/data:/data,/scratch/a/long/path/to/make/the/line/wide:/scratch", "--dry-run")
+    script = result.output
+    lines = script.splitlines()
+    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=12", "#SBATCH --time=1440", "#SBATCH --partition=gpu",
+                 "#SBATCH --account=vision", "#SBATCH --signal=USR2@90", "#SBATCH --requeue"]:
+        assert line in lines, line
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert srun == (f"srun '--container-image={image}' --container-mounts=/data:/data,/scratch/a/long/path/to/make/the"
+                    '/line/wide:/scratch python3 -m vitctl.cli rank --config "$config"')
+    assert "wckey" not in script and "submitit" not in script and script.endswith("VITCTL_CONFIG\n" + srun + "\n")
+    assert registry.load_records() == [] and not (tmp_path / "run").exists()

@@ -1,6 +1,12 @@
 """The training loop on the CPU: exact resume, checkpoints, ranks, precisions, finetuning through the CLI."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -8,8 +14,10 @@ import torch
 
 from conftest import CLASSES, ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
+from vitctl.trainer import runlock
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.loop import train
+from vitctl.workflows import registry
 
 TINY = ["model.name=vit_micro", "model.img_size=32", f"model.num_classes={CLASSES}", "model.drop_path=0.1",
         "data.batch_size=8", "data.workers=0", "data.source=webdataset", "train.precision=fp32",
@@ -142,3 +150,98 @@ def test_cli_errors_are_clear(prepared_shards, tmp_path):
 def test_dali_source_trains_on_the_cpu(prepared_shards, tmp_path):
     result = train(tiny(prepared_shards, tmp_path / "r", "train.max_steps=3", "data.source=dali", "data.workers=1"))
     assert result["step"] == 3 and torch.isfinite(torch.tensor(result["loss"]))
+
+
+# ---------------------------------------------------------------- stopped by a signal: nothing lost
+
+VITCTL = Path(sys.executable).parent / "vitctl"
+ENDLESS = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=100000",
+           "--set", "train.log_every=1000", "--set", "train.checkpoint_every=1000"]  # no log or checkpoint step
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < deadline, f"{text!r} never appeared in {path}"
+        time.sleep(0.2)
+
+
+def metrics_events(run: Path, event: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("event") == event]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_step_it_stopped_at_and_resume_goes_on_from_there(tmp_path):
+    """`scontrol requeue` and preemption send SIGTERM: the rank checkpoints after the step it is in (not at the
+    next log or checkpoint step), and the rerun continues from that step."""
+    run, log = tmp_path / "run", tmp_path / "rank.log"
+    args = [VITCTL, "rank", "--out", run, *ENDLESS, "--set", "data.batch_size=4"]
+    with open(log, "w") as stderr:
+        rank = subprocess.Popen([*args, "--steps", "100000"], stderr=stderr)
+        wait_for_text(log, "vitctl.train: run")
+        time.sleep(3)
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=60) == 0, log.read_text()[-2000:]
+    step = metrics_events(run, "stopped")[0]["step"]
+    assert 0 < step < 1000
+    assert [p.name for p in ckpt.list_checkpoints(run)] == [f"step-{step:08d}"]
+    subprocess.run([*args, "--steps", str(step + 2)], check=True, capture_output=True)
+    assert [e["step"] for e in metrics_events(run, "resume")] == [step]
+    assert last_meta(run)["step"] == step + 2
+
+
+@pytest.mark.slow
+def test_cancel_of_a_local_job_checkpoints_every_rank_at_one_step(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    args = [VITCTL, "train", *ENDLESS, "--batch", "4", "--executor", "local", "--gpus", "0", "--tasks-per-node", "2",
+            "--out", run]
+    with open(log, "w") as output:
+        waiting = subprocess.Popen(args, stdout=output, stderr=output)
+        wait_for_text(log, "vitctl.train: run")
+        job = registry.find_record(str(run)).job_id
+        refused = vitctl(*args[1:], "--resume")  # the same folder, while the job runs
+        assert refused.exit_code == 1
+        assert f"run folder {run} is in use by job {job} (vit_micro-run, RUNNING, submitted " in refused.stderr
+        said = subprocess.run([VITCTL, "cancel", str(run)], capture_output=True, text=True, check=True).stdout
+        assert said.startswith("cancel requested for job ")
+        assert waiting.wait(timeout=120) == 1
+    step = metrics_events(run, "stopped")[0]["step"]
+    error = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert error == [f"error: job {job} was stopped (cancelled): checkpointed at "
+                     f"step {step} on a signal: --resume continues from there"]
+    assert [p.name for p in ckpt.list_checkpoints(run)] == [f"step-{step:08d}"]
+    assert len(list(ckpt.list_checkpoints(run)[0].glob("*.distcp"))) == 2  # both ranks saved that step
+    subprocess.run([*args, "--resume", "--steps", str(step + 1)], check=True, capture_output=True)
+    assert [e["step"] for e in metrics_events(run, "resume")] == [step] and last_meta(run)["step"] == step + 1
+
+
+HOLD_RUN_DIR = """
+import sys, time
+from pathlib import Path
+from vitctl.trainer import runlock
+with runlock.holding(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_run_folder_held_by_a_running_job_is_refused(prepared_shards, tmp_path, monkeypatch):
+    """Another job's rank 0 holds the folder (launched from elsewhere: not in this registry): the launch and the
+    trainer's rank 0 both refuse it, naming that job; once it ends the folder is free."""
+    monkeypatch.setattr(runlock, "WAIT_S", 0.5)
+    run = tmp_path / "r"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_DIR, run], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "SLURM_JOB_ID": "777"})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        refusal = r"run folder .*/r is in use by job 777 \(pid \d+ on .*\); wait for it to end, cancel it \(`vitctl " \
+                  r"cancel 777`\), or choose another --out"
+        with pytest.raises(ConfigError, match=refusal):
+            train(tiny(prepared_shards, run, "train.max_steps=1"))
+        result = vitctl("train", "--out", run, "--data", prepared_shards, "--executor", "local", "--gpus", 0,
+                        *sum((["--set", s] for s in TINY), []))
+        assert result.exit_code == 1 and re.search(refusal, result.stderr), result.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train(tiny(prepared_shards, run, "train.max_steps=1"))["step"] == 1

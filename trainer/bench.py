@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import COMPILE_MODES, ModelConfig
+from .config import COMPILE_MODES, ConfigError, ModelConfig
 from .metrics import mfu
 from .models import MODELS, build_model
 from .ops import resolve
@@ -120,8 +120,12 @@ def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bo
 
     timm's strongest setting runs under every compile mode (the caller takes the faster as the baseline: on a host
     that launches kernels slowly, CUDA graphs are what make a compiled Swin step GPU-bound); "same" takes our flags."""
+    if compare == "timm" and MODELS[model_name].timm_name is None:
+        with_timm = ", ".join(name for name, spec in MODELS.items() if spec.timm_name)
+        raise ConfigError(f"--compare timm: {model_name} has no timm counterpart; compare one of {with_timm}")
     if not torch.cuda.is_available():
-        raise RuntimeError("vitctl bench train needs a CUDA GPU")
+        raise ConfigError(f"vitctl bench train times a training step on a CUDA GPU, and torch {torch.__version__} "
+                          "sees none on this machine; run it on a GPU node (e.g. `srun --gpus 1 vitctl bench train`)")
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     results = []

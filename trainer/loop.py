@@ -1,5 +1,6 @@
 """The training loop, run once per rank: model, data, optimizer, precision, checkpoints, eval, metrics."""
 
+import contextlib
 import logging
 import math
 import random
@@ -21,13 +22,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import checkpoint as ckpt
+from . import runlock
 from .config import ConfigError, RunConfig, config_from_dict
 from .data import Batch, build_data
 from .metrics import MetricsWriter, mfu
 from .models import build_model
 from .ops import resolve
 from .optim import build_optimizer, lr_at, param_groups, set_lr
-from .parallel import DistEnv, all_reduce_sum, build_mesh, init_distributed, parallelize, shutdown
+from .parallel import DistEnv, StopVote, build_mesh, init_distributed, parallelize, shutdown
 from .precision import Precision
 from .preflight import preflight
 from .pretrained import load_pretrained
@@ -240,12 +242,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
 
-    def stop_agreed(self, requested: bool) -> bool:
-        """True on every rank when any rank was asked to stop (signals reach ranks at slightly different steps)."""
-        return all_reduce_sum([float(requested)], self.env.device)[0] > 0
-
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Train to the stop step; when `should_stop` says so (checked at log steps), checkpoint and return."""
+        """Train to the stop step; when `should_stop` says so (checked every step), checkpoint and return."""
         c, p, env = self.c, self.position, self.env
         if env.is_main:
             log.info("run %s: %s, %d steps of %d images (%.1f per epoch), lr %.3g, ops %s, data %s", self.run_dir,
@@ -257,6 +255,7 @@ class Trainer:
         last_eval: dict[str, float] = {}
         loss = float("nan")
         eval_every = max(1e-9, c.train.eval_every_epochs)
+        vote = StopVote(env.device)
         while p.step < self.stop_step:
             set_lr(self.optimizer, lr_at(self.epochs_done() + 1 / self.epoch_steps, c.train.epochs,
                                          c.optim.warmup_epochs, self.base_lr, self.min_lr))
@@ -265,20 +264,23 @@ class Trainer:
             p.step += 1
             for _ in range(c.optim.accum_steps):
                 p.epoch, p.sample = self.data.plan.advance(p.epoch, p.sample)
-            if p.step % c.train.log_every == 0 or p.step == self.stop_step:
+            stop = p.step < self.stop_step and vote.agreed(should_stop())
+            if stop or p.step % c.train.log_every == 0 or p.step == self.stop_step:
                 loss = self._log(window)
                 self.writer.poll()
-                if p.step < self.stop_step and self.stop_agreed(should_stop()):
-                    self.save(blocking=True)
-                    self.metrics.write({"step": p.step, "event": "stopped"})
-                    self.metrics.close()
-                    return {"step": p.step, "loss": loss, "stopped": True}
+            if stop:  # a signal leaves a grace time (Slurm's KillWait) for the checkpoint alone: no eval
+                vote.close()
+                self.save(blocking=True)
+                self.metrics.write({"step": p.step, "event": "stopped"})
+                self.metrics.close()
+                return {"step": p.step, "loss": loss, "stopped": True}
             if math.floor(self.epochs_done() / eval_every + 1e-9) > evals_before or p.step == self.stop_step:
                 last_eval = self.evaluate()
                 if last_eval:
                     self.metrics.write({"step": p.step, "epoch": p.epoch, **last_eval})
             if p.step % c.train.checkpoint_every == 0 or p.step == self.stop_step:
                 self.save(blocking=p.step == self.stop_step)
+        vote.close()
         self.writer.wait()
         self.metrics.close()
         return {"step": p.step, "loss": loss, **last_eval}
@@ -367,6 +369,7 @@ def train(config: RunConfig | dict, resume: bool = False, use_cuda: bool | None 
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"%(asctime)s [rank {env.rank}] %(name)s: %(message)s")
     try:
-        return Trainer(config, env, resume).run(should_stop)
+        with runlock.holding(Path(config.train.out_dir)) if env.is_main else contextlib.nullcontext():
+            return Trainer(config, env, resume).run(should_stop)
     finally:
         shutdown()

@@ -1,5 +1,6 @@
 """Rank-0 metrics as JSON lines in the run folder (and TensorBoard when it is installed); MFU estimates."""
 
+import contextlib
 import json
 import logging
 import time
@@ -58,7 +59,12 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records; a line that does not parse (being written now, or cut short by a crash) is left out."""
     path = run_dir / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records

@@ -3,7 +3,7 @@
 import torch
 
 from vitctl.trainer.bench import BenchResult, bench_train
-from vitctl.trainer.config import COMPILE_MODES
+from vitctl.trainer.config import COMPILE_MODES, PRECISIONS
 from vitctl.trainer.models import MODELS
 from vitctl.trainer.ops import report
 
@@ -16,4 +16,4 @@ def op_report() -> tuple[str, list[tuple[str, str, str | None]]]:
     return str(device), report(device)
 
 
-__all__ = ["COMPILE_MODES", "MODEL_NAMES", "BenchResult", "bench_train", "op_report"]
+__all__ = ["COMPILE_MODES", "MODEL_NAMES", "PRECISIONS", "BenchResult", "bench_train", "op_report"]

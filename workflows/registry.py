@@ -1,11 +1,31 @@
-"""A small local registry of submitted jobs, so that `vitctl status`, `logs` and `cancel` can find them."""
+"""The local registry of submitted jobs ($VITCTL_HOME/jobs.json, default ~/.vitctl), so that `vitctl status`, `logs`
+and `cancel` can find them.
 
+Writers hold an exclusive lock (flock on jobs.lock) while they read, change and write; every write goes to a unique
+temporary name, is fsynced, renamed into place and its folder fsynced, and is repeated into jobs.json.bak. A damaged
+jobs.json is moved aside and rebuilt from that backup and from sacct, and the recovery is reported.
+"""
+
+import contextlib
+import fcntl
 import json
+import logging
 import os
-from dataclasses import asdict, dataclass, field
+import re
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from vitctl.datasets.atomic import write_json_atomic
+from vitctl.datasets.atomic import fsync_dir
+
+from .process import is_running, start_time, started_at
+
+log = logging.getLogger("vitctl.registry")
+SACCT_DAYS = 30  # how far back a recovery looks for Slurm jobs
 
 
 class UnknownJobError(LookupError):
@@ -14,7 +34,7 @@ class UnknownJobError(LookupError):
 
 @dataclass
 class JobRecord:
-    job_id: str
+    job_id: str  # "" while the submission is under way
     executor: str  # slurm | local
     name: str
     run_dir: str
@@ -25,30 +45,204 @@ class JobRecord:
     submitted: float  # unix time
     cancelled: bool = False  # local jobs only; Slurm keeps its own record
     command: list[str] = field(default_factory=list)
+    started: int | None = None  # local jobs: their controller's (PID = job_id) start time, see process.start_time
+    submitter: list[int] | None = None  # while job_id is "": [PID, start time] of the vitctl submitting it
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)  # the registry's own id
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def home() -> Path:
+    return Path(os.environ.get("VITCTL_HOME", Path.home() / ".vitctl"))
 
 
 def registry_path() -> Path:
-    return Path(os.environ.get("VITCTL_HOME", Path.home() / ".vitctl")) / "jobs.json"
+    return home() / "jobs.json"
+
+
+def backup_path() -> Path:
+    return home() / "jobs.json.bak"
 
 
 def load_records() -> list[JobRecord]:
-    path = registry_path()
-    return [JobRecord(**r) for r in json.loads(path.read_text())] if path.exists() else []
+    """All records, oldest first. Reads need no lock (writes are atomic); a damaged file or a submission that was
+    cut short is mended under the lock."""
+    try:
+        records = _parse(registry_path().read_text())
+    except FileNotFoundError:
+        return []
+    except ValueError:
+        pass  # damaged: recovered under the lock, below
+    else:
+        if not any(_interrupted(r) for r in records):
+            return records
+    with editing() as records:
+        return list(records)
 
 
-def save_records(records: list[JobRecord]) -> None:
-    path = registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, [asdict(r) for r in records])
+@contextlib.contextmanager
+def editing() -> Iterator[list[JobRecord]]:
+    """The records, under the registry's lock; written back if the block changed them (not if it raised)."""
+    with _locked():
+        records = _read_or_recover()
+        _settle_interrupted(records)
+        before = [asdict(r) for r in records]
+        yield records
+        if [asdict(r) for r in records] != before:
+            _save(records)
 
 
 def add_record(record: JobRecord) -> None:
-    save_records([*load_records(), record])
+    with editing() as records:
+        records.append(record)
+
+
+def update_record(key: str, **changes: object) -> JobRecord:
+    with editing() as records:
+        record = next(r for r in records if r.key == key)
+        for name, value in changes.items():
+            setattr(record, name, value)
+        return record
+
+
+def remove_record(key: str) -> None:
+    with editing() as records:
+        records[:] = [r for r in records if r.key != key]
+
+
+def reload(record: JobRecord) -> JobRecord:
+    """The record as the registry holds it now (another vitctl may have changed it)."""
+    return next((r for r in load_records() if r.key == record.key), record)
 
 
 def find_record(key: str) -> JobRecord:
     """By job id, or by run folder (path or its last component); the newest match wins."""
     for record in reversed(load_records()):
-        if key in (record.job_id, record.run_dir, Path(record.run_dir).name):
+        if key and key in (record.job_id, record.run_dir, Path(record.run_dir).name):
             return record
     raise UnknownJobError(f"no job {key!r} in {registry_path()}; `vitctl jobs` lists the known ones")
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    home().mkdir(parents=True, exist_ok=True)
+    with open(home() / "jobs.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        yield
+
+
+def _parse(text: str) -> list[JobRecord]:
+    """Records from the file's text; ValueError if it is not a list of complete records."""
+    rows = json.loads(text)
+    names = {f.name for f in fields(JobRecord)}
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError("not a list of job records")
+    try:
+        return [JobRecord(**{k: v for k, v in r.items() if k in names}) for r in rows]
+    except TypeError as e:
+        raise ValueError(f"a record lacks a field ({e})") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Unique temporary name (writers never share one), fsync, rename, fsync of the folder."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _save(records: list[JobRecord]) -> None:
+    text = json.dumps([asdict(r) for r in records], indent=1) + "\n"
+    _write_atomic(registry_path(), text)
+    _write_atomic(backup_path(), text)
+
+
+def _read_or_recover() -> list[JobRecord]:
+    try:
+        return _parse(registry_path().read_text())
+    except FileNotFoundError:
+        return []
+    except (ValueError, UnicodeDecodeError) as e:
+        damage = str(e)
+    aside = registry_path().with_name(f"jobs.json.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(registry_path(), aside)
+    fsync_dir(aside.parent)
+    try:
+        records = _parse(backup_path().read_text())
+        source = f"{len(records)} jobs from {backup_path()}"
+    except (OSError, ValueError, UnicodeDecodeError):
+        records, source = [], f"no jobs from {backup_path()} (missing or damaged too)"
+    known = {r.job_id for r in records}
+    from_slurm = [r for r in _slurm_records() if r.job_id not in known]
+    records = sorted(records + from_slurm, key=lambda r: r.submitted)
+    _save(records)
+    log.warning("warning: %s was damaged (%s); moved it aside to %s and recovered %s and %d Slurm jobs from sacct "
+                "(last %d days)", registry_path(), damage, aside.name, source, len(from_slurm), SACCT_DAYS)
+    return records
+
+
+# submitit submits `sbatch FOLDER/.submission_file_<hex>.sh`, FOLDER being <run folder>/submitit.
+SUBMIT_LINE = re.compile(r"sbatch (?P<folder>/\S+/submitit)/\.submission_file_[0-9a-f]+\.sh")
+
+
+def _slurm_records(folder: str | None = None, since: float | None = None) -> list[JobRecord]:
+    """The Slurm jobs vitctl submitted (all of this user's in the last SACCT_DAYS, or those from `folder`), as
+    sacct knows them; [] without Slurm accounting."""
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since or time.time() - SACCT_DAYS * 86400))
+    try:
+        out = subprocess.run(["sacct", "-X", "-n", "-P", "-u", str(os.getuid()), "-S", start, "-o",
+                              "JobIDRaw,JobName,NNodes,Submit,SubmitLine"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    records = []
+    for line in out.splitlines():
+        job_id, name, nodes, submit, submit_line = line.split("|", 4)
+        match = SUBMIT_LINE.fullmatch(submit_line.strip())
+        if not match or (folder and match["folder"] != folder) or not Path(match["folder"]).is_dir():
+            continue  # not vitctl's, not the one asked for, or its run folder is gone
+        tasks, gpus = _sbatch_layout(Path(match["folder"]) / f"{job_id}_submission.sh")
+        records.append(JobRecord(job_id, "slurm", name, str(Path(match["folder"]).parent), match["folder"],
+                                 int(nodes), tasks, gpus, time.mktime(time.strptime(submit, "%Y-%m-%dT%H:%M:%S"))))
+    return records
+
+
+def _sbatch_layout(script: Path) -> tuple[int, int]:
+    """(tasks per node, GPUs per node) from the #SBATCH lines of the script submitit kept; (1, 0) without it."""
+    text = script.read_text() if script.is_file() else ""
+    tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", text, re.M)
+    gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M)
+    return int(tasks[1]) if tasks else 1, int(gpus[1]) if gpus else 0
+
+
+def _interrupted(record: JobRecord) -> bool:
+    """A submission whose vitctl ended before it recorded the job id."""
+    return not record.job_id and record.submitter is not None and not is_running(*record.submitter)
+
+
+def _settle_interrupted(records: list[JobRecord]) -> None:
+    """Find the job ids of interrupted submissions: the job pickle submitit wrote into the folder, else sacct."""
+    known = {r.job_id for r in records}
+    for record in filter(_interrupted, records):
+        folder = Path(record.folder)
+        pickles = sorted(folder.glob("*_submitted.pkl"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+        found = [p.name.removesuffix("_submitted.pkl") for p in pickles if p.stat().st_mtime >= record.submitted - 1]
+        if record.executor == "slurm":
+            found += [r.job_id for r in _slurm_records(record.folder, since=record.submitted - 60)]
+        found = [job_id for job_id in found if job_id not in known]
+        record.submitter = None  # settled: found, or never submitted
+        if found:
+            record.job_id = found[0]
+            known.add(found[0])
+        if found and record.executor == "local":  # the controller, if the running process is the one started then
+            ticks = start_time(int(record.job_id))
+            record.started = ticks if ticks and started_at(ticks) >= record.submitted - 1 else None

@@ -1,9 +1,10 @@
-"""What a submitted job is doing: its state (sacct, else squeue; local jobs: their processes and result files)
-and its progress from the rank-0 metrics file."""
+"""What a submitted job is doing: its state (Slurm: squeue, and sacct over all its attempts; local jobs: their
+processes and result files), why it waits or failed, its progress from the rank-0 metrics file, and its logs."""
 
-import contextlib
+import heapq
 import os
 import pickle
+import re
 import signal
 import subprocess
 import time
@@ -14,11 +15,44 @@ from typing import Any
 from vitctl.trainer.checkpoint import list_checkpoints
 from vitctl.trainer.metrics import read_metrics
 
-from .registry import JobRecord, load_records, save_records
+from .errors import LaunchError
+from .process import is_running
+from .registry import JobRecord, UnknownJobError, update_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE"}
+            "DEADLINE", "INTERRUPTED"}  # INTERRUPTED: a local job that checkpointed on a signal and ended
+FAILED = {"FAILED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 RATE_HISTORY = 24
+SLURM_TIMEOUT_S = 30  # a Slurm command that takes longer counts as not answering (slurmctld down or overloaded)
+# squeue's reasons for a pending job, in words; others are shown as Slurm names them.
+PENDING_REASONS = {
+    "BeginTime": "held until its begin time (Slurm delays a requeued job by about 2 minutes)",
+    "Resources": "waiting for free nodes",
+    "Priority": "waiting behind jobs of higher priority",
+    "ReqNodeNotAvail": "waiting for nodes that are down, drained or reserved",
+    "NodeDown": "waiting for a node that is down",
+    "Dependency": "waiting for the jobs it depends on",
+    "JobHeldUser": "held: `scontrol release JOB` lets it start",
+    "JobHeldAdmin": "held by an administrator",
+}
+RANK_FAILED = re.compile(r"^[\w.]*RankFailed: ")
+TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}")  # logging's asctime
+
+
+@dataclass(frozen=True)
+class JobState:
+    state: str
+    elapsed_s: float | None  # over all attempts
+    note: str = ""  # why it waits, what it went through, why it failed
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def live(self) -> bool:
+        """It may still write to its run folder."""
+        return not self.finished and self.state != "UNKNOWN"
 
 
 @dataclass
@@ -37,6 +71,7 @@ class JobStatus:
     last_checkpoint: str | None
     restarts: int
     run_dir: str
+    note: str
 
     @property
     def finished(self) -> bool:
@@ -48,48 +83,111 @@ class JobStatus:
 
 def _run(args: list[str]) -> str:
     try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run(args, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
 
-def slurm_states(ids: list[str]) -> dict[str, tuple[str, str]]:
-    """job id -> (state, elapsed): sacct (accounting), then squeue for what sacct does not know."""
+def slurm_states(ids: list[str]) -> dict[str, JobState]:
+    """job id -> its state: squeue for jobs in the queue (with why they wait), sacct for the rest and for the
+    attempts before a requeue (their states, and the time they ran)."""
     if not ids:
         return {}
-    states = {}
-    for line in _run(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", "JobIDRaw,State,Elapsed"]).splitlines():
+    attempts: dict[str, list[tuple[str, int]]] = {}
+    for line in _run(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(ids), "-o", "JobIDRaw,State,ElapsedRaw"]
+                     ).splitlines():
         job_id, state, elapsed = line.split("|")
-        states[job_id] = (state.split()[0], elapsed)  # "CANCELLED by 0" -> CANCELLED
-    missing = [i for i in ids if i not in states]
-    if missing:
-        for line in _run(["squeue", "-h", "-j", ",".join(missing), "-o", "%i|%T|%M"]).splitlines():
-            job_id, state, elapsed = line.split("|")
-            states[job_id] = (state, elapsed)
+        attempts.setdefault(job_id, []).append((state.split()[0], int(elapsed or 0)))  # "CANCELLED by 0"
+    unfinished = [i for i in ids if i not in attempts or attempts[i][-1][0] not in TERMINAL]
+    queued = {}  # job id -> (state, restarts, reason); squeue knows of a requeue before sacct does
+    if unfinished:
+        for line in _run(["squeue", "-h", "-j", ",".join(unfinished), "-O", "JobID:|,State:|,RestartCnt:|,Reason:"]
+                         ).splitlines():
+            job_id, state, restarts, reason = (field.strip() for field in line.split("|", 3))
+            queued[job_id] = (state, int(restarts or 0), reason)
+    states = {}
+    for job_id in ids:
+        rows = attempts.get(job_id, [])
+        if job_id not in queued and not rows:
+            continue
+        state, restarts, reason = queued.get(job_id, (rows[-1][0] if rows else "", 0, ""))
+        earlier = [ended for ended, _ in rows[:-1]]
+        notes = [_requeues(earlier, max(restarts, len(earlier)))] if earlier or restarts else []
+        if state == "PENDING" and reason not in ("", "None"):
+            name = reason.split(",")[0]
+            notes.append(f"{PENDING_REASONS[name]} ({reason})" if name in PENDING_REASONS else reason)
+        states[job_id] = JobState(state, sum(e for _, e in rows), "; ".join(notes))
     return states
 
 
-def _format_seconds(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+def _requeues(earlier: list[str], times: int) -> str:
+    """What the attempts before this one ended in: 'requeued after NODE_FAIL', 'requeued (2 times)'."""
+    cause = f" after {earlier[-1]}" if earlier and earlier[-1] != "REQUEUED" else ""  # REQUEUED: scontrol, submitit
+    return f"requeued{cause}" + (f" ({times} times)" if times > 1 else "")
 
 
-def local_state(record: JobRecord) -> tuple[str, str]:
-    result = Path(record.folder) / f"{record.job_id}_0_result.pkl"
-    if result.exists():
-        with open(result, "rb") as f:
-            outcome = pickle.load(f)[0]
-        return ("COMPLETED" if outcome == "success" else "FAILED"), _format_seconds(result.stat().st_mtime -
-                                                                                     record.submitted)
+def local_state(record: JobRecord) -> JobState:
+    if not record.job_id:
+        if record.submitter:
+            return JobState("SUBMITTING", None, f"being submitted by vitctl (pid {record.submitter[0]})")
+        return JobState("UNKNOWN", None, "the vitctl that submitted it stopped before the job started; no job of it "
+                                         f"was found in {record.folder}")
+    if is_running(int(record.job_id), record.started):
+        return JobState("RUNNING", time.time() - record.submitted, "cancel requested" if record.cancelled else "")
+    result = _result(Path(record.folder) / f"{record.job_id}_0_result.pkl")
+    if result is not None:
+        (outcome, value), ended = result
+        elapsed = ended - record.submitted
+        if outcome == "success" and isinstance(value, dict) and value.get("stopped"):
+            return JobState("CANCELLED" if record.cancelled else "INTERRUPTED", elapsed,
+                            f"checkpointed at step {value['step']} on a signal: --resume continues from there")
+        return JobState("COMPLETED" if outcome == "success" else "FAILED", elapsed)
     if record.cancelled:
-        return "CANCELLED", ""
+        return JobState("CANCELLED", None)
     if not Path(record.folder).is_dir():
-        return "UNKNOWN", ""  # its run folder was deleted
+        return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
+    return JobState("FAILED", None)
+
+
+def _result(path: Path) -> tuple[tuple[str, Any], float] | None:
+    """A task's (outcome, value) as submitit pickled it, and when; None before it ends."""
     try:
-        os.kill(int(record.job_id), 0)
-    except (ProcessLookupError, ValueError):
-        return "FAILED", ""  # gone without writing a result
-    return "RUNNING", _format_seconds(time.time() - record.submitted)
+        with open(path, "rb") as f:
+            return pickle.load(f), path.stat().st_mtime
+    except (FileNotFoundError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def state_of(record: JobRecord, slurm: dict[str, JobState] | None = None) -> JobState:
+    if record.executor == "local" or not record.job_id:
+        state = local_state(record)
+    else:
+        slurm = slurm_states([record.job_id]) if slurm is None else slurm
+        state = slurm.get(record.job_id, JobState("UNKNOWN", None, "neither squeue nor sacct knows it"))
+    if state.state in FAILED:
+        state = JobState(state.state, state.elapsed_s, "; ".join(filter(None, [state.note, failure(record)])))
+    return state
+
+
+def rank_failures(record: JobRecord) -> list[tuple[int, str]]:
+    """(rank, its error in one line) of each rank that raised, the first to fail first."""
+    found = []
+    for rank in range(record.ranks):
+        result = _result(Path(record.folder) / f"{record.job_id}_{rank}_result.pkl")
+        if result is not None and result[0][0] == "error":
+            lines = [line for line in str(result[0][1]).splitlines() if line.strip()] or ["no message"]
+            last = RANK_FAILED.sub("", lines[-1])  # "rank N raised ..."; other errors come from submitit
+            found.append((result[1], rank, last if last != lines[-1] else f"rank {rank} raised {last}"))
+    return [(rank, message) for _, rank, message in sorted(found)]
+
+
+def failure(record: JobRecord) -> str:
+    """Why a job failed: the first rank's error and the log that holds its traceback."""
+    failures = rank_failures(record)
+    if failures:
+        rank, message = failures[0]
+        return f"{message} (traceback in {log_paths(record, rank)[1]})"
+    return f"no rank reported an error (killed, or out of memory?); see {log_paths(record, 0)[1]}"
 
 
 def progress(record: JobRecord) -> dict[str, Any]:
@@ -106,31 +204,95 @@ def progress(record: JobRecord) -> dict[str, Any]:
             "restarts": sum(1 for m in metrics if m.get("event") == "resume")}
 
 
+def _format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    seconds = int(seconds)
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
 def collect(records: list[JobRecord]) -> list[JobStatus]:
-    slurm = slurm_states([r.job_id for r in records if r.executor == "slurm"])
+    slurm = slurm_states([r.job_id for r in records if r.executor == "slurm" and r.job_id])
     statuses = []
     for r in records:
-        state, elapsed = slurm.get(r.job_id, ("UNKNOWN", "")) if r.executor == "slurm" else local_state(r)
+        state = state_of(r, slurm)
         unit = f"{r.gpus_per_node} GPU" if r.gpus_per_node else f"{r.tasks_per_node} CPU"
-        statuses.append(JobStatus(r.job_id, r.name, r.executor, state, f"{r.nodes}x{unit}", elapsed, **progress(r),
-                                  run_dir=r.run_dir))
+        done = progress(r)
+        if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
+            done["eta_s"] = None
+        statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, f"{r.nodes}x{unit}",
+                                  _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=state.note))
     return statuses
 
 
 def log_paths(record: JobRecord, rank: int) -> tuple[Path, Path]:
     """(stdout, stderr) of one task, as submitit names them."""
+    if not 0 <= rank < record.ranks:
+        raise UnknownJobError(f"job {record.job_id} has no rank {rank}: its ranks are 0-{record.ranks - 1} "
+                              f"({record.nodes} node(s) x {record.tasks_per_node} tasks)")
     stem = Path(record.folder) / f"{record.job_id}_{rank}_log"
     return stem.with_suffix(".out"), stem.with_suffix(".err")
 
 
-def cancel(record: JobRecord) -> None:
-    if record.executor == "slurm":
-        subprocess.run(["scancel", record.job_id], check=True, timeout=30)
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(int(record.job_id), signal.SIGTERM)  # submitit's local controller forwards it to the tasks
-    records = load_records()
-    for r in records:
-        if r.job_id == record.job_id and r.executor == "local":
-            r.cancelled = True
-    save_records(records)
+class LogTail:
+    """Some logs followed together (a task's stdout and stderr): the lines added since the last read, merged in
+    time order by the timestamp logging starts them with (the trainer's and submitit's records). A line without
+    one (a traceback, a print) keeps its place after the line before it."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.offsets = dict.fromkeys(paths, 0)
+        self.times = dict.fromkeys(paths, "")
+
+    def read(self, final: bool = False) -> str:
+        """The new whole lines; with `final`, also a last line still without its newline."""
+        streams = []
+        for path, offset in self.offsets.items():
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            if not final:
+                data = data[:data.rfind(b"\n") + 1]  # a line being written waits for the next read
+            self.offsets[path] = offset + len(data)
+            streams.append([(self._time(path, line), line) for line in data.decode(errors="replace").splitlines()])
+        return "".join(f"{line}\n" for _, line in heapq.merge(*streams, key=lambda timed: timed[0]))
+
+    def _time(self, path: Path, line: str) -> str:
+        stamp = TIMESTAMP.search(line[:40])
+        if stamp:
+            self.times[path] = stamp[0]
+        return self.times[path]
+
+
+def cancel(record: JobRecord) -> JobState | None:
+    """Ask a job to stop (its ranks checkpoint first): scancel, or SIGTERM to the local controller, which passes it
+    to the ranks. A job that has already ended is left alone: its state is returned."""
+    current = state_of(record)
+    if record.executor == "slurm" and record.job_id:
+        if current.finished:
+            return current
+        if current.state == "UNKNOWN":  # scancel would say nothing and succeed
+            raise LaunchError(f"Slurm knows no job {record.job_id} (neither squeue nor sacct lists it), so there is "
+                              "nothing to cancel; `squeue -u $USER` lists your jobs in the queue")
+        _scancel(record.job_id)
+        return None
+    if not record.job_id or not is_running(int(record.job_id), record.started):
+        return current  # ended; its PID may belong to another process by now
+    update_record(record.key, cancelled=True)  # first: whoever sees it end then knows why
+    os.kill(int(record.job_id), signal.SIGTERM)
+    return None
+
+
+def _scancel(job_id: str) -> None:
+    try:
+        done = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"scancel {job_id} did not answer within {SLURM_TIMEOUT_S} s; check that slurmctld is up "
+                          "(`scontrol ping`) and run `vitctl cancel` again") from None
+    except OSError as e:
+        raise LaunchError(f"cannot run scancel ({e.strerror}); cancel job {job_id} from a machine with the Slurm "
+                          "commands") from None
+    if done.returncode:
+        raise LaunchError(f"scancel {job_id} failed: {done.stderr.strip() or f'exit status {done.returncode}'}; "
+                          f"`squeue -j {job_id}` shows whether it is still queued")

@@ -1,35 +1,46 @@
 """Submit a training job with submitit: to Slurm (sbatch), or to this machine through its local executor.
 
-The task each rank runs is checkpointable: on the USR2 that Slurm sends before the time limit (or on
-pre-emption) every rank checkpoints at the next log step, then submitit requeues the job, and the requeued
-job resumes from that checkpoint.
+The task each rank runs checkpoints when it is told to stop: on the USR2 that Slurm sends before the time limit
+(or on pre-emption) every rank checkpoints after the next step, then submitit requeues the job, which resumes
+from that checkpoint; on SIGTERM (`scontrol requeue`, pre-emption, `vitctl cancel`) it checkpoints and ends
+within the grace time, and Slurm requeues or ends it. An error in a rank is reported as one line; its traceback
+stays in the rank's log.
 """
 
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import traceback
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import submitit
+import yaml
 
-from vitctl.trainer import checkpoint
+from vitctl.trainer import checkpoint, runlock
 from vitctl.trainer.config import ConfigError
 
+from . import registry, status
+from .errors import LaunchError
 from .job import TrainJob
-from .registry import JobRecord, add_record
+from .process import start_time, this_process
+from .registry import JobRecord
+from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
 SIGNAL_DELAY_S = 90
-
-
-class LaunchError(RuntimeError):
-    """A job could not be submitted, or a local job failed."""
+# torch.distributed's rendezvous port, from the job id: below Linux's ephemeral ports (32768-60999), which any
+# outgoing connection on the node may already hold.
+RENDEZVOUS_PORTS = range(20000, 32768)
+FAILED_RANK_GRACE_S = 10  # after one rank of a local job failed, the others' time to end before they are stopped
 
 
 @dataclass(frozen=True)
@@ -74,22 +85,45 @@ def parse_time(text: str) -> int:
     return max(1, round(seconds / 60))
 
 
-class SignalFlag:
-    """Records a signal instead of acting on it at once; `forward` hands it to the handler it replaced."""
+def rendezvous_port(job_id: str) -> int:
+    key = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())  # consecutive jobs, different ports
+    return RENDEZVOUS_PORTS[key % len(RENDEZVOUS_PORTS)]
 
-    def __init__(self, signum: int) -> None:
-        self.signum, self.received = signum, False
-        self.previous = signal.signal(signum, self._handle)
+
+class StopSignals:
+    """Records the first stop signal instead of acting on it at once: the trainer checks every step and
+    checkpoints. `forward` hands the signal to the handler it replaced (submitit's requeue on USR2)."""
+
+    def __init__(self, *signums: int) -> None:
+        self.received: int | None = None
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in signums}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
+        self.received = self.received or signum
 
     def is_set(self) -> bool:
-        return self.received
+        return self.received is not None
 
     def forward(self) -> None:
-        if callable(self.previous):
-            self.previous(self.signum, None)
+        previous = self.previous.get(self.received)
+        if callable(previous):
+            previous(self.received, None)
+
+
+class RankFailed(LaunchError):
+    """A rank's error in one line; its traceback is in the rank's log."""
+
+    def __init__(self, rank: str, error: Exception) -> None:
+        super().__init__(f"rank {rank} raised {type(error).__name__}: " + str(error).replace("\n", "; "))
+
+
+def train_rank(job: TrainJob, stop: StopSignals) -> dict[str, Any]:
+    """Run this rank; an error's traceback goes to the rank's log (stderr), and it is raised again as one line."""
+    try:
+        return job(should_stop=stop.is_set)
+    except Exception as error:
+        traceback.print_exc()
+        raise RankFailed(os.environ.get("RANK", "0"), error) from None
 
 
 class TrainTask(submitit.helpers.Checkpointable):
@@ -99,10 +133,13 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.job = job
 
     def __call__(self) -> dict[str, Any]:
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        stop = SignalFlag(signal.SIGUSR2)  # submitit's handler would requeue before we could checkpoint
-        result = self.job(should_stop=stop.is_set)
-        if result.get("stopped"):
+        rendezvous = submitit.helpers.TorchDistributedEnvironment()
+        rendezvous.master_port = rendezvous_port(submitit.JobEnvironment().job_id)
+        rendezvous.export(set_cuda_visible_devices=False, overwrite=True)
+        # Ours replace submitit's handlers: its USR2 one would requeue before we could checkpoint.
+        stop = StopSignals(signal.SIGUSR2, signal.SIGTERM)
+        result = train_rank(self.job, stop)
+        if result.get("stopped") and stop.received == signal.SIGUSR2:
             stop.forward()  # rank 0: submitit calls checkpoint() below and requeues; the others just return
         return result
 
@@ -111,9 +148,17 @@ class TrainTask(submitit.helpers.Checkpointable):
 
 
 def _sinfo_partitions() -> dict[str, dict[str, Any]]:
-    out = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%l"], capture_output=True, text=True, timeout=30)
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%l"], capture_output=True, text=True,
+                             timeout=status.SLURM_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"sinfo did not answer within {status.SLURM_TIMEOUT_S} s: slurmctld is down or "
+                          "overloaded; check `scontrol ping` and try again, or run here: --executor local") from None
+    except OSError as e:
+        raise LaunchError(f"cannot run sinfo ({e.strerror}): install the Slurm client commands, or run on this "
+                          "machine with --executor local") from None
     if out.returncode:
-        raise LaunchError(f"sinfo failed: {out.stderr.strip()}")
+        raise LaunchError(f"sinfo failed: {out.stderr.strip()}; check `scontrol ping`, or use --executor local")
     partitions = {}
     for line in out.stdout.split():
         name, nodes, cpus, gres, limit = line.split("|")
@@ -161,83 +206,167 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     checkpoint.checkpoints_to_resume(run_dir, resume)
 
 
-def make_executor(request: LaunchRequest, folder: Path, name: str) -> submitit.AutoExecutor:
-    constructor: dict[str, Any] = {"slurm_max_num_timeout": request.max_requeues}
-    if request.executor == "slurm" and request.container_image:
-        constructor["slurm_python"] = "python3"  # the container's interpreter, not this one
-    executor = submitit.AutoExecutor(folder=folder, cluster=request.executor, **constructor)
-    params: dict[str, Any] = {"name": name, "nodes": request.nodes, "tasks_per_node": request.tasks,
-                              "timeout_min": parse_time(request.time), "cpus_per_task": request.cpus_per_gpu or 1}
-    if request.gpus_per_node:
-        params["gpus_per_node"] = request.gpus_per_node
-    if request.executor == "slurm":
-        params |= {"slurm_partition": request.partition, "slurm_account": request.account,
-                   "slurm_qos": request.qos, "slurm_mem": request.mem, "slurm_signal_delay_s": SIGNAL_DELAY_S}
-        if request.container_image:
-            srun = [f"--container-image={request.container_image}"]
-            if request.container_mounts:
-                srun.append(f"--container-mounts={request.container_mounts}")
-            params["slurm_srun_args"] = srun
-        params = {k: v for k, v in params.items() if v is not None}
-    executor.update_parameters(**params)
+def _srun_args(request: LaunchRequest) -> list[str]:
+    """pyxis's flags, for each task's srun."""
+    if not request.container_image:
+        return []
+    mounts = [f"--container-mounts={request.container_mounts}"] if request.container_mounts else []
+    return [f"--container-image={request.container_image}", *mounts]
+
+
+def _python(request: LaunchRequest) -> str:
+    return "python3" if request.container_image else sys.executable  # a container's interpreter, not this one
+
+
+def make_executor(request: LaunchRequest, folder: Path, name: str) -> submitit.Executor:
+    minutes = parse_time(request.time)
+    if request.executor == "local":
+        executor = submitit.LocalExecutor(folder, max_num_timeout=request.max_requeues)
+        executor.update_parameters(tasks_per_node=request.tasks, gpus_per_node=request.gpus_per_node,
+                                   timeout_min=minutes, signal_delay_s=SIGNAL_DELAY_S)
+        return executor
+    executor = submitit.SlurmExecutor(folder, max_num_timeout=request.max_requeues, python=_python(request))
+    params: dict[str, Any] = {
+        "job_name": name, "nodes": request.nodes, "ntasks_per_node": request.tasks, "time": minutes,
+        "cpus_per_task": request.cpus_per_gpu or 1, "gpus_per_node": request.gpus_per_node or None,
+        "partition": request.partition, "account": request.account, "qos": request.qos, "mem": request.mem,
+        "signal_delay_s": SIGNAL_DELAY_S, "srun_args": _srun_args(request) or None,
+        # Requeue on preemption or node failure even where the cluster's default (JobRequeue) is off.
+        "additional_parameters": {"requeue": True}}
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    executor.update_parameters(wckey=None)  # submitit adds --wckey=submitit, which clusters with wckeys refuse
     return executor
 
 
-def sbatch_script(request: LaunchRequest, folder: Path, name: str) -> str:
-    """The script sbatch would run, without submitting anything."""
-    inner = make_executor(request, folder, name)._executor
-    return inner._make_submission_file_text(inner._submitit_command_str, "dry-run")
+def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str) -> str:
+    """A self-contained sbatch script for the job: every task runs one rank (`vitctl rank`) on the config, written
+    into the run folder when the job starts. Submittable as it is."""
+    run_dir = Path(config["train"]["out_dir"])
+    options = {"job-name": name, "nodes": request.nodes, "ntasks-per-node": request.tasks,
+               "gpus-per-node": request.gpus_per_node or None, "cpus-per-task": request.cpus_per_gpu or 1,
+               "time": parse_time(request.time), "partition": request.partition, "account": request.account,
+               "qos": request.qos, "mem": request.mem, "signal": f"USR2@{SIGNAL_DELAY_S}", "requeue": True,
+               "open-mode": "append", "output": "%x-%j.out"}  # where sbatch runs: the run folder may not exist yet
+    lines = [
+        "#!/bin/bash",
+        f"# {name}: {request.nodes} node(s) x {request.tasks} rank(s), written by `vitctl train --dry-run`.",
+        "# Submit it as it is (sbatch FILE); its log is NAME-JOBID.out where sbatch ran. Each rank resumes from the",
+        "# run folder's last checkpoint, and checkpoints on USR2 (time limit) or SIGTERM (requeue, preemption,",
+        "# scancel) before it stops.",
+        *(f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={shlex.quote(str(value))}"
+          for key, value in options.items() if value is not None),
+        "set -euo pipefail",
+        f"config={shlex.quote(str(run_dir))}/job-$SLURM_JOB_ID.yaml",
+        f"mkdir -p {shlex.quote(str(run_dir))}",
+        "cat > \"$config\" <<'VITCTL_CONFIG'",
+        yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False).rstrip("\n"),  # tuples as lists
+        "VITCTL_CONFIG",
+        shlex.join(["srun", *_srun_args(request), _python(request), "-m", "vitctl.cli", "rank", "--config"])
+        + ' "$config"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def refuse_busy_run_dir(run_dir: Path, records: list[JobRecord]) -> None:
+    """ConfigError naming the job if a live one writes to `run_dir`: one that `records` hold (pending ones too),
+    or one that holds the folder's lock."""
+    same = [r for r in records if r.run_dir == str(run_dir)]
+    slurm = slurm_states([r.job_id for r in same if r.executor == "slurm" and r.job_id])
+    for other in same:
+        state = state_of(other, slurm)
+        if state.live:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(other.submitted))
+            raise runlock.in_use(run_dir, f"job {other.job_id or '(being submitted)'} ({other.name}, {state.state}, "
+                                 f"submitted {when})", other.job_id)
+    holder = runlock.holder(run_dir)  # a job this registry does not know (another machine, plain sbatch)
+    if holder:
+        raise runlock.in_use(run_dir, runlock.describe(holder), holder.get("job"))
+
+
+def claim_run_dir(record: JobRecord) -> None:
+    """Refuse a run folder that a live job writes to; else record the job as being submitted. Both under the
+    registry's lock, so that of two launches into one folder only one passes."""
+    with registry.editing() as records:
+        refuse_busy_run_dir(Path(record.run_dir), records)
+        records.append(record)
 
 
 def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str]) -> tuple[JobRecord, Any]:
+    """Submit the job, recorded in the registry before it is submitted (so that no crash leaves it untracked)."""
     folder = job.run_dir / "submitit"
+    record = JobRecord("", request.executor, name, str(job.run_dir), str(folder), request.nodes, request.tasks,
+                       request.gpus_per_node, time.time(), command=command, submitter=list(this_process()))
+    claim_run_dir(record)
     try:
         submitted = make_executor(request, folder, name).submit(TrainTask(job))
-    except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError) as e:
+    except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError, OSError) as e:
+        registry.remove_record(record.key)
         raise LaunchError(f"submission failed: {e}") from None
-    record = JobRecord(str(submitted.job_id), request.executor, name, str(job.run_dir), str(folder),
-                       request.nodes, request.tasks, request.gpus_per_node, time.time(), command=command)
-    add_record(record)
-    return record, submitted
+    job_id = str(submitted.job_id)
+    started = start_time(int(job_id)) if request.executor == "local" else None
+    return registry.update_record(record.key, job_id=job_id, submitter=None, started=started), submitted
 
 
-def wait_local(submitted: Any, echo: Callable[[str], None]) -> dict[str, Any]:
-    """Follow rank 0's log until a local job ends; its result, or LaunchError naming the failing log."""
-    log = Path(submitted.paths.stderr)
-    offset = 0
+class TracebackFilter:
+    """Hides the Python tracebacks of a log followed live: a failed rank is reported once, in one line, and its
+    traceback stays in the log file. A traceback ends where the trainer's logging writes again."""
+
+    START = re.compile(r"(\[rank\d+\]: )?Traceback \(most recent call last\):")
+    LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[rank \d+\] ")
+
+    def __init__(self) -> None:
+        self.hiding = False
+
+    def keep(self, line: str) -> bool:
+        if self.START.match(line):
+            self.hiding = True
+        elif self.hiding and self.LOG_RECORD.match(line):
+            self.hiding = False
+        return not self.hiding
+
+
+def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Follow rank 0's log until a local job ends; rank 0's result, or LaunchError saying why it did not end well.
+    Once a rank has failed, the others get FAILED_RANK_GRACE_S to end before they are stopped (they may be
+    waiting for it in a collective)."""
+    log, hide, stop_at = LogTail([log_paths(record, 0)[1]]), TracebackFilter(), None
     while True:
         done = submitted.done()
-        if log.exists():
-            with open(log) as f:
-                f.seek(offset)
-                text = f.read()
-                offset = f.tell()
-            if text:
-                echo(text.rstrip("\n"))
+        shown = [line for line in log.read(final=done).splitlines() if hide.keep(line)]
+        if shown:
+            echo("\n".join(shown))
         if done:
             break
+        if stop_at is None and rank_failures(record):
+            stop_at = time.monotonic() + FAILED_RANK_GRACE_S
+        if stop_at is not None and time.monotonic() > stop_at:
+            submitted.cancel()  # once: a second SIGINT would cut short the controller's stopping of the ranks
+            stop_at = float("inf")
         time.sleep(0.5)
-    try:
+    state = state_of(registry.reload(record))  # `vitctl cancel` may have marked it meanwhile
+    if state.state == "COMPLETED":
         return submitted.results()[0]
-    except submitit.core.utils.FailedJobError as e:
-        raise LaunchError(f"job {submitted.job_id} failed; logs in {log.parent}\n{str(e)[-2000:]}") from None
+    if state.state in ("INTERRUPTED", "CANCELLED"):
+        raise LaunchError(f"job {record.job_id} was stopped ({state.state.lower()}): {state.note}")
+    raise LaunchError(f"job {record.job_id} failed: {state.note}")
 
 
 def command_line() -> list[str]:
     return [Path(sys.argv[0]).name, *sys.argv[1:]]
 
 
-
 def run_rank(job: TrainJob) -> dict[str, Any]:
     """One rank of a job that srun (a plain sbatch script) or torchrun started.
 
-    On USR2 every rank checkpoints; rank 0 then requeues the Slurm job, which resumes from that checkpoint.
+    On USR2 every rank checkpoints; rank 0 then requeues the Slurm job, which resumes from that checkpoint. On
+    SIGTERM every rank checkpoints and ends: Slurm requeues or ends the job.
     """
     if "SLURM_JOB_ID" in os.environ and "RANK" not in os.environ:
         os.environ.update(srun_torch_env(os.environ))
-    stop = SignalFlag(signal.SIGUSR2)
-    result = job(should_stop=stop.is_set)
-    if result.get("stopped") and os.environ.get("RANK", "0") == "0" and "SLURM_JOB_ID" in os.environ:
+    stop = StopSignals(signal.SIGUSR2, signal.SIGTERM)
+    result = train_rank(job, stop)
+    if (result.get("stopped") and stop.received == signal.SIGUSR2 and os.environ.get("RANK", "0") == "0"
+            and "SLURM_JOB_ID" in os.environ):
         subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
     return result
 
@@ -247,4 +376,4 @@ def srun_torch_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
     hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
                            text=True, check=True, timeout=30).stdout.split()
     return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env["SLURM_LOCALID"],
-            "MASTER_ADDR": hosts[0], "MASTER_PORT": str(20000 + int(env["SLURM_JOB_ID"]) % 20000)}
+            "MASTER_ADDR": hosts[0], "MASTER_PORT": str(rendezvous_port(env["SLURM_JOB_ID"]))}

@@ -1,5 +1,6 @@
 """Turn CLI choices into a validated run config and a launch: Slurm or this machine, both through submitit."""
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +11,16 @@ from vitctl.trainer.config import ConfigError, RunConfig, load_config
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.preflight import preflight
 
+from . import registry
+from .errors import LaunchError
 from .job import TrainJob
 from .registry import JobRecord
 from .submit import (
-    LaunchError,
     LaunchRequest,
     check_run_dir,
     command_line,
     default_executor,
+    refuse_busy_run_dir,
     run_rank,
     sbatch_script,
     submit,
@@ -46,7 +49,7 @@ def visible_gpus() -> int:
 def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: bool, echo) -> JobRecord | str:
     """Validate, then submit (Slurm: returns at once) or run (local: waits, echoing rank 0's log).
 
-    With `dry_run`, returns the sbatch script and submits nothing.
+    With `dry_run`, returns an sbatch script that runs the job and submits nothing.
     """
     if request.executor == "local" and request.gpus_per_node > visible_gpus():
         raise ConfigError(f"--gpus {request.gpus_per_node} but this machine has {visible_gpus()} CUDA devices; "
@@ -58,19 +61,21 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if config.finetune.from_ckpt:
         config.finetune.from_ckpt = str(Path(config.finetune.from_ckpt).absolute())
     name = f"{config.model.name}-{run_dir.name}"
-    if request.executor == "slurm" and not dry_run:
-        validate_slurm(request)
+    if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
+        validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
     # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
     preflight(config, request.nodes * request.tasks, local_device)
     if dry_run:
-        return sbatch_script(request, run_dir / "submitit", name)
+        checkpoint.checkpoints_to_resume(run_dir, resume)  # the script's ranks resume: only with --resume
+        return sbatch_script(config.to_dict(), request, name)
+    refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
     check_run_dir(run_dir, resume)
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
     job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
     record, submitted = submit(job, request, name, command_line())
     if request.executor == "local":
-        wait_local(submitted, echo)
+        wait_local(submitted, record, echo)
     return record
 
 

@@ -2,6 +2,7 @@
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,14 +34,46 @@ def init_distributed(use_cuda: bool) -> DistEnv:
     return DistEnv(rank, world, local_rank, device)
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    if not dist.is_initialized():
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
-
-
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class StopVote:
+    """Whether any rank was asked to stop, agreed by all ranks every step. Each step's votes are summed while the
+    next step runs and read after it, so that no step waits for the host: every rank stops after the same step,
+    one step after the first request."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.zeros(1, pin_memory=device.type == "cuda")  # where a CUDA sum lands, read after its event
+        self.pending: tuple[Any, torch.cuda.Event | None] | None = None
+
+    def agreed(self, requested: bool) -> bool:
+        """Cast this step's vote; True when the previous step's votes asked to stop."""
+        if not dist.is_initialized():
+            return requested
+        stop = self.close()
+        vote = torch.full((1,), float(requested), device=self.device)
+        work = dist.all_reduce(vote, async_op=True)
+        if self.device.type == "cuda":
+            work.wait()  # the stream waits for the sum, the host does not
+            self.host.copy_(vote, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending = None, event
+        else:
+            self.host, self.pending = vote, (work, None)
+        return stop
+
+    def close(self) -> bool:
+        """Wait for the outstanding vote (before the process group goes away); True if it asked to stop."""
+        if self.pending is None:
+            return False
+        work, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        else:
+            work.wait()
+        return self.host.item() > 0

@@ -1,0 +1,91 @@
+"""The job registry under real concurrency (separate processes), damage and interrupted submissions."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vitctl.workflows import registry
+from vitctl.workflows.process import start_time
+from vitctl.workflows.registry import JobRecord
+
+VITCTL = Path(sys.executable).parent / "vitctl"
+ADD_MANY = """
+import sys, time
+from vitctl.workflows.registry import JobRecord, add_record
+for i in range(int(sys.argv[2])):
+    add_record(JobRecord(f"{sys.argv[1]}-{i}", "local", "n", "/r", "/r/submitit", 1, 1, 0, time.time()))
+"""
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def record(job_id: str, run_dir: str = "/runs/a", **fields) -> JobRecord:
+    return JobRecord(job_id, "local", "vit_micro-a", run_dir, f"{run_dir}/submitit", 1, 2, 0, time.time(), **fields)
+
+
+def test_concurrent_writers_lose_nothing(home):
+    writers = [subprocess.Popen([sys.executable, "-c", ADD_MANY, f"w{w}", "20"]) for w in range(4)]
+    assert [w.wait(timeout=120) for w in writers] == [0] * 4
+    ids = [r.job_id for r in registry.load_records()]
+    assert sorted(ids) == sorted(f"w{w}-{i}" for w in range(4) for i in range(20))
+    assert json.loads(registry.backup_path().read_text()) == json.loads(registry.registry_path().read_text())
+    assert sorted(p.name for p in home.iterdir()) == ["jobs.json", "jobs.json.bak", "jobs.lock"]  # no temporaries
+
+
+def test_a_damaged_registry_is_recovered_from_its_backup_and_reported(home):
+    for job_id in ("101", "102"):
+        registry.add_record(record(job_id, f"/runs/{job_id}"))
+    text = registry.registry_path().read_text()
+    registry.registry_path().write_text(text[: len(text) // 2])  # half written, as a crash or a full disk leaves it
+    listed = subprocess.run([VITCTL, "status"], capture_output=True, text=True, env=os.environ)
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    assert "101" in listed.stdout and "102" in listed.stdout
+    assert f"warning: {registry.registry_path()} was damaged" in listed.stderr
+    assert f"recovered 2 jobs from {registry.backup_path()}" in listed.stderr
+    damaged = list(home.glob("jobs.json.damaged-*"))
+    assert len(damaged) == 1 and damaged[0].read_text() == text[: len(text) // 2]  # kept for the user
+    assert {"101", "102"} <= {r.job_id for r in registry.load_records()}  # mended for good
+
+
+def test_without_a_good_backup_the_registry_starts_empty_and_says_so(home):
+    registry.add_record(record("101"))
+    registry.registry_path().write_text("[{")
+    registry.backup_path().write_text("")
+    listed = subprocess.run([VITCTL, "jobs"], capture_output=True, text=True, env=os.environ)
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr
+    assert "recovered no jobs from" in listed.stderr and "(missing or damaged too)" in listed.stderr
+    assert all(r.executor == "slurm" for r in registry.load_records())  # only what sacct still knows
+
+
+def test_an_interrupted_submission_is_settled_from_the_job_folder(home, tmp_path):
+    """vitctl killed after the job was submitted and before it recorded the id: the record it made beforehand
+    gets the id of the job submitit left in the folder."""
+    gone = subprocess.Popen(["sleep", "0"])
+    submitter = [gone.pid, start_time(gone.pid) or 1]
+    gone.wait()
+    folder = tmp_path / "run/submitit"
+    folder.mkdir(parents=True)
+    pending = record("", str(tmp_path / "run"), submitter=submitter)
+    registry.add_record(pending)
+    (folder / "4242_submitted.pkl").write_bytes(b"")  # what submitit writes once it has the id
+    settled = registry.load_records()
+    assert [(r.job_id, r.submitter) for r in settled] == [("4242", None)]
+    assert registry.find_record("run").job_id == "4242"
+
+
+def test_a_submission_in_progress_is_left_to_its_submitter(home):
+    pending = record("", submitter=[os.getpid(), start_time(os.getpid())])
+    registry.add_record(pending)
+    assert registry.load_records()[0].submitter == pending.submitter
+    from vitctl.workflows import status
+
+    assert status.state_of(pending).state == "SUBMITTING"

@@ -1,0 +1,85 @@
+"""The run folder's lock (`job.lock`), held by rank 0 while a job trains, so that a second job into the folder of a
+running one (two writers of one checkpoint and one metrics.jsonl) is refused, however either was launched."""
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from .config import ConfigError
+
+log = logging.getLogger("vitctl.runlock")
+LOCK = "job.lock"
+WAIT_S = 5.0  # a launch that checks the lock holds it for an instant; a job holds it until it ends
+UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # e.g. Lustre mounted without flock
+
+
+def describe(holder: dict[str, Any]) -> str:
+    if not holder.get("pid"):
+        return "a job that is starting"  # its lock was taken, its details not yet written
+    since = time.strftime("%Y-%m-%d %H:%M", time.localtime(holder["since"]))
+    job = f"job {holder['job']}" if holder.get("job") else "a job"
+    return f"{job} (pid {holder['pid']} on {holder['host']}, since {since})"
+
+
+def in_use(run_dir: Path, who: str, job: str | None) -> ConfigError:
+    cancel = f"cancel it (`vitctl cancel {job}`)" if job else "cancel it"
+    return ConfigError(f"run folder {run_dir} is in use by {who}; wait for it to end, {cancel}, or choose another "
+                       "--out")
+
+
+def holder(run_dir: Path) -> dict[str, Any] | None:
+    """Who holds the run folder's lock now (job, pid, host, since), or None."""
+    try:
+        with open(run_dir / LOCK) as f:
+            if _try_lock(f, fcntl.LOCK_SH):
+                return None
+            return _read(f)
+    except OSError:  # no lock file (no job ran there), or a folder this user cannot read: nothing holds it
+        return None
+
+
+@contextlib.contextmanager
+def holding(run_dir: Path) -> Iterator[None]:
+    """Hold the run folder's lock for the block; ConfigError naming the holder if another job has it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOCK, "a+") as f:
+        deadline = time.monotonic() + WAIT_S
+        while not _try_lock(f, fcntl.LOCK_EX):
+            if time.monotonic() > deadline:
+                other = _read(f)
+                raise in_use(run_dir, describe(other), other.get("job"))
+            time.sleep(0.2)
+        f.truncate(0)
+        f.write(json.dumps({"job": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+                            "pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        f.flush()
+        yield
+
+
+def _try_lock(f: IO[str], kind: int) -> bool:
+    try:
+        fcntl.flock(f, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in UNSUPPORTED:
+            raise
+        log.warning("%s: this filesystem has no flock (%s); a second job into this run folder is not refused",
+                    f.name, e.strerror)
+    return True
+
+
+def _read(f: IO[str]) -> dict[str, Any]:
+    f.seek(0)
+    try:
+        return json.loads(f.read())
+    except json.JSONDecodeError:
+        return {}  # written at the very moment it was read

@@ -1,0 +1,5 @@
+"""The error type of launching and controlling jobs (bad configurations raise trainer.config.ConfigError)."""
+
+
+class LaunchError(RuntimeError):
+    """A job could not be submitted, signalled or cancelled, or a local job failed."""

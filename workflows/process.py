@@ -1,0 +1,34 @@
+"""Which process a PID names now: a PID is reused once its process ends, so a recorded PID is checked against the
+start time recorded with it before anything is sent to it."""
+
+import os
+from pathlib import Path
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat field 22); None if it is gone (or a
+    zombie, which has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name before ")" may hold spaces
+    state, started = fields[0], fields[19]  # fields 3 and 22
+    return None if state in ("Z", "X") else int(started)
+
+
+def is_running(pid: int, started: int | None) -> bool:
+    """Process `pid` is alive and is the one that started at `started` (not a later process given the same PID)."""
+    return started is not None and start_time(pid) == started
+
+
+def this_process() -> tuple[int, int]:
+    pid = os.getpid()
+    return pid, start_time(pid) or 0
+
+
+def started_at(ticks: int) -> float:
+    """A start time (clock ticks since boot) as unix time."""
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
