@@ -40,6 +40,7 @@ with _quiet_interrupt():
     from vitctl.workflows.train import ConfigError, LaunchError
 
     from .bench import bench, doctor
+    from .config import config
     from .console import err_console
     from .data import data
     from .export import export
@@ -69,6 +70,7 @@ def cli() -> None:
 
 
 cli.add_command(data)
+cli.add_command(config)
 cli.add_command(train)
 cli.add_command(finetune)
 cli.add_command(bench)

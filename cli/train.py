@@ -95,11 +95,14 @@ def print_summary(run_dir: Path) -> None:
     records = wf.read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
     evals = {r["step"]: r for r in records if "eval_top1" in r}
-    table = Table("step", "loss", "images/s", "eval top-1", "eval top-5", title=f"{run_dir}")
+    ema = any("eval_ema_top1" in r for r in evals.values())  # runs with train.ema_decay
+    keys = ["eval_top1", "eval_top5", *(["eval_ema_top1"] if ema else [])]
+    table = Table("step", "loss", "images/s", "eval top-1", "eval top-5", *(["EMA top-1"] if ema else []),
+                  title=f"{run_dir}")
     for record in steps[-5:]:
         match = evals.get(record["step"], {})
         table.add_row(str(record["step"]), f"{record['loss']:.4f}", f"{record['images_per_s']:.1f}",
-                      f"{match['eval_top1']:.2f}" if match else "", f"{match['eval_top5']:.2f}" if match else "")
+                      *(f"{match[key]:.2f}" if match else "" for key in keys))
     console.print(table)
     last = wf.checkpoint.list_checkpoints(run_dir)
     if last:

@@ -1,6 +1,7 @@
 import pytest
 
 from vitctl.trainer.config import PRESETS, ConfigError, load_config, parse_override
+from vitctl.trainer.preflight import preflight
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.yaml")))
@@ -39,7 +40,7 @@ def test_a_compile_mode_needs_compile():
 
 def test_data_path_is_required_unless_synthetic():
     with pytest.raises(ConfigError, match="data.path is required"):
-        load_config("vit_b16_pretrain")
+        preflight(load_config("vit_b16_pretrain"), 1, None)
     assert load_config("vit_b16_pretrain", ["data.source=synthetic"]).data.path is None
 
 

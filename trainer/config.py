@@ -108,6 +108,12 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_yaml(self) -> str:
+        """Every section and key, defaults included, as a preset file that loads back to this config."""
+        lists = {section: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+                 for section, values in self.to_dict().items()}  # safe_dump refuses tuples (optim.betas)
+        return yaml.safe_dump(lists, sort_keys=False)
+
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
     origin = typing.get_origin(kind)
@@ -221,7 +227,6 @@ def validate(c: RunConfig) -> None:
          f"train.compile_mode={c.train.compile_mode} needs train.compile=true"),
         (c.data.source in ("auto", "dali", "webdataset", "synthetic"),
          f"data.source must be auto, dali, webdataset or synthetic, got {c.data.source!r}"),
-        (c.data.source == "synthetic" or c.data.path is not None, "data.path is required (or data.source=synthetic)"),
         (c.data.batch_size >= 1, "data.batch_size must be at least 1"),
         (c.data.workers >= 0, "data.workers must be at least 0"),
         (c.model.num_classes >= 2, "model.num_classes must be at least 2"),

@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from . import checkpoint as ckpt
 from . import runlock
@@ -46,16 +48,49 @@ class Position:
 
 
 class EMA:
-    """Exponential moving average of the weights, in fp32 (sharded like them under FSDP)."""
+    """Exponential moving average of the fp32 weights (sharded like them under FSDP), by torch's EMA rule.
+
+    Not torch's AveragedModel nor timm's ModelEmaV3: both deep-copy the module, which FSDP2 refuses ("FSDP does not
+    support deepcopy"). The shadow is a dict of tensors named like the parameters: what checkpoints hold under "ema".
+    """
 
     def __init__(self, weights: nn.Module, decay: float) -> None:
         self.decay = decay
-        self.shadow = {n: p.detach().float().clone() for n, p in weights.named_parameters()}
+        self.average = get_ema_multi_avg_fn(decay)
+        self.shadow = {n: p.detach().clone() for n, p in weights.named_parameters()}
 
     @torch.no_grad()
     def update(self, weights: nn.Module) -> None:
-        for name, param in weights.named_parameters():
-            self.shadow[name].lerp_(param.detach().float(), 1 - self.decay)
+        self.average(list(self.shadow.values()), [p.detach() for _, p in weights.named_parameters()], None)
+
+    @contextlib.contextmanager
+    def swapped_into(self, module: nn.Module) -> Iterator[None]:
+        """The EMA copied into `module`'s parameters (cast to bf16 for a bf16 model) while inside, its own weights
+        after. In place, so the compiled forward and its CUDA graphs (which hold the parameters' addresses) run it
+        as they are, and under bf16-pure the fp32 masters are never touched."""
+        _reshard(module)
+        params = list(module.parameters())
+        trained = [p.detach().clone() for p in params]
+        _copy(params, list(self.shadow.values()))
+        try:
+            yield
+        finally:
+            _reshard(module)
+            _copy(params, trained)
+
+
+@torch.no_grad()
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    for target, source in zip(targets, sources, strict=True):  # one by one: DTensor has no _foreach_copy_
+        target.copy_(source)
+
+
+def _reshard(module: nn.Module) -> None:
+    """FSDP2 keeps the root's parameters gathered after a forward with no backward (an eval's): shard them again,
+    so that the parameters are the DTensor shards the EMA mirrors and the next forward gathers what they hold."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 class Trainer:
@@ -211,10 +246,20 @@ class Trainer:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Top-1, top-5 and loss on the eval split, of the weights and (`eval_ema_*`) of their EMA when kept."""
         if self.data.eval is None:
             return {}
+        result = self._evaluate_weights()
+        if self.ema:
+            with self.ema.swapped_into(self.par.module):  # its parameters come in the order of `weights`
+                ema = self._evaluate_weights()
+            result.update({f"eval_ema_{key.removeprefix('eval_')}": ema[key]
+                           for key in ("eval_top1", "eval_top5", "eval_loss")})
+        return result
+
+    @torch.no_grad()
+    def _evaluate_weights(self) -> dict[str, float]:
         self.par.module.eval()
         sums = torch.zeros(4, dtype=torch.float64, device=self.env.device)  # top-1, top-5, count, loss
         for batch in self.data.eval():

@@ -85,6 +85,8 @@ def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
     c, global_batch = config.data, config.data.batch_size * dp_size
     if c.source == "synthetic":
         samples, classes = c.train_samples, None
+    elif c.path is None:  # checked here, not when loading: `vitctl config show` prints a preset without data
+        return ["data.path is required (or data.source=synthetic)"]
     else:
         folder = Path(c.path)
         try:

@@ -29,17 +29,24 @@ from .submit import (
 )
 
 __all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfig", "build_config", "checkpoint",
-           "default_executor", "launch", "read_metrics", "run_one_rank", "visible_gpus"]
+           "default_executor", "launch", "read_metrics", "resolved_yaml", "run_one_rank", "visible_gpus"]
 
 
 def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]) -> RunConfig:
     """Preset < flags (e.g. {"data": {"path": ...}}) < `--set` overrides, validated; paths checked up front."""
     config = load_config(preset, overrides, flags)
+    if config.data.source != "synthetic" and config.data.path is None:
+        raise ConfigError("data.path is required (or data.source=synthetic): pass --data SHARDS")
     if config.data.source != "synthetic" and not Path(config.data.path).is_dir():
         raise ConfigError(f"data.path {config.data.path} is not a folder; prepare one with `vitctl data shard`")
     if config.finetune.from_ckpt and not Path(config.finetune.from_ckpt).exists():
         raise ConfigError(f"--from-ckpt {config.finetune.from_ckpt}: no such file or folder")
     return config
+
+
+def resolved_yaml(preset: str, overrides: list[str]) -> str:
+    """The config `vitctl train --config PRESET --set ...` would run, every key included, as YAML."""
+    return load_config(preset, overrides).to_yaml()
 
 
 def visible_gpus() -> int:

@@ -1,0 +1,20 @@
+"""`vitctl config show`: the fully resolved config of a preset and overrides, as YAML."""
+
+import click
+
+from vitctl.workflows import train as wf
+
+
+@click.group()
+def config() -> None:
+    """Inspect run configs."""
+
+
+@config.command()
+@click.argument("preset")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override any config value, as `vitctl train --set` does (repeatable).")
+def show(preset: str, overrides: tuple[str, ...]) -> None:
+    """Print the config PRESET (a preset name or a YAML file, as --config takes) resolves to, defaults included; the
+    output loads back as a preset file."""
+    click.echo(wf.resolved_yaml(preset, list(overrides)), nl=False)
