@@ -49,7 +49,7 @@ class AugmentConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3  # for a global batch of 1024; scaled linearly with the real global batch
+    lr: float = 1e-3  # for a global batch of 512 (loop.LR_REFERENCE_BATCH); scaled linearly with the real one
     min_lr: float = 1e-5
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)
