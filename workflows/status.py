@@ -284,15 +284,19 @@ def cancel(record: JobRecord) -> JobState | None:
     return None
 
 
-def _scancel(job_id: str) -> None:
+def slurm_command(args: list[str], fix: str) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm client command; LaunchError, ending with `fix`, when it is missing or slurmctld does not answer."""
     try:
-        done = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+        return subprocess.run(args, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise LaunchError(f"scancel {job_id} did not answer within {SLURM_TIMEOUT_S} s; check that slurmctld is up "
-                          "(`scontrol ping`) and run `vitctl cancel` again") from None
+        raise LaunchError(f"{args[0]} did not answer within {SLURM_TIMEOUT_S} s: slurmctld is down or overloaded; "
+                          f"check `scontrol ping`, then {fix}") from None
     except OSError as e:
-        raise LaunchError(f"cannot run scancel ({e.strerror}); cancel job {job_id} from a machine with the Slurm "
-                          "commands") from None
+        raise LaunchError(f"cannot run {args[0]} ({e.strerror}): install the Slurm client commands, or {fix}") from None
+
+
+def _scancel(job_id: str) -> None:
+    done = slurm_command(["scancel", job_id], f"run `vitctl cancel {job_id}` again (from a machine with Slurm)")
     if done.returncode:
         raise LaunchError(f"scancel {job_id} failed: {done.stderr.strip() or f'exit status {done.returncode}'}; "
                           f"`squeue -j {job_id}` shows whether it is still queued")

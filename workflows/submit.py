@@ -148,15 +148,8 @@ class TrainTask(submitit.helpers.Checkpointable):
 
 
 def _sinfo_partitions() -> dict[str, dict[str, Any]]:
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%l"], capture_output=True, text=True,
-                             timeout=status.SLURM_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise LaunchError(f"sinfo did not answer within {status.SLURM_TIMEOUT_S} s: slurmctld is down or "
-                          "overloaded; check `scontrol ping` and try again, or run here: --executor local") from None
-    except OSError as e:
-        raise LaunchError(f"cannot run sinfo ({e.strerror}): install the Slurm client commands, or run on this "
-                          "machine with --executor local") from None
+    out = status.slurm_command(["sinfo", "-h", "-o", "%P|%D|%c|%G|%l"],
+                               "try again, or run on this machine with --executor local")
     if out.returncode:
         raise LaunchError(f"sinfo failed: {out.stderr.strip()}; check `scontrol ping`, or use --executor local")
     partitions = {}
