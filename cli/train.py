@@ -9,7 +9,7 @@ from vitctl.workflows import train as wf
 
 from .console import console, err_console
 
-PRECISIONS = click.Choice(["fp32", "bf16", "fp16", "bf16-pure"])
+PRECISIONS = click.Choice(list(wf.PRECISIONS))
 
 
 def run_options(command):

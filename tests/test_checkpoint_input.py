@@ -18,6 +18,7 @@ from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, ModelConfig, load_config
 from vitctl.trainer.loop import train
 from vitctl.trainer.models import build_model
+from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.ops import resolve
 from vitctl.trainer.pretrained import load_pretrained, read_state_dict
 
@@ -208,7 +209,7 @@ def test_an_export_carries_a_checksum_that_is_verified(pretrained, weights, tmp_
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_non_finite_foreign_weights_name_the_tensor(weights, tmp_path, suffix):
-    state = {k: v.clone() for k, v in weights.items()}
+    state = {k: v.clone() for k, v in timm_layout(weights).items()}  # timm's shapes, as foreign weights have them
     state["blocks.1.attn.qkv.weight"][3, :2] = torch.tensor([float("inf"), float("nan")])
     source = tmp_path / f"timm{suffix}"
     save_file(state, source) if suffix == ".safetensors" else torch.save(state, source)

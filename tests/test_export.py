@@ -11,6 +11,7 @@ from conftest import CLASSES, ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.loop import train
+from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import read_state_dict
 
 BASE = [f"model.num_classes={CLASSES}", "model.img_size=32", "data.batch_size=8", "data.workers=0",
@@ -37,7 +38,7 @@ def test_export_has_timm_names_and_timm_loads_it(prepared_shards, tmp_path):
     weights = load_file(tmp_path / "vit.safetensors")
     model = timm.create_model("vit_small_patch16_224", img_size=32, num_classes=CLASSES)
     model.load_state_dict(weights, strict=True)
-    saved = ckpt.consolidated(ckpt.list_checkpoints(tmp_path / "run")[-1])
+    saved = timm_layout(ckpt.consolidated(ckpt.list_checkpoints(tmp_path / "run")[-1]))
     assert all(torch.equal(weights[k], saved[k]) for k in saved)
 
 
@@ -45,8 +46,8 @@ def test_export_of_a_step_and_of_the_ema(micro_run, tmp_path):
     result = ok("export", micro_run, "--step", 2, "--ema", "--out", tmp_path / "ema.safetensors")
     assert "EMA of" in result.output and "step-00000002" in result.output
     ema = load_file(tmp_path / "ema.safetensors")
-    assert all(torch.equal(ema[k], v) for k, v in ckpt.consolidated(micro_run / "checkpoints/step-00000002",
-                                                                      "ema").items())
+    saved = timm_layout(ckpt.consolidated(micro_run / "checkpoints/step-00000002", "ema"))
+    assert all(torch.equal(ema[k], v) for k, v in saved.items())
     assert not list(tmp_path.glob(".*partial"))
 
 

@@ -18,6 +18,7 @@ from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, ParallelConfig
 from vitctl.trainer.parallel import ParallelDims, build_mesh, parallel_dims
 from vitctl.trainer.parallel.data_parallel import ReduceAfterBackward, apply_ddp
+from vitctl.trainer.parallel.strategy import strategy_from_config
 from vitctl.trainer.precision import MasterWeights
 
 WORLD = 2
@@ -33,7 +34,7 @@ def _bf16_replicated_rank(rank: int, init: str, results: dict, backend: str, red
     model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8)).to(device)
     master = MasterWeights(model)  # the model is now bf16
     plain = copy.deepcopy(model)  # the same bf16 weights, outside DDP: this rank's own gradients
-    mesh = build_mesh(ParallelDims(WORLD, 1), device)
+    mesh = build_mesh(ParallelDims(1, WORLD, 1, 1), device)
     if reduce == "overlap":
         ddp, sync = apply_ddp(model, mesh, master), lambda: None
     else:
@@ -74,16 +75,18 @@ def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path, backend, r
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize(("fsdp", "dp_shard", "world", "dims"), [
-    (False, -1, 4, (4, 1)), (True, -1, 4, (1, 4)), (True, 2, 4, (2, 2)), (True, 3, 6, (2, 3))])
-def test_mesh_shape(fsdp, dp_shard, world, dims):
-    shape = parallel_dims(ParallelConfig(fsdp=fsdp, dp_shard=dp_shard), world)
-    assert (shape.dp_replicate, shape.dp_shard) == dims and shape.dp_size == world
+@pytest.mark.parametrize(("parallel", "world", "dims"), [
+    (dict(fsdp=False), 4, (1, 4, 1, 1)), (dict(fsdp=True), 4, (1, 1, 4, 1)),
+    (dict(fsdp=True, dp_shard=2), 4, (1, 2, 2, 1)), (dict(fsdp=True, dp_shard=3), 6, (1, 2, 3, 1)),
+    (dict(tp=2, pp=2), 8, (2, 2, 1, 2)), (dict(tp=2, pp=2, fsdp=True, dp_shard=2), 16, (2, 2, 2, 2))])
+def test_mesh_shape(parallel, world, dims):
+    shape = parallel_dims(strategy_from_config(ParallelConfig(**parallel), 4), world)
+    assert (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp) == dims and shape.world_size == world
 
 
 def test_a_shard_degree_that_does_not_divide_the_ranks_is_refused():
-    with pytest.raises(ConfigError, match="parallel.dp_shard=3 does not divide the 4 ranks"):
-        parallel_dims(ParallelConfig(fsdp=True, dp_shard=3), 4)
+    with pytest.raises(ConfigError, match="parallel.dp_shard=3 does not divide the 4 data-parallel ranks"):
+        parallel_dims(strategy_from_config(ParallelConfig(fsdp=True, dp_shard=3), 4), 4)
 
 
 RESHARD = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",

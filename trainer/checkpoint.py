@@ -203,6 +203,17 @@ def saved_keys(path: Path) -> set[str]:
     return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
+def shape_mismatches(path: Path, model: dict[str, torch.Tensor]) -> list[str]:
+    """The model tensors whose saved (whole) shape differs from this run's, as 'name saved -> now'."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    found = []
+    for name, tensor in model.items():
+        meta = stored.get(f"model.{name}")
+        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
+            found.append(f"{name} {tuple(meta.size)} -> {tuple(tensor.shape)}")
+    return found
+
+
 def consolidated(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Whole tensors of one part of a checkpoint (`model` or `ema`), named as the model names its parameters;
     gathered from every rank's shards by one process, after the checkpoint's checksums are verified."""

@@ -68,7 +68,6 @@ class TrainConfig:
     fused: str = "all"  # all | none | comma-separated seams
     compile: bool = False
     compile_mode: str = "default"  # reduce-overhead: CUDA graphs, for steps whose kernel launches outrun the GPU
-    activation_checkpointing: bool = False
     ema_decay: float | None = None
     seed: int = 0
     log_every: int = 20
@@ -86,6 +85,13 @@ class ParallelConfig:
     # Replicated weights: "after_backward" reduces all gradients at once (fastest within a node), "overlap" reduces
     # DDP's buckets during the backward (across nodes, where the transfer is slow), "auto" picks by the ranks' nodes.
     grad_reduce: str = "auto"
+    tp: int = 1  # tensor-parallel degree: each block's heads and MLP split over this many ranks of a node
+    pp: int = 1  # pipeline stages, each on its own ranks
+    microbatches: int = 1  # with pp: micro-batches per step, each data.batch_size / microbatches samples
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b
+    stages: list[int] = field(default_factory=list)  # blocks per stage; empty: as even as possible
+    checkpoint: str = "none"  # activation checkpointing per block: none | selective | full
+    plan: str | None = None  # a JSON plan from `vitctl plan`: the strategy per block (replaces the keys above)
 
 
 @dataclass
@@ -128,6 +134,10 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         if not isinstance(value, list | tuple) or len(value) != len(items):
             raise ConfigError(f"{key}: expected a list of {len(items)} values, got {value!r}")
         return tuple(_coerce(v, t, key) for v, t in zip(value, items, strict=True))
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, typing.get_args(kind)[0], key) for v in value]
     if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if kind is float and isinstance(value, str):  # YAML 1.1 reads 5e-3 (no dot) as a string
@@ -143,7 +153,8 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
 
 
 # Keys that moved, with what replaces them: a preset or --set written for an older vitctl gets told.
-MOVED = {"train.parallel": "parallel.fsdp (train.parallel=fsdp is now parallel.fsdp=true)"}
+MOVED = {"train.parallel": "parallel.fsdp (train.parallel=fsdp is now parallel.fsdp=true)",
+         "train.activation_checkpointing": "parallel.checkpoint (true is now parallel.checkpoint=full)"}
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:

@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from . import checkpoint as ckpt
@@ -31,8 +33,8 @@ from .metrics import MetricsWriter, mfu
 from .models import build_model
 from .ops import resolve
 from .optim import build_optimizer, lr_at, param_groups, set_lr
-from .parallel import DistEnv, StopVote, build_mesh, init_distributed, parallelize, shutdown
-from .precision import Precision
+from .parallel import DistEnv, StopVote, build_mesh, init_distributed, parallel_dims, parallelize, shutdown
+from .precision import Precision, clip_gradients
 from .preflight import preflight
 from .pretrained import load_pretrained
 
@@ -61,7 +63,11 @@ class EMA:
 
     @torch.no_grad()
     def update(self, weights: nn.Module) -> None:
-        self.average(list(self.shadow.values()), [p.detach() for _, p in weights.named_parameters()], None)
+        pairs = list(zip(self.shadow.values(), [p.detach() for p in weights.parameters()], strict=True))
+        for sharded in (False, True):  # foreach kernels take no mix of DTensors (tensor parallel) and tensors
+            part = [(s, p) for s, p in pairs if isinstance(p, DTensor) == sharded]
+            if part:
+                self.average([s for s, _ in part], [p for _, p in part], None)
 
     @contextlib.contextmanager
     def swapped_into(self, module: nn.Module) -> Iterator[None]:
@@ -97,15 +103,22 @@ class Trainer:
     def __init__(self, config: RunConfig, env: DistEnv, resume: bool) -> None:
         self.c, self.env, self.run_dir = config, env, Path(config.train.out_dir)
         checkpoints = ckpt.checkpoints_to_resume(self.run_dir, resume)
-        self.mesh = build_mesh(preflight(config, env.world_size, env.device, resuming=bool(checkpoints)), env.device)
+        self.strategy = preflight(config, env.world_size, env.device, resuming=bool(checkpoints))
+        self.mesh = build_mesh(parallel_dims(self.strategy, env.world_size), env.device)
         self.data = build_data(config, self.mesh.dp_rank, self.mesh.dp_size, env.device)
         self.ops = resolve(config.train.fused, env.device, compiling=config.train.compile)
         self.precision = Precision(config.train.precision, env.device)
         _seed(config.train.seed)  # the same initial weights on every rank
         model = self._build_model(load_weights=not checkpoints)
-        _seed(config.train.seed + env.rank)  # each rank's own drop path and mixup
-        self.par = parallelize(model, self.mesh, self.precision, config.train, config.parallel.grad_reduce,
-                                config.optim.accum_steps)
+        self.flops_per_image = model.flops_per_image()  # of the whole model: a pipeline stage keeps part of it
+        # Each data-parallel rank its own drop path and mixup. The ranks of one data-parallel coordinate draw the
+        # same mixup (a pipeline's first stage mixes the images, its last the targets) and, within a stage, the same
+        # drop path (a tensor-parallel group's ranks hold one copy of the activations).
+        _seed(config.train.seed + self.mesh.dp_rank)
+        if self.mesh.pp_rank:
+            torch.manual_seed(config.train.seed + self.mesh.dp_rank + 7919 * self.mesh.pp_rank)
+        self.par = parallelize(model, self.mesh, self.strategy, self.precision, config.train,
+                               config.parallel.grad_reduce, config.optim.accum_steps)
         groups = param_groups(self.par.weights, config.optim.weight_decay, config.optim.layer_decay)
         self.optimizer = build_optimizer(groups, config.optim, self.ops, config.optim.lr)
         self.scaler = self.precision.scaler()
@@ -148,10 +161,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def _state(self, rng: bool) -> dict[str, Any]:
-        """What a checkpoint holds, as DCP saves and loads it: tensors sharded or whole, named by parameter."""
+    def _state(self, rng: bool, by_name: bool = True) -> dict[str, Any]:
+        """What a checkpoint holds, as DCP saves and loads it: tensors sharded or whole, named by parameter.
+        `by_name`: the optimizer's hyperparameters too, so that a layout that groups the parameters otherwise (a
+        pipeline stage holds some of them; tensor-parallel ones are grouped apart) loads them."""
+        options = StateDictOptions(flatten_optimizer_state_dict=by_name)
         state: dict[str, Any] = {"model": get_model_state_dict(self.par.weights),
-                                 "optimizer": get_optimizer_state_dict(self.par.weights, self.optimizer)}
+                                 "optimizer": get_optimizer_state_dict(self.par.weights, self.optimizer,
+                                                                       options=options)}
         if self.scaler:
             state["scaler"] = {k: torch.tensor(float(v), dtype=torch.float64)
                                for k, v in self.scaler.state_dict().items()}
@@ -163,7 +180,8 @@ class Trainer:
 
     def save(self, blocking: bool = False) -> None:
         meta = {"step": self.position.step, "position": asdict(self.position), "world_size": self.env.world_size,
-                "mesh": asdict(self.mesh.dims), "config": self.c.to_dict(), "time": time.time()}
+                "mesh": asdict(self.mesh.dims), "layout": self.strategy.layout(self.env.world_size),
+                "config": self.c.to_dict(), "time": time.time()}
         self.writer.save(self.position.step, self._state(rng=True), meta, blocking)
 
     def _restore(self, path: Path) -> None:
@@ -171,12 +189,19 @@ class Trainer:
         if meta["config"]["model"] != self.c.to_dict()["model"]:
             raise ConfigError(f"{path} was trained with model {meta['config']['model']}, "
                               f"not {self.c.to_dict()['model']}; use another --out")
-        same_layout = meta["world_size"] == self.env.world_size
-        saved = {key.split(".")[0] for key in ckpt.saved_keys(path)}
-        state = {part: value for part, value in self._state(rng=same_layout).items() if part in saved}
+        same_layout = meta["world_size"] == self.env.world_size and meta["mesh"] == asdict(self.mesh.dims)
+        keys = ckpt.saved_keys(path)
+        by_name = not any(key.startswith("optimizer.param_groups.0.") for key in keys)  # vitctl <= 0.1: by index
+        saved = {key.split(".")[0] for key in keys}
+        state = {part: value for part, value in self._state(same_layout, by_name).items() if part in saved}
+        if mismatched := ckpt.shape_mismatches(path, state["model"]):
+            raise ConfigError(f"{path} holds weights of other shapes than this vitctl's model ({mismatched[0]}; "
+                              f"{len(mismatched)} in all): it was written by an earlier version. Start a new run "
+                              f"from it with `vitctl finetune --from-ckpt {path}` (which converts them), new --out")
         ckpt.load(path, state)
         set_model_state_dict(self.par.weights, state["model"])
-        set_optimizer_state_dict(self.par.weights, self.optimizer, state["optimizer"])
+        set_optimizer_state_dict(self.par.weights, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(flatten_optimizer_state_dict=by_name))
         if self.par.master is not None:
             self.par.master.master_to_model()
         if self.scaler and "scaler" in state:
@@ -187,8 +212,9 @@ class Trainer:
         if same_layout:
             ckpt.set_rng_state(state["rng"][f"rank{self.env.rank}"])
         else:
-            log.warning("resuming on %d ranks from %d: model, optimizer and data position are resharded; the "
-                        "random streams (drop path, mixup) restart", self.env.world_size, meta["world_size"])
+            log.warning("resuming as %s from %s: model, optimizer and data position are resharded; the random "
+                        "streams (drop path, mixup) restart", self.strategy.layout(self.env.world_size),
+                        meta.get("layout", f"{meta['world_size']} ranks"))
         self.position = Position(**meta["position"])
         self.position.epoch, self.position.sample = self.data.plan.start(self.position.epoch, self.position.sample)
         self.metrics.write({"step": self.position.step, "event": "resume", "checkpoint": path.name,
@@ -210,30 +236,29 @@ class Trainer:
                 images, labels = self.mixup(images, labels)
             if self.par.input_dtype is not None:
                 images = images.to(self.par.input_dtype)
-            sync = micro == accum - 1
             self._graph_step_begin()
-            with self.par.micro_batch(sync):
-                with self.precision.autocast():
-                    loss = self.loss_fn(self.par.forward(images).float(), labels) / accum
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            self.par.after_backward(sync)
+            loss = self.par.forward_backward(images, labels, lambda logits, y: self.loss_fn(logits.float(), y) / accum,
+                                             self._backward, sync=micro == accum - 1)
             # Summed at once: under CUDA graphs `loss` is a graph output that the next replay overwrites.
-            total = loss.detach().clone() if total is None else total.add_(loss.detach())
+            total = loss.clone() if total is None else total.add_(loss)
         norm = self._optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema:
             self.ema.update(self.par.weights)
         return total, norm, waited
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
     def _optimizer_step(self) -> torch.Tensor | None:
-        clip = self.c.optim.clip_grad or 0.0
+        clip, pp_group = self.c.optim.clip_grad or 0.0, self.par.pipeline and self.par.pipeline.group
         if self.par.master is not None:
-            return self.par.master.step(self.optimizer, clip)
+            return self.par.master.step(self.optimizer, clip, pp_group)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = None
         if clip:
-            norm = torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], clip)
+            norm = clip_gradients([p for g in self.optimizer.param_groups for p in g["params"]], clip, pp_group)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -266,21 +291,23 @@ class Trainer:
             if batch is None:  # padding: run a dummy forward so FSDP collectives stay in step
                 if self.par.fsdp is not None:
                     size = self.c.model.img_size
-                    self.par.forward(torch.zeros(1, 3, size, size, device=self.env.device))
+                    self.par.predict(torch.zeros(1, 3, size, size, device=self.env.device, dtype=self.par.input_dtype))
                 continue
             images, labels, _ = batch
             if self.par.input_dtype is not None:
                 images = images.to(self.par.input_dtype)
             self._graph_step_begin()
-            with self.precision.autocast():
-                logits = self.par.forward(images).float()
+            logits = self.par.predict(images)
+            if logits is None:  # a pipeline stage before the last: the last one counts
+                continue
+            logits = logits.float()
             top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
             sums += torch.stack([(top5[:, 0] == labels).sum(), (top5 == labels[:, None]).any(dim=1).sum(),
                                  torch.tensor(len(labels), device=labels.device),
                                  nn.functional.cross_entropy(logits, labels, reduction="sum")]).double()
         self.par.module.train()
         if dist.is_initialized():
-            dist.all_reduce(sums, group=self.mesh.dp_group)
+            dist.all_reduce(sums, group=self.mesh.metrics_group)
         correct1, correct5, count, loss_sum = sums.tolist()
         return {"eval_top1": 100 * correct1 / count, "eval_top5": 100 * correct5 / count,
                 "eval_loss": loss_sum / count, "eval_samples": int(count)}
@@ -292,8 +319,9 @@ class Trainer:
         c, p, env = self.c, self.position, self.env
         if env.is_main:
             log.info("run %s: %s, %d steps of %d images (%.1f per epoch), lr %.3g, ops %s, data %s", self.run_dir,
-                     self.mesh.dims.describe(), self.stop_step, self.global_batch, self.epoch_steps, self.base_lr,
-                     self.ops.describe(), self.data.source)
+                     self.strategy.layout(env.world_size), self.stop_step, self.global_batch, self.epoch_steps,
+                     self.base_lr, self.ops.describe(), self.data.source)
+        self.metrics.write({"step": p.step, "event": "start", "layout": self.strategy.layout(env.world_size)})
         window = Window(self.env.device)
         self.par.module.train()
         batches = self.data.train(p.epoch, p.sample)
@@ -333,7 +361,7 @@ class Trainer:
     def _log(self, window: "Window") -> float:
         """Reduce the window's on-device sums over the data-parallel ranks and write one record (one host sync)."""
         steps, seconds, waited = window.steps, time.perf_counter() - window.start, window.waited
-        loss_sum, norm_sum = window.take(self.mesh.dp_group)
+        loss_sum, norm_sum = window.take(self.mesh.metrics_group)
         loss = loss_sum / (steps * self.mesh.dp_size)
         images_per_s = steps * self.global_batch / seconds
         record = {"step": self.position.step, "epoch": self.position.epoch, "loss": loss,
@@ -344,7 +372,7 @@ class Trainer:
             record["grad_norm"] = norm_sum / steps
         if self.env.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.env.device) / 2**30
-            util = mfu(3 * self.par.weights.flops_per_image(), images_per_s / self.env.world_size, self.env.device)
+            util = mfu(3 * self.flops_per_image, images_per_s / self.env.world_size, self.env.device)
             if util is not None:
                 record["mfu"] = util
         self.metrics.write(record)
@@ -370,7 +398,8 @@ class Window:
         self.steps, self.waited = self.steps + 1, self.waited + waited
 
     def take(self, group: dist.ProcessGroup | None) -> tuple[float, float | None]:
-        """(loss summed over steps and data-parallel ranks, gradient norm summed over steps); starts a new window."""
+        """(loss summed over steps and data-parallel ranks, gradient norm summed over steps); starts a new window.
+        `group` spans the pipeline stages too: the stages before the last add zeros."""
         loss = self.sums[0].clone()
         if dist.is_initialized():
             dist.all_reduce(loss, group=group)

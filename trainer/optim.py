@@ -4,6 +4,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import OptimConfig
 from .ops import Ops
@@ -14,15 +15,17 @@ NO_DECAY_NAMES = ("pos_embed", "cls_token", "relative_position_bias_table")
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None) -> list[dict]:
     """Groups keyed by (decay, LR scale); each group's `lr_scale` multiplies the scheduled LR."""
     layers = getattr(model, "layer_id", lambda name: 0)
-    top = max(layers(name) for name, _ in model.named_parameters())
-    groups: dict[tuple[bool, float], dict] = {}
+    top = layers("head.weight")  # the deepest layer, also on a pipeline stage that holds no head
+    groups: dict[tuple[bool, float, bool], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = param.ndim > 1 and not any(n in name for n in NO_DECAY_NAMES)
+        decay = param.ndim > 1 and not name.endswith(".bias") and not any(n in name for n in NO_DECAY_NAMES)
         scale = layer_decay ** (top - layers(name)) if layer_decay else 1.0
-        group = groups.setdefault((decay, scale), {"params": [], "weight_decay": weight_decay if decay else 0.0,
-                                                   "lr_scale": scale})
+        # DTensors (tensor-parallel weights) apart: the optimizers' foreach kernels take no mix of them and tensors.
+        key = (decay, scale, isinstance(param, DTensor))
+        group = groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0,
+                                        "lr_scale": scale})
         group["params"].append(param)
     return list(groups.values())
 

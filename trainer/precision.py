@@ -6,7 +6,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": None}
 
@@ -61,13 +64,14 @@ class MasterWeights:
         for p, _ in pairs:
             p.grad = None
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> Tensor | None:
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0,
+             pp_group: dist.ProcessGroup | None = None) -> Tensor | None:
         """Clip to `max_norm` (when set), step the masters, copy them into the model; in one kernel where the
         optimizer has one (ops/cuda.py's MasterAdamW), else in three passes. Returns the gradients' total norm when
         clipping (on the device: no host sync)."""
         triples = [(m.grad if m.grad is not None else p.grad, p, m) for p, m in self.pairs
                    if m.grad is not None or p.grad is not None]
-        norm = total_norm([g for g, _, _ in triples]) if max_norm and triples else None
+        norm = total_norm([g for g, _, _ in triples], pp_group) if max_norm and triples else None
         one_kernel = getattr(optimizer, "step_master_weights", None)
         if one_kernel is None or not one_kernel(triples, clip_coefficient(norm, max_norm) if norm is not None
                                                  else None):
@@ -86,9 +90,38 @@ class MasterWeights:
         torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
 
 
-def total_norm(grads: list[Tensor]) -> Tensor:
-    """The gradients' total L2 norm, each norm taken in fp32, on their device."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+def total_norm(grads: list[Tensor], pp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """The gradients' total L2 norm over every shard and pipeline stage, each norm taken in fp32, on their device.
+    A DTensor's shards are summed over the mesh dimensions it is sharded on, never over those it is replicated on."""
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    squares = [_sum_of_squares(plain)] if plain else []
+    by_sharding: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, list[Tensor]]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, p in enumerate(g.placements) if p.is_shard())
+            by_sharding.setdefault((id(g.device_mesh), dims), (g.device_mesh, []))[1].append(g.to_local())
+    for (_, dims), (mesh, shards) in by_sharding.items():
+        square = _sum_of_squares(shards)
+        for dim in dims:
+            dist.all_reduce(square, group=mesh.get_group(dim))
+        squares.append(square)
+    total = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
+    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum()
+
+
+def clip_gradients(params: list[Tensor], max_norm: float, pp_group: dist.ProcessGroup | None) -> Tensor:
+    """clip_grad_norm_ over every shard and stage; returns the total norm (on the device)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = total_norm(grads, pp_group)
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads],
+                        clip_coefficient(norm, max_norm))
+    return norm
 
 
 def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:

@@ -11,33 +11,56 @@ from vitctl.datasets.index import index_path
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.shards import split_shards
-from .models import model_error
+from .models import model_error, model_shape
 from .ops import parse_fused
-from .parallel import ParallelDims, parallel_dims
+from .parallel import parallel_dims
+from .parallel.strategy import Strategy, strategy_from_config, strategy_problems
 from .pretrained import source_kind
 
 
-def preflight(config: RunConfig, world_size: int, device: torch.device | None, resuming: bool = False) -> ParallelDims:
-    """Raises one ConfigError listing every problem; returns the mesh shape. `device` None: the ranks' device is not
-    known here (a Slurm job's nodes), so its checks wait for the ranks. `resuming`: the weights come from the run's
-    own checkpoint, not from finetune.from_ckpt."""
+def preflight(config: RunConfig, world_size: int, device: torch.device | None, resuming: bool = False) -> Strategy:
+    """Raises one ConfigError listing every problem; returns the parallel strategy. `device` None: the ranks' device
+    is not known here (a Slurm job's nodes), so its checks wait for the ranks. `resuming`: the weights come from the
+    run's own checkpoint, not from finetune.from_ckpt."""
     source = None if resuming else _source_error(config)
     problems = [p for p in (model_error(config.model), _fused_error(config.train.fused), _mixup_error(config), source)
                 if p]
-    dims = None
-    try:
-        dims = parallel_dims(config.parallel, world_size)
-    except ConfigError as e:
-        problems.append(str(e))
-    if dims is not None and dims.fsdp and config.train.compile_mode == "reduce-overhead":
-        problems.append("train.compile_mode=reduce-overhead (CUDA graphs) does not run with FSDP, which gathers "
-                        "each block's weights into new memory every step; use train.compile_mode=default")
+    strategy, dims = None, None
+    if model_error(config.model) is None:
+        try:
+            strategy = strategy_from_config(config.parallel, model_shape(config.model).n_blocks)
+        except ConfigError as e:
+            problems.append(str(e))
+    if strategy is not None:
+        found = strategy_problems(strategy, model_shape(config.model), world_size, config.data.batch_size)
+        problems += found + _combination_problems(config, strategy)
+        if not found:
+            dims = parallel_dims(strategy, world_size)
     if device is not None:
         problems += _device_problems(config, device)
     problems += _data_problems(config, dims.dp_size if dims else world_size)
     if problems:
         raise ConfigError("; ".join(problems))
-    return dims
+    return strategy
+
+
+def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
+    """What the strategy cannot be combined with."""
+    problems = []
+    if s.fsdp and config.train.compile_mode == "reduce-overhead":
+        problems.append("train.compile_mode=reduce-overhead (CUDA graphs) does not run with FSDP, which gathers "
+                        "each block's weights into new memory every step; use train.compile_mode=default")
+    if s.pp > 1 and config.train.compile_mode == "reduce-overhead":
+        problems.append("train.compile_mode=reduce-overhead (CUDA graphs) does not run with pipeline stages; use "
+                        "train.compile_mode=default")
+    if (s.tp > 1 or s.pp > 1) and config.parallel.grad_reduce == "overlap":
+        problems.append("parallel.grad_reduce=overlap (DDP) does not run with tensor or pipeline parallel, whose "
+                        "replicated gradients are reduced after the backward; use parallel.grad_reduce=auto")
+    mixed = len({b.fsdp for b in s.blocks} | {s.fsdp_rest}) > 1
+    if config.train.precision == "bf16-pure" and (mixed or s.tp > 1 and not s.fsdp):
+        problems.append("train.precision=bf16-pure needs every block sharded (FSDP2 keeps the fp32 weights) or, "
+                        "with parallel.tp=1, none; use train.precision=bf16 for this strategy")
+    return problems
 
 
 def _fused_error(spec: str) -> str | None:

@@ -27,7 +27,7 @@ from torch.serialization import MAGIC_NUMBER, get_unsafe_globals_in_checkpoint
 from .checkpoint import consolidated, read_meta, resolve_checkpoint
 from .config import ConfigError
 from .integrity import nonfinite, tensors_sha256
-from .models.layers import init_weights
+from .models.layers import init_weights, packed_layout
 
 log = logging.getLogger("vitctl.finetune")
 HEAD_PREFIXES = ("head.", "pre_logits.")
@@ -81,7 +81,8 @@ def _file_kind(path: Path) -> str:
 
 
 def read_state_dict(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
-    """The weights of `path`, verified against their checksums (ours) and checked for non-finite values (all)."""
+    """The weights of `path`, verified against their checksums (ours) and checked for non-finite values (all), with
+    timm's qkv shapes in our models' (PackedQKV)."""
     kind = source_kind(path, trust)
     if kind == "folder":  # a run folder (its last checkpoint) or one checkpoint folder; consolidated verifies it
         state = consolidated(resolve_checkpoint(path))
@@ -92,7 +93,7 @@ def read_state_dict(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
     if bad := nonfinite(state):
         raise ConfigError(f"finetune.from_ckpt {path}: tensor {bad[0]} holds {bad[1]} non-finite values (inf or "
                           "nan); the weights are damaged or come from a run that diverged: use another checkpoint")
-    return state
+    return packed_layout(state)
 
 
 def _safetensors_metadata(path: Path) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""Consolidated weights out of a run: one safetensors file with timm's parameter names and a sha256 of its tensors,
-which `finetune --from-ckpt` verifies."""
+"""Consolidated weights out of a run: one safetensors file with timm's parameter names and shapes and a sha256 of its
+tensors, which `finetune --from-ckpt` verifies."""
 
 import json
 from dataclasses import dataclass
@@ -11,6 +11,7 @@ from vitctl.datasets.atomic import partial_path, publish
 from vitctl.trainer.checkpoint import consolidated, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import tensors_sha256
+from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import EXPORT_SHA256
 
 
@@ -29,7 +30,8 @@ def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = Fa
         raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'model.safetensors'}")
     source = resolve_checkpoint(run, step)
     meta = read_meta(source)
-    tensors = {name: tensor.contiguous() for name, tensor in consolidated(source, "ema" if ema else "model").items()}
+    weights = timm_layout(consolidated(source, "ema" if ema else "model"))
+    tensors = {name: tensor.contiguous() for name, tensor in weights.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     model = meta["config"]["model"]
     save_file(tensors, str(partial_path(out)), metadata={

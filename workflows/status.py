@@ -61,7 +61,7 @@ class JobStatus:
     name: str
     executor: str
     state: str
-    layout: str  # nodes x GPUs (or CPU tasks)
+    layout: str  # nodes x GPUs (or CPU tasks) and the parallel layout once the job has started, e.g. pp2·tp2·fsdp4
     elapsed: str
     step: int | None
     total_steps: int | None
@@ -201,7 +201,8 @@ def progress(record: JobRecord) -> dict[str, Any]:
     return {"step": last.get("step"), "total_steps": last.get("total_steps"), "loss": last.get("loss"),
             "images_per_s": [m["images_per_s"] for m in steps[-RATE_HISTORY:]], "eta_s": eta,
             "last_checkpoint": checkpoints[-1].name if checkpoints else None,
-            "restarts": sum(1 for m in metrics if m.get("event") == "resume")}
+            "restarts": sum(1 for m in metrics if m.get("event") == "resume"),
+            "parallel": next((m["layout"] for m in reversed(metrics) if "layout" in m), None)}
 
 
 def _format_seconds(seconds: float | None) -> str:
@@ -220,7 +221,9 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
         done = progress(r)
         if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
             done["eta_s"] = None
-        statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, f"{r.nodes}x{unit}",
+        parallel = done.pop("parallel")
+        layout = f"{r.nodes}x{unit}" + (f" {parallel}" if parallel and parallel != "1 rank" else "")
+        statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, layout,
                                   _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=state.note))
     return statuses
 

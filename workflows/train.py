@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from vitctl.trainer import checkpoint
-from vitctl.trainer.config import ConfigError, RunConfig, load_config
+from vitctl.trainer.config import PRECISIONS, ConfigError, RunConfig, load_config  # noqa: F401 (PRECISIONS: the CLI's)
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.preflight import preflight
 
@@ -67,12 +67,18 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
         config.data.path = str(Path(config.data.path).absolute())
     if config.finetune.from_ckpt:
         config.finetune.from_ckpt = str(Path(config.finetune.from_ckpt).absolute())
+    if config.parallel.plan:
+        config.parallel.plan = str(Path(config.parallel.plan).absolute())
     name = f"{config.model.name}-{run_dir.name}"
     if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
         validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
     # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
-    preflight(config, request.nodes * request.tasks, local_device)
+    strategy = preflight(config, request.nodes * request.tasks, local_device)
+    if request.tasks % strategy.tp:  # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
+        raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
+                          f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
+                          f"{request.tasks}")
     if dry_run:
         checkpoint.checkpoints_to_resume(run_dir, resume)  # the script's ranks resume: only with --resume
         return sbatch_script(config.to_dict(), request, name)

@@ -42,7 +42,23 @@ MODELS: dict[str, ModelSpec] = {
     # Small models for CPU tests and the demo.
     "vit_micro": _vit(8, 96, 4, 3, None),
     "swin_micro": _swin(32, (1, 1, 2, 1), (1, 2, 4, 8), None),
+    # Small models whose heads split over 2 or 4 tensor-parallel ranks, for CPU parallelism tests.
+    "vit_mini": _vit(8, 128, 4, 4, None),
+    "swin_mini": _swin(64, (1, 1, 2, 1), (4, 4, 8, 16), None),
 }
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the strategy is checked against: the model's blocks and each block's attention heads."""
+
+    name: str
+    heads: tuple[int, ...]  # per block, in order
+    hidden: tuple[int, ...] = ()  # MLP hidden units per block
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.heads)
 
 
 def default_window(img_size: int) -> int:
@@ -62,6 +78,20 @@ def model_error(config: ModelConfig) -> str | None:
     return error and f"model {config.name}: {error}"
 
 
+def model_shape(config: ModelConfig) -> ModelShape:
+    """Each block's heads and MLP width, as parallel strategies are checked against them (no model is built)."""
+    spec = MODELS[config.name]
+    if spec.family is SwinTransformer:
+        stages = list(zip(spec.kwargs["depths"], spec.kwargs["heads"], strict=True))
+        heads = tuple(h for depth, h in stages for _ in range(depth))
+        hidden = tuple(4 * spec.kwargs["dim"] * 2**i for i, (depth, _) in enumerate(stages) for _ in range(depth))
+    else:
+        depth = spec.kwargs["depth"]
+        heads = (spec.kwargs["heads"],) * depth
+        hidden = (int(spec.kwargs["dim"] * spec.kwargs.get("mlp_ratio", 4.0)),) * depth
+    return ModelShape(config.name, heads, hidden)
+
+
 def build_model(config: ModelConfig, ops: Ops) -> nn.Module:
     if error := model_error(config):
         raise ConfigError(error)
@@ -74,9 +104,8 @@ def build_model(config: ModelConfig, ops: Ops) -> nn.Module:
     return spec.family(ops, **kwargs)
 
 
-def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks in forward order: the units of checkpointing, FSDP and pipeline stages."""
     from .layers import CheckpointableBlock
 
-    for module in model.modules():
-        if isinstance(module, CheckpointableBlock):
-            module.checkpointed = enabled
+    return [m for m in model.modules() if isinstance(m, CheckpointableBlock)]

@@ -3,7 +3,12 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from ..ops import Ops
 
@@ -26,6 +31,58 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+
+
+PACKED_QKV_DIMS = {"weight": 3, "bias": 2}  # PackedQKV's tensors and their number of dimensions
+
+
+class PackedQKV(nn.Module):
+    """q, k and v as one matmul over a (3, dim, dim) weight and (3, dim) bias: a split of dim 1 gives a rank whole
+    heads of all three as a plain shard, which checkpoints save and reshard (a strided split of timm's (3 * dim, dim)
+    they cannot)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.empty(3, dim, dim)), nn.Parameter(torch.empty(3, dim))
+        init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.flatten(0, 1), self.bias.flatten())
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        """timm's and earlier vitctl's (3 * dim, dim) weight and (3 * dim,) bias load too."""
+        for name in PACKED_QKV_DIMS:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = packed_qkv(name, state_dict[prefix + name])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def packed_qkv(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """timm's qkv `weight` (3 * dim, dim) or `bias` (3 * dim,) in PackedQKV's shape; other shapes as they are."""
+    if tensor.dim() == PACKED_QKV_DIMS[name] - 1 and tensor.shape[0] % 3 == 0:
+        return tensor.unflatten(0, (3, -1))
+    return tensor
+
+
+def timm_qkv(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """PackedQKV's `weight` or `bias` in timm's nn.Linear shape; other shapes as they are."""
+    return tensor.flatten(0, 1) if tensor.dim() == PACKED_QKV_DIMS[name] else tensor
+
+
+def _qkv_tensor(key: str) -> str | None:
+    """`weight` or `bias` where a state-dict key names a tensor of a `qkv` module, else None."""
+    module, _, name = key.rpartition(".")
+    return name if module.rpartition(".")[2] == "qkv" and name in PACKED_QKV_DIMS else None
+
+
+def packed_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with timm's qkv shapes in PackedQKV's (those already packed kept)."""
+    return {k: packed_qkv(name, v) if (name := _qkv_tensor(k)) else v for k, v in state.items()}
+
+
+def timm_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with PackedQKV's tensors in timm's nn.Linear shapes, as timm and exports hold them."""
+    return {k: timm_qkv(name, v) if (name := _qkv_tensor(k)) else v for k, v in state.items()}
 
 
 def patch_projection(x: torch.Tensor, proj: nn.Conv2d) -> torch.Tensor:
@@ -54,22 +111,38 @@ class DropPath(nn.Module):
 
 
 class CheckpointableBlock(nn.Module):
-    """A block whose activations can be recomputed in backward instead of stored (`checkpointed = True`)."""
+    """A block whose activations can be recomputed in the backward instead of stored: `checkpoint` is "full" (keep
+    only the input, rerun the forward) or "selective" (keep the matmul and attention outputs, rerun the rest)."""
 
-    checkpointed = False
+    checkpoint = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpointed and self.training and torch.is_grad_enabled():
-            return checkpoint(self.block_forward, x, use_reentrant=False)
-        return self.block_forward(x)
+        if self.checkpoint == "none" or not (self.training and torch.is_grad_enabled()):
+            return self.block_forward(x)
+        context = _keep_matmuls if self.checkpoint == "selective" else noop_context_fn
+        return checkpoint(self.block_forward, x, use_reentrant=False, context_fn=context)
 
     def block_forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
+# The outputs worth keeping: recomputing them costs a matmul; everything else (norms, GELU, adds) is cheap to rerun.
+_SAVED_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_efficient_attention",
+              "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention",
+              "vitctl::window_attention", "vitctl::mlp",
+              # Tensor parallel's all-reduces: rerunning them would repeat the communication, not just the arithmetic.
+              "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor"}
+
+
+def _keep_matmuls():
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op.name() in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
 def init_weights(module: nn.Module, generator: torch.Generator | None = None) -> None:
     """timm's initialisation: truncated normal (std 0.02) for linear layers, zero biases."""
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (nn.Linear, PackedQKV)):
         nn.init.trunc_normal_(module.weight, std=0.02, generator=generator)
         if module.bias is not None:
             nn.init.zeros_(module.bias)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..ops import Ops
-from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, init_weights, patch_projection
+from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, PackedQKV, init_weights, patch_projection
 
 
 def relative_position_index(window: int) -> torch.Tensor:
@@ -29,7 +29,7 @@ class WindowAttention(nn.Module):
     def __init__(self, dim: int, heads: int, window: int, ops: Ops) -> None:
         super().__init__()
         self.heads, self.scale, self.ops = heads, (dim // heads) ** -0.5, ops
-        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+        self.qkv, self.proj = PackedQKV(dim), nn.Linear(dim, dim)
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, heads))
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer("relative_position_index", relative_position_index(window), persistent=False)
@@ -83,9 +83,11 @@ class Stage(nn.Module):
             for i in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.downsample(x)
+        if self.downsample is not None:
+            x = self.downsample(x)
         for block in self.blocks:
-            x = block(x)
+            if block is not None:
+                x = block(x)
         return x
 
 
@@ -136,10 +138,12 @@ class SwinTransformer(nn.Module):
         self.apply(init_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)
+        # A pipeline stage holds some of the parts; the others are None (parallel/pipeline_parallel.py).
+        if self.patch_embed is not None:
+            x = self.patch_embed(x)
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        return x if self.head is None else self.head(self.norm(x))
 
     def layer_id(self, name: str) -> int:
         """Depth of a parameter for layer-wise LR decay: blocks counted across stages, head last."""

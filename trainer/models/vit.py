@@ -4,19 +4,19 @@ import torch
 from torch import nn
 
 from ..ops import Ops
-from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, init_weights, patch_projection
+from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, PackedQKV, init_weights, patch_projection
 
 
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, ops: Ops) -> None:
         super().__init__()
         self.heads, self.ops = heads, ops
-        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+        self.qkv, self.proj = PackedQKV(dim), nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        return self.proj(self.ops.attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+        B, N, _ = x.shape  # widths from the heads this module holds: a share of them under tensor parallelism
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(self.ops.attention(q, k, v).transpose(1, 2).reshape(B, N, -1))
 
 
 class Block(CheckpointableBlock):
@@ -78,11 +78,14 @@ class VisionTransformer(nn.Module):
         nn.init.normal_(self.cls_token, std=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        # A pipeline stage holds some of the parts; the others are None (parallel/pipeline_parallel.py).
+        if self.patch_embed is not None:
+            x = self.patch_embed(x)
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.pre_logits(self.norm(x)[:, 0]))
+            if block is not None:
+                x = block(x)
+        return x if self.head is None else self.head(self.pre_logits(self.norm(x)[:, 0]))
 
     def layer_id(self, name: str) -> int:
         """Depth of a parameter for layer-wise LR decay: 0 for the embeddings, depth + 1 for the head."""

@@ -12,6 +12,7 @@ import socket
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..precision import MasterWeights
@@ -76,14 +77,14 @@ class ReduceAfterBackward:
     def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], group: dist.ProcessGroup | None,
                  size: int) -> None:
         self.pairs, self.group, self.size = pairs, group, size  # (parameter the backward writes, one that steps)
-        self.flat = torch.empty(sum(p.numel() for p, _ in pairs), dtype=torch.float32, device=pairs[0][0].device)
-        self.views = [v.view_as(p) for v, (p, _) in zip(self.flat.split([p.numel() for p, _ in pairs]), pairs,
-                                                        strict=True)]
+        shapes = [_local(p).shape for p, _ in pairs]  # a tensor-parallel weight's own shard
+        self.flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=pairs[0][0].device)
+        self.views = [v.view(s) for v, s in zip(self.flat.split([s.numel() for s in shapes]), shapes, strict=True)]
         self.average = dist.get_backend(group) == "nccl"  # gloo has no AVG
 
     @torch.no_grad()
     def reduce(self) -> None:
-        fresh = [(v, p.grad) for v, (p, _) in zip(self.views, self.pairs, strict=True) if p.grad is not None]
+        fresh = [(v, _local(p.grad)) for v, (p, _) in zip(self.views, self.pairs, strict=True) if p.grad is not None]
         earlier = [(v, m.grad) for v, (p, m) in zip(self.views, self.pairs, strict=True)
                    if m is not p and m.grad is not None]  # bf16-pure micro-batches summed by MasterWeights
         if len(fresh) < len(self.views):
@@ -98,7 +99,12 @@ class ReduceAfterBackward:
         for view, (p, m) in zip(self.views, self.pairs, strict=True):
             if m is not p:
                 p.grad = None
-            m.grad = view
+            m.grad = DTensor.from_local(view, m.device_mesh, m.placements, run_check=False, shape=m.shape,
+                                        stride=m.stride()) if isinstance(m, DTensor) else view
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _places(buffer: Tensor, grads: list[Tensor]) -> list[tuple[int, torch.Size]]:
@@ -112,12 +118,10 @@ def _cut(flat: Tensor, places: list[tuple[int, torch.Size]]) -> list[Tensor]:
     return [flat[start:start + shape.numel()].view(shape) for start, shape in places]
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, policy, blocks: list[nn.Module]) -> nn.Module:
-    """FSDP2: each block its own unit, then the root (embeddings, final norm, head)."""
+def apply_fsdp(model: nn.Module, mesh: Mesh, policy, blocks: list[nn.Module], ignored: set[nn.Parameter]) -> None:
+    """FSDP2: each of `blocks` its own unit, then the root for the rest but `ignored` (left replicated)."""
     from torch.distributed.fsdp import fully_shard
 
-    dp_mesh = mesh.data_parallel_mesh()
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-    return model
+        fully_shard(block, mesh=mesh.fsdp_mesh(), mp_policy=policy)
+    fully_shard(model, mesh=mesh.fsdp_mesh(), mp_policy=policy, ignored_params=ignored or None)

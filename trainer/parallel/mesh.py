@@ -1,7 +1,8 @@
-"""How the ranks divide into parallel groups: a device mesh with one named dimension per parallelism.
+"""How the ranks divide into parallel groups: a device mesh (pp, dp_replicate, dp_shard, tp), tp innermost so that a
+tensor-parallel group sits inside a node, pp outermost so that only activations cross between nodes' stages.
 
-Data parallelism has two dimensions, replicate and shard (HSDP when both exceed 1); tensor and pipeline parallel
-join as further dimensions of the same mesh. The data layer sees only the data-parallel coordinate and size.
+FSDP blocks shard their weights over dp_shard and replicate them over dp_replicate (HSDP when both exceed 1);
+replicated blocks use the whole data-parallel group. The data layer sees only the data-parallel coordinate.
 """
 
 from dataclasses import dataclass
@@ -10,55 +11,51 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import ConfigError, ParallelConfig
+from ..config import ConfigError
+from .strategy import Strategy
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
+    pp: int
     dp_replicate: int
     dp_shard: int
+    tp: int
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def fsdp(self) -> bool:
-        return self.dp_shard > 1
 
-    def describe(self) -> str:
-        if self.world_size == 1:
-            return "1 rank"
-        if not self.fsdp:
-            return f"DDP over {self.dp_replicate} ranks"
-        if self.dp_replicate == 1:
-            return f"FSDP over {self.dp_shard} ranks"
-        return f"HSDP: {self.dp_replicate} replicas x FSDP over {self.dp_shard} ranks"
-
-
-def parallel_dims(config: ParallelConfig, world_size: int) -> ParallelDims:
-    """The mesh shape for `world_size` ranks; ConfigError when the request does not divide them."""
-    if not config.fsdp:
-        return ParallelDims(world_size, 1)
-    shard = world_size if config.dp_shard == -1 else config.dp_shard
-    if world_size % shard:
-        raise ConfigError(f"parallel.dp_shard={shard} does not divide the {world_size} ranks; pick a divisor of "
-                          f"{world_size} or -1 (all)")
-    return ParallelDims(world_size // shard, shard)
+def parallel_dims(strategy: Strategy, world_size: int) -> ParallelDims:
+    """The mesh shape for `world_size` ranks; ConfigError when the strategy does not divide them."""
+    if world_size % (strategy.tp * strategy.pp):
+        raise ConfigError(f"parallel.tp={strategy.tp} x parallel.pp={strategy.pp} does not divide the {world_size} "
+                          f"ranks")
+    dp = world_size // (strategy.tp * strategy.pp)
+    shard = (dp if strategy.dp_shard == -1 else strategy.dp_shard) if strategy.fsdp else 1
+    if dp % shard:
+        raise ConfigError(f"parallel.dp_shard={shard} does not divide the {dp} data-parallel ranks; pick a divisor "
+                          f"of {dp} or -1 (all)")
+    return ParallelDims(strategy.pp, dp // shard, shard, strategy.tp)
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in the mesh: the device mesh (None for one process) and its data-parallel coordinate."""
+    """This rank's place in the mesh: the device mesh (None for one process) and its coordinates."""
 
     dims: ParallelDims
     device_mesh: DeviceMesh | None
-    dp_mesh: DeviceMesh | None  # all data-parallel ranks, flattened: data split, loss and eval reductions
+    dp_mesh: DeviceMesh | None  # all data-parallel ranks, flattened: data split, replicated gradients
+    metrics_mesh: DeviceMesh | None  # pp x dp flattened: sums of losses and eval counts (one tp rank's worth)
     dp_rank: int
+    pp_rank: int
 
     @property
     def dp_size(self) -> int:
@@ -68,19 +65,25 @@ class Mesh:
     def dp_group(self) -> dist.ProcessGroup | None:
         return None if self.dp_mesh is None else self.dp_mesh.get_group()
 
-    def data_parallel_mesh(self) -> DeviceMesh:
-        """The mesh FSDP2 takes: (replicate, shard) for HSDP, the shard dimension alone otherwise."""
+    @property
+    def metrics_group(self) -> dist.ProcessGroup | None:
+        return None if self.metrics_mesh is None else self.metrics_mesh.get_group()
+
+    def sub(self, *names: str) -> DeviceMesh:
         assert self.device_mesh is not None
-        return self.device_mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 \
-            else self.device_mesh["dp_shard"]
+        return self.device_mesh[names] if len(names) > 1 else self.device_mesh[names[0]]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 takes: (replicate, shard) for HSDP, the shard dimension alone otherwise."""
+        return self.sub("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else self.sub("dp_shard")
 
 
 def build_mesh(dims: ParallelDims, device: torch.device) -> Mesh:
     if dims.world_size == 1:
-        return Mesh(dims, None, None, 0)
+        return Mesh(dims, None, None, None, 0, 0)
     if dist.get_world_size() != dims.world_size:
         raise ConfigError(f"the mesh needs {dims.world_size} ranks but the job has {dist.get_world_size()}")
-    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=DIMS)
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return Mesh(dims, mesh, dp, dp.get_local_rank())
+    metrics = mesh["pp", "dp_replicate", "dp_shard"]._flatten("pp_dp")
+    return Mesh(dims, mesh, dp, metrics, dp.get_local_rank(), mesh["pp"].get_local_rank())

@@ -1,32 +1,39 @@
-"""Apply the parallelisms to a model, one small function each (torchtitan's `parallelize_*` shape): activation
-checkpointing, compile, then data parallelism (replicated or FSDP2) on the mesh. The loop calls what this returns
-and never branches on the strategy."""
+"""Apply the parallelisms to a model, one small function each (torchtitan's `parallelize_*` shape), in this order:
+activation checkpointing per block, the pipeline stage, tensor parallel, compile, then data parallelism (FSDP2 for
+the sharded blocks, one reduction after the backward or DDP for replicated weights). The loop calls what this
+returns and never branches on the strategy."""
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TrainConfig
-from ..models import set_activation_checkpointing
-from ..models.layers import CheckpointableBlock
+from ..models import blocks_of
 from ..precision import MasterWeights, Precision
 from .data_parallel import ReduceAfterBackward, apply_ddp, apply_fsdp, one_node
 from .mesh import Mesh
+from .pipeline_parallel import Pipeline, keep_stage, stage_range
+from .strategy import Strategy
+from .tensor_parallel import apply_tensor_parallel
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
 @dataclass
 class Parallelized:
     weights: nn.Module  # the module the optimizer, the checkpoints and the EMA see: fp32 (sharded under FSDP)
     module: nn.Module  # the module that runs (DDP's wrapper, the bf16 model): train() and eval() go to it
-    forward: Callable[[torch.Tensor], torch.Tensor]  # `module`, compiled when asked
+    forward: Callable[[Tensor], Tensor]  # `module`, compiled when asked
+    precision: Precision
     master: MasterWeights | None  # bf16-pure outside FSDP
     ddp: DistributedDataParallel | None
-    reducer: ReduceAfterBackward | None
-    fsdp: nn.Module | None
+    reducer: ReduceAfterBackward | None  # replicated weights reduced after the backward
+    fsdp: nn.Module | None  # the FSDP2 root, when any weights are sharded
+    pipeline: Pipeline | None
     accum_steps: int
 
     @property
@@ -34,15 +41,36 @@ class Parallelized:
         """What the images are cast to before the forward (a bf16 model takes bf16 inputs)."""
         return torch.bfloat16 if self.master is not None else None
 
-    def micro_batch(self, sync: bool) -> AbstractContextManager:
-        """Around one micro-batch's forward and backward; `sync` on the last of a step reduces the gradients."""
+    def forward_backward(self, images: Tensor, targets: Tensor, loss_fn: LossFn,
+                         backward: Callable[[Tensor], None], sync: bool) -> Tensor:
+        """One micro-batch: forward, loss, backward; `sync` on the last of a step reduces the gradients. Returns
+        the loss, detached (zero on pipeline stages other than the last)."""
+        with self._micro_batch(sync):
+            with self.precision.autocast():
+                if self.pipeline is not None:  # the schedule runs the backward too
+                    loss = self.pipeline.step(images, targets, loss_fn)
+                else:
+                    loss = loss_fn(self.forward(images), targets)
+            if self.pipeline is None:
+                backward(loss)
+        self._after_backward(sync)
+        return loss.detach()
+
+    def predict(self, images: Tensor) -> Tensor | None:
+        """Eval logits (None on pipeline stages other than the last)."""
+        with self.precision.autocast():
+            if self.pipeline is not None:
+                return self.pipeline.predict(self.forward, images)
+            return self.forward(images)
+
+    def _micro_batch(self, sync: bool) -> AbstractContextManager:
         if self.fsdp is not None:
             self.fsdp.set_requires_gradient_sync(sync)
         if self.ddp is not None and not sync:
             return self.ddp.no_sync()
         return nullcontext()
 
-    def after_backward(self, sync: bool) -> None:
+    def _after_backward(self, sync: bool) -> None:
         """Reduce after the last micro-batch (when not DDP's job); bf16 gradients that no reduction consumes are
         summed into the masters in fp32."""
         if sync and self.reducer is not None:
@@ -51,34 +79,74 @@ class Parallelized:
             self.master.accumulate()
 
 
-def parallelize(model: nn.Module, mesh: Mesh, precision: Precision, train: TrainConfig, grad_reduce: str,
-                accum_steps: int) -> Parallelized:
+def parallelize(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
+                grad_reduce: str, accum_steps: int) -> Parallelized:
     """`model` is fp32 on its device, with the same weights on every rank."""
-    set_activation_checkpointing(model, train.activation_checkpointing)
-    if mesh.dims.fsdp:
-        return _fully_shard(model, mesh, precision, train, accum_steps)
+    apply_checkpointing(model, strategy)
+    if strategy.pp > 1:
+        blocks = stage_range(strategy, len(blocks_of(model)), mesh.pp_rank)
+        keep_stage(model, blocks, mesh.pp_rank == 0, mesh.pp_rank == strategy.pp - 1)
+        strategy = replace(strategy, blocks=tuple(strategy.blocks[i] for i in blocks))  # this stage's blocks
+    if strategy.tp > 1:
+        apply_tensor_parallel(model, mesh.sub("tp"))
+    if strategy.fsdp:
+        par = _shard(model, mesh, strategy, precision, train, accum_steps)
+    else:
+        par = _replicate(model, mesh, strategy, precision, train, grad_reduce, accum_steps)
+    if strategy.pp > 1:
+        par.pipeline = Pipeline(par.module, strategy, mesh.pp_rank, mesh.sub("pp").get_group(),
+                                next(par.weights.parameters()).device)
+    return par
+
+
+def apply_checkpointing(model: nn.Module, strategy: Strategy) -> None:
+    for block, choice in zip(blocks_of(model), strategy.blocks, strict=True):
+        block.checkpoint = choice.checkpoint
+
+
+def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
+               grad_reduce: str, accum_steps: int) -> Parallelized:
     master = MasterWeights(model) if precision.pure else None
     ddp = reducer = None
-    if mesh.dims.world_size > 1 and _reduce_after_backward(grad_reduce, mesh):
+    if mesh.dims.dp_size > 1 and _reduce_after_backward(grad_reduce, mesh, strategy):
         pairs = master.pairs if master else [(p, p) for p in model.parameters() if p.requires_grad]
         reducer = ReduceAfterBackward(pairs, mesh.dp_group, mesh.dp_size)
-    elif mesh.dims.world_size > 1:
+    elif mesh.dims.dp_size > 1:
         ddp = apply_ddp(model, mesh, master)
     wrapped = ddp or model
-    forward = torch.compile(wrapped, mode=train.compile_mode) if train.compile else wrapped
-    return Parallelized(master.module if master else model, wrapped, forward, master, ddp, reducer, None,
-                        accum_steps)
+    if train.compile and strategy.pp == 1 and strategy.tp == 1:
+        forward = torch.compile(wrapped, mode=train.compile_mode)
+    else:
+        _compile_blocks(model, train)
+        forward = wrapped
+    return Parallelized(master.module if master else model, wrapped, forward, precision, master, ddp, reducer, None,
+                        None, accum_steps)
 
 
-def _reduce_after_backward(grad_reduce: str, mesh: Mesh) -> bool:
+def _reduce_after_backward(grad_reduce: str, mesh: Mesh, strategy: Strategy) -> bool:
+    if strategy.tp > 1 or strategy.pp > 1:  # DDP does not take DTensor weights or pipeline stages
+        return True
     return grad_reduce == "after_backward" or (grad_reduce == "auto" and one_node(mesh.dp_group))
 
 
-def _fully_shard(model: nn.Module, mesh: Mesh, precision: Precision, train: TrainConfig,
-                 accum_steps: int) -> Parallelized:
-    blocks = [m for m in model.modules() if isinstance(m, CheckpointableBlock)]
-    if train.compile:  # per block, as FSDP2 expects: its hooks run between the compiled blocks
-        for block in blocks:
+def _shard(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
+           accum_steps: int) -> Parallelized:
+    """FSDP2 for the blocks marked fsdp (and the rest when fsdp_rest); what stays replicated is reduced over the
+    data-parallel ranks after the backward."""
+    _compile_blocks(model, train)  # per block, as FSDP2 expects: its hooks run between the compiled blocks
+    blocks = blocks_of(model)
+    sharded = [b for b, s in zip(blocks, strategy.blocks, strict=True) if s.fsdp]
+    replicated = [p for b, s in zip(blocks, strategy.blocks, strict=True) if not s.fsdp for p in b.parameters()]
+    if not strategy.fsdp_rest:
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        replicated += [p for p in model.parameters() if id(p) not in in_blocks]
+    apply_fsdp(model, mesh, precision.fsdp_policy(), sharded, set(replicated))
+    reducer = ReduceAfterBackward([(p, p) for p in replicated if p.requires_grad], mesh.dp_group, mesh.dp_size) \
+        if replicated and mesh.dp_size > 1 else None
+    return Parallelized(model, model, model, precision, None, None, reducer, model, None, accum_steps)
+
+
+def _compile_blocks(model: nn.Module, train: TrainConfig) -> None:
+    if train.compile:
+        for block in blocks_of(model):
             block.compile(mode=train.compile_mode)
-    apply_fsdp(model, mesh, precision.fsdp_policy(), blocks)
-    return Parallelized(model, model, model, None, None, None, model, accum_steps)

@@ -1,0 +1,149 @@
+"""A parallel strategy: the mesh degrees, the pipeline's division, and for each block how its weights are held and
+whether its activations are recomputed. Given as one global strategy (`parallel.*`) or a JSON plan (`--plan`,
+written by `vitctl plan`); both become a `Strategy`, checked against the job and the model before launch."""
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, ParallelConfig
+from ..models import ModelShape
+
+CHECKPOINT = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b")
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BlockStrategy:
+    fsdp: bool = False  # shard this block's weights over the data-parallel shard ranks, else replicate them
+    checkpoint: str = "none"  # recompute activations in the backward: none | selective | full
+
+
+@dataclass(frozen=True)
+class Strategy:
+    tp: int = 1  # tensor-parallel degree (heads and MLP hidden units split), inside a node
+    pp: int = 1  # pipeline stages, one per rank of a pipeline
+    dp_shard: int = -1  # ranks an FSDP block's weights are sharded over (-1: every data-parallel rank)
+    microbatches: int = 1  # per step and pipeline, each a slice of the rank's batch
+    schedule: str = "1f1b"
+    stages: tuple[int, ...] = ()  # blocks per stage, pp entries; () = as even as possible
+    blocks: tuple[BlockStrategy, ...] = ()  # one per block, in the model's order
+    fsdp_rest: bool = False  # shard the weights outside the blocks (embeddings, final norm, head) too
+
+    @property
+    def fsdp(self) -> bool:
+        return self.fsdp_rest or any(b.fsdp for b in self.blocks)
+
+    def layout(self, world_size: int) -> str:
+        """Short form for tables and `vitctl status`, e.g. `pp2·tp2·fsdp4`."""
+        dp = world_size // (self.tp * self.pp)
+        parts = [f"pp{self.pp}" if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
+                 (f"fsdp{dp}" if self.fsdp else f"dp{dp}") if dp > 1 else ""]
+        return "·".join(p for p in parts if p) or "1 rank"
+
+    def stage_blocks(self, n_blocks: int) -> tuple[int, ...]:
+        """Blocks per stage: the given division, or an even one (earlier stages one more)."""
+        if self.stages:
+            return self.stages
+        return tuple(n_blocks // self.pp + (i < n_blocks % self.pp) for i in range(self.pp))
+
+    def to_json(self, model: str, world_size: int, predicted: dict[str, Any] | None = None) -> str:
+        """The plan file: degrees, pipeline, and runs of consecutive blocks with the same strategy."""
+        groups: list[dict[str, Any]] = []
+        for block in self.blocks:
+            if groups and groups[-1]["fsdp"] == block.fsdp and groups[-1]["checkpoint"] == block.checkpoint:
+                groups[-1]["blocks"] += 1
+            else:
+                groups.append({"blocks": 1, **asdict(block)})
+        plan = {"version": PLAN_VERSION, "model": model, "world_size": world_size, "tp": self.tp, "pp": self.pp,
+                "dp_shard": self.dp_shard, "microbatches": self.microbatches, "schedule": self.schedule,
+                "stages": list(self.stages), "fsdp_rest": self.fsdp_rest, "groups": groups}
+        if predicted:
+            plan["predicted"] = predicted
+        return json.dumps(plan, indent=2) + "\n"
+
+
+def strategy_from_config(config: ParallelConfig, n_blocks: int) -> Strategy:
+    """The global strategy of `parallel.*`, or the plan file it names."""
+    if config.plan:
+        return read_plan(Path(config.plan), config, n_blocks)
+    block = BlockStrategy(fsdp=config.fsdp, checkpoint=config.checkpoint)
+    return Strategy(tp=config.tp, pp=config.pp, dp_shard=config.dp_shard, microbatches=config.microbatches,
+                    schedule=config.schedule, stages=tuple(config.stages),
+                    blocks=(block,) * n_blocks, fsdp_rest=config.fsdp)
+
+
+def read_plan(path: Path, config: ParallelConfig, n_blocks: int) -> Strategy:
+    where = f"parallel.plan {path}"
+    defaults = ParallelConfig()
+    given = [key for key in ("tp", "pp", "fsdp", "checkpoint", "microbatches", "schedule", "stages")
+             if getattr(config, key) != getattr(defaults, key)]
+    if given:
+        raise ConfigError(f"{where} sets the strategy, so parallel.{', parallel.'.join(given)} cannot be given "
+                          f"beside it; drop them or drop the plan")
+    try:
+        plan = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist; write one with `vitctl plan ... --out {path}`") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where} cannot be read as JSON ({e}); write it again with `vitctl plan`") from None
+    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
+        raise ConfigError(f"{where} is not a version-{PLAN_VERSION} plan; write it again with `vitctl plan`")
+    try:
+        blocks = tuple(BlockStrategy(fsdp=bool(g["fsdp"]), checkpoint=str(g["checkpoint"]))
+                       for g in plan["groups"] for _ in range(int(g["blocks"])))
+        strategy = Strategy(tp=int(plan["tp"]), pp=int(plan["pp"]), dp_shard=int(plan.get("dp_shard", -1)),
+                            microbatches=int(plan["microbatches"]), schedule=str(plan["schedule"]),
+                            stages=tuple(int(s) for s in plan.get("stages", ())),
+                            blocks=blocks, fsdp_rest=bool(plan.get("fsdp_rest", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where} lacks or mistypes {e}; write it again with `vitctl plan`") from None
+    if len(blocks) != n_blocks:
+        raise ConfigError(f"{where} gives strategies for {len(blocks)} blocks but model has {n_blocks}; "
+                          f"it was planned for {plan.get('model')!r}")
+    return strategy
+
+
+def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_size: int) -> list[str]:
+    """Every reason `s` cannot run `model` on `world_size` ranks with `batch_size` samples per data-parallel rank."""
+    problems = []
+    if s.tp < 1 or s.pp < 1 or s.microbatches < 1:
+        return ["parallel.tp, parallel.pp and parallel.microbatches must each be at least 1"]
+    if world_size % (s.tp * s.pp):
+        problems.append(f"parallel.tp={s.tp} x parallel.pp={s.pp} = {s.tp * s.pp} does not divide the {world_size} "
+                        f"ranks; the ranks are pp x data parallel x tp")
+    dp = max(1, world_size // (s.tp * s.pp))
+    if s.fsdp and s.dp_shard != -1 and (s.dp_shard < 1 or dp % s.dp_shard):
+        problems.append(f"parallel.dp_shard={s.dp_shard} does not divide the {dp} data-parallel ranks; pick a "
+                        f"divisor of {dp} or -1 (all)")
+    if s.schedule not in SCHEDULES:
+        problems.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {s.schedule!r}")
+    bad = sorted({h for h in model.heads if h % s.tp} | {h for h in model.hidden if h % s.tp})
+    if bad:
+        problems.append(f"parallel.tp={s.tp} must divide every block's attention heads and MLP width; {model.name} "
+                        f"has {', '.join(map(str, bad))}; pick a tp that divides them")
+    if bad := sorted({b.checkpoint for b in s.blocks} - set(CHECKPOINT)):
+        problems.append(f"parallel.checkpoint must be one of {', '.join(CHECKPOINT)}, got {', '.join(bad)}")
+    problems += _pipeline_problems(s, model.n_blocks, batch_size)
+    return problems
+
+
+def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]:
+    count = s.pp
+    if s.pp == 1:
+        return [] if s.microbatches == 1 and not s.stages else \
+            ["parallel.microbatches and parallel.stages need parallel.pp > 1 (accumulation: optim.accum_steps)"]
+    problems = []
+    if n_blocks < count:
+        problems.append(f"{count} pipeline stages need at least as many blocks; the model has {n_blocks}")
+    if s.stages and (len(s.stages) != count or sum(s.stages) != n_blocks or min(s.stages) < 1):
+        problems.append(f"parallel.stages {list(s.stages)} must give {count} stages of at least one block each, "
+                        f"{n_blocks} blocks in all")
+    if batch_size % s.microbatches:
+        problems.append(f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}")
+    if s.schedule != "gpipe" and s.microbatches < s.pp:
+        problems.append(f"the {s.schedule} schedule needs at least parallel.pp={s.pp} micro-batches, got "
+                        f"{s.microbatches}")
+    return problems
