@@ -45,6 +45,7 @@ with _quiet_interrupt():
     from .data import data
     from .export import export
     from .jobs import cancel, jobs, logs, status_command
+    from .plan import plan
     from .train import finetune, rank, train
 
 
@@ -75,6 +76,7 @@ cli.add_command(train)
 cli.add_command(finetune)
 cli.add_command(bench)
 cli.add_command(doctor)
+cli.add_command(plan)
 for command in (export, status_command, jobs, logs, cancel, rank):
     cli.add_command(command)
 

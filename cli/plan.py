@@ -1,0 +1,101 @@
+"""`vitctl plan`: the layerwise parallel strategy for a job under a per-GPU memory budget, from a saved profile."""
+
+from pathlib import Path
+
+import click
+from rich.columns import Columns
+from rich.table import Table
+
+from vitctl.workflows import plan as wf
+from vitctl.workflows.bench import MODEL_NAMES
+
+from .console import console, err_console
+
+
+@click.command()
+@click.option("--model", "model_name", type=click.Choice(MODEL_NAMES), required=True)
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--gpus", type=click.IntRange(min=1),
+              help="GPUs per node [default: all visible]. With --profile-only: the local ranks to measure "
+                   "collectives among [default: every GPU, or 2 CPU ranks].")
+@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True), help="Memory budget per GPU, GiB.")
+@click.option("--batch", type=click.IntRange(min=1), help="Global batch: all data-parallel ranks together.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="The plan file to write (JSON).")
+@click.option("--img-size", type=click.IntRange(min=32), default=224, show_default=True)
+@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
+              help="A profile from `vitctl plan --profile-only` [default: the cached or shipped one of this GPU "
+                   "type; measured now on a GPU].")
+@click.option("--profile-only", is_flag=True,
+              help="Measure this machine's profile (blocks, collectives, optimizer), cache it and print where.")
+def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, profile_only) -> None:
+    """Search the fastest layerwise strategy (tensor and pipeline parallel degrees, and per block FSDP or
+    replicated weights and activation checkpointing) whose predicted memory fits --memory-gib per GPU, and write it
+    for `vitctl train --set parallel.plan=OUT`."""
+    if profile_only:
+        path = wf.profile_only(model_name, img_size, gpus)
+        if path is not None:
+            console.print(f"profile: {path}", highlight=False, soft_wrap=True)
+        return
+    missing = [flag for flag, value in (("--memory-gib", memory_gib), ("--batch", batch), ("--out", out)) if not value]
+    if missing:
+        raise click.UsageError(f"planning needs {', '.join(missing)} (or --profile-only to measure a profile)")
+    gpus = gpus or wf.visible_gpus()
+    if not gpus:
+        raise click.UsageError("this machine has no GPU: give --gpus, the GPUs per node of the job to plan")
+    request = wf.PlanRequest(model_name, img_size, nodes, gpus, memory_gib, batch, profile)
+    outcome = wf.plan(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))
+    console.print(f"profile: {outcome.profile_path} ({outcome.profile.device}, torch {outcome.profile.torch})",
+                  highlight=False, soft_wrap=True)
+    tables = [_uniform_table(outcome)]
+    if outcome.result.best is not None:
+        tables.insert(0, _plan_table(outcome))
+    console.print(Columns(tables))
+    wf.write_plan(outcome, out)
+    console.print(f"plan: {out}  (train with --set parallel.plan={out} --set data.batch_size="
+                  f"{_per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
+
+
+def _per_rank_batch(outcome: wf.PlanOutcome) -> int:
+    s = outcome.result.best.strategy
+    return outcome.request.batch // (outcome.world // (s.tp * s.pp))
+
+
+def _plan_table(outcome: wf.PlanOutcome) -> Table:
+    best, layout = outcome.result.best, outcome.layout
+    s, p = best.strategy, best.prediction
+    table = Table("stage", "blocks", "block", "weights", "checkpoint", title=f"{outcome.request.model}: searched plan",
+                  caption=f"{s.layout(outcome.world)}"
+                          + (f", {s.microbatches} micro-batches ({s.schedule})" if s.pp > 1 else "")
+                          + f"\n{p.step_s:.3g} s/step, {p.images_per_s:,.0f} images/s, {p.peak_gib:.3g} GiB peak/GPU")
+    for stage, prediction in enumerate(p.stages):
+        for first, last in _groups(outcome, prediction.blocks):
+            choice = s.blocks[first]
+            table.add_row(str(stage), f"{first}-{last}" if last > first else str(first), layout.blocks[first].key,
+                          "fsdp" if choice.fsdp else "dp", choice.checkpoint)
+    return table
+
+
+def _groups(outcome: wf.PlanOutcome, blocks: range) -> list[tuple[int, int]]:
+    """Runs of consecutive blocks with the same shape and strategy: (first, last)."""
+    key = lambda i: (outcome.layout.blocks[i].key, outcome.result.best.strategy.blocks[i])  # noqa: E731
+    runs: list[tuple[int, int]] = []
+    for i in blocks:
+        if runs and key(runs[-1][1]) == key(i):
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _uniform_table(outcome: wf.PlanOutcome) -> Table:
+    r = outcome.request
+    table = Table("strategy", "layout", "s/step", "images/s", "peak GiB", "fits",
+                  title=f"{r.nodes} x {r.gpus} GPUs, batch {r.batch}, {r.memory_gib:g} GiB/GPU")
+    rows = ([outcome.result.best] if outcome.result.best else []) + list(outcome.result.uniform)
+    for planned in rows:
+        p = planned.prediction
+        fits = "[green]yes[/]" if planned.fits else "[red]does not fit[/]" if p else f"[red]cannot run[/]: " \
+            f"{planned.problem}"
+        table.add_row(planned.name, planned.strategy.layout(outcome.world), *(
+            [f"{p.step_s:.3g}", f"{p.images_per_s:,.0f}", f"{p.peak_gib:.3g}"] if p else ["-", "-", "-"]), fits)
+    return table

@@ -1,0 +1,238 @@
+"""`vitctl plan`: the search on a hand-made profile (DDP when memory is ample; sharding, checkpointing or a pipeline
+when it is tight; never over the budget; nothing when nothing fits), its dynamic programme against brute force, the
+plan file it writes, the profiler on CPU (blocks, and collectives among gloo ranks), and the command run offline
+from a saved profile."""
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import ok, vitctl
+from vitctl.trainer.config import ParallelConfig
+from vitctl.trainer.parallel.strategy import CHECKPOINT, BlockStrategy, Strategy, read_plan, strategy_problems
+from vitctl.trainer.planner.cost import Cluster, Setting, predict
+from vitctl.trainer.planner.profile import (
+    COLLECTIVES,
+    BlockProfile,
+    CollectiveProfile,
+    LinkFit,
+    Measured,
+    PartProfile,
+    Profile,
+    collective_groups,
+    model_layout,
+    profile_blocks,
+    profile_collectives,
+)
+from vitctl.trainer.planner.search import CHOICES, Option, cheapest_under, plan_stage, search
+
+LAYOUT = model_layout("vit_mini", 32)  # 4 blocks of 4 heads
+CLUSTER, BATCH = Cluster(nodes=1, gpus=4), 32
+GIB, MB = 2**30, 2**20
+BATCHES = (2, 8)
+
+
+def _measured(forward, backward, retained, peak, host=1e-4) -> Measured:
+    """Lines through BATCHES: `forward(b)` seconds and so on, the host issuing each phase in `host` seconds."""
+    return Measured(BATCHES, *(tuple(f(b) for b in BATCHES) for f in (forward, backward)), (host,) * 2, (host,) * 2,
+                    *(tuple(int(f(b)) for b in BATCHES) for f in (retained, peak)))
+
+
+def hand_made_profile(fsdp_work_s: float = 2e-3, latency_s: float = 20e-6) -> Profile:
+    """A fictional GPU for LAYOUT: 50M parameters a block (over tp), forward 1 ms + 1 ms a sample (tensor parallel
+    at 75% efficiency), backward twice that plus the recomputation; 100 MB of activations a sample (over tp), of
+    which selective checkpointing keeps half and full 10 MB; NVLink-like links in a node, slower ones across."""
+    blocks = []
+    for tp in (1, 2, 4):
+        efficiency = 1.0 if tp == 1 else 0.75
+        forward = lambda b, tp=tp, e=efficiency: 1e-3 + b * 1e-3 / (tp * e)  # noqa: E731
+        for mode, rerun, kept in (("none", 0.0, 100 / tp + 10), ("selective", 0.3, 50 / tp + 10), ("full", 1.0, 10)):
+            blocks.append(BlockProfile(LAYOUT.blocks[0].key, tp, mode, False, 50_000_000 // tp, _measured(
+                forward, lambda b, f=forward, r=rerun: (2 + r) * f(b), lambda b, k=kept: k * MB * b,
+                lambda b, k=kept: (k + 20) * MB * b)))
+        blocks.append(BlockProfile(LAYOUT.blocks[0].key, tp, "none", True, 50_000_000 // tp, _measured(
+            lambda b, f=forward: f(b) + fsdp_work_s, lambda b, f=forward: 2 * f(b) + fsdp_work_s,
+            lambda b: MB * b, lambda b: MB * b)))
+    parts = tuple(PartProfile(p.name, 1_000_000, _measured(lambda b: 1e-4 * b, lambda b: 2e-4 * b,
+                                                           lambda b: MB * b, lambda b: 2 * MB * b))
+                  for p in LAYOUT.parts)
+
+    def link(ranks: int, nodes: int, bandwidth: float) -> CollectiveProfile:
+        fit = LinkFit(latency_s, bandwidth)
+        return CollectiveProfile(ranks, nodes, (MB,), {op: (latency_s + MB / bandwidth,) for op in COLLECTIVES},
+                                 {op: fit for op in COLLECTIVES}, 1.3)
+
+    return Profile("Hand-made GPU", torch.__version__, "vit_mini", 32, tuple(blocks), parts, 2e-11,
+                   (link(8, 1, 200e9), link(16, 2, 20e9)))
+
+
+@pytest.fixture
+def one_thread():
+    """Timing on a CPU with one intra-op thread: steadier on a shared machine, and far quicker for small ops."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _is_ddp(s: Strategy) -> bool:
+    return s.tp == 1 and s.pp == 1 and not s.fsdp and all(b.checkpoint == "none" for b in s.blocks)
+
+
+def test_ample_memory_gives_ddp():
+    result = search(LAYOUT, hand_made_profile(), CLUSTER, BATCH, 80 * GIB)
+    assert _is_ddp(result.best.strategy)
+    ddp = next(u for u in result.uniform if u.name == "DDP")
+    assert ddp.fits and result.best.prediction.step_s == pytest.approx(ddp.prediction.step_s)
+    assert all(u.prediction.step_s >= result.best.prediction.step_s for u in result.uniform if u.fits)
+
+
+def test_tight_memory_shards_checkpoints_or_pipelines_within_the_budget():
+    profile = hand_made_profile()
+    ddp_peak = next(u for u in search(LAYOUT, profile, CLUSTER, BATCH, 80 * GIB).uniform if u.name == "DDP") \
+        .prediction.peak_bytes
+    budgets = [ddp_peak * f for f in (0.25, 0.4, 0.6, 0.8, 0.95)]
+    times = []
+    for budget in budgets:
+        best = search(LAYOUT, profile, CLUSTER, BATCH, budget).best
+        assert best is not None and best.prediction.peak_bytes <= budget
+        s = best.strategy
+        assert s.fsdp or s.pp > 1 or s.tp > 1 or any(b.checkpoint != "none" for b in s.blocks)
+        times.append(best.prediction.step_s)
+    assert times == sorted(times, reverse=True)  # more memory never plans slower
+
+
+def test_nothing_fits():
+    result = search(LAYOUT, hand_made_profile(), CLUSTER, BATCH, 0.05 * GIB)
+    assert result.best is None
+    assert not any(u.fits for u in result.uniform)
+    assert result.least.prediction.peak_bytes > 0.05 * GIB
+
+
+def test_dynamic_programme_equals_brute_force():
+    rng = random.Random(0)
+    for _ in range(50):
+        options = [[Option(rng.uniform(0, 10), rng.randrange(0, 8)) for _ in range(3)] for _ in range(5)]
+        budget = rng.randrange(0, 30)
+        fitting = [(sum(o[j].seconds for o, j in zip(options, pick, strict=True)), pick)
+                   for pick in itertools.product(range(3), repeat=5)
+                   if sum(o[j].units for o, j in zip(options, pick, strict=True)) <= budget]
+        found = cheapest_under(options, budget)
+        if not fitting:
+            assert found is None
+        else:
+            assert found[0] == pytest.approx(min(fitting)[0])
+            assert sum(o[j].units for o, j in zip(options, found[1], strict=True)) <= budget
+
+
+@pytest.mark.parametrize("budget_gib", [3.5, 5, 9])
+def test_search_equals_brute_force_over_every_block_choice(budget_gib):
+    """On one GPU (no pipeline, no sharding to gain) the searched plan is the fastest of all 3^4 checkpoint choices
+    that fit; the profile's transients are the same for every choice, so the search reserves nothing extra."""
+    profile, cluster, batch = hand_made_profile(latency_s=0.0), Cluster(1, 1), 8
+    best = search(LAYOUT, profile, cluster, batch, budget_gib * GIB).best
+    predictions = [predict(Strategy(blocks=tuple(BlockStrategy(False, mode) for mode in modes)), LAYOUT, profile,
+                           cluster, batch) for modes in itertools.product(CHECKPOINT, repeat=len(LAYOUT.blocks))]
+    fastest = min(p.step_s for p in predictions if p.peak_bytes <= budget_gib * GIB)
+    assert best.prediction.step_s == pytest.approx(fastest)
+
+
+@pytest.mark.parametrize("budget_gib", [2, 3, 6.5])
+def test_stage_search_equals_brute_force_over_sharding_and_checkpointing(budget_gib):
+    """On 4 GPUs, data parallel: the stage's plan is the fastest of all 6^4 choices of FSDP or not and checkpoint
+    mode that fit."""
+    profile, budget = hand_made_profile(latency_s=0.0), budget_gib * GIB
+    setting = Setting(CLUSTER, tp=1, pp=1, microbatches=1, microbatch=BATCH // CLUSTER.world)
+    blocks = plan_stage(LAYOUT, profile, setting, range(len(LAYOUT.blocks)), 0, False, budget)
+    planned = predict(Strategy(blocks=blocks), LAYOUT, profile, CLUSTER, BATCH)
+    every = [predict(Strategy(blocks=choices), LAYOUT, profile, CLUSTER, BATCH)
+             for choices in itertools.product(CHOICES, repeat=len(LAYOUT.blocks))]
+    assert planned.peak_bytes <= budget
+    assert planned.step_s == pytest.approx(min(p.step_s for p in every if p.peak_bytes <= budget))
+
+
+def test_plans_load_and_pass_the_checks(tmp_path):
+    profile = hand_made_profile()
+    for budget in (2, 4, 80):
+        best = search(LAYOUT, profile, CLUSTER, BATCH, budget * GIB).best
+        path = tmp_path / f"plan{budget}.json"
+        path.write_text(best.strategy.to_json("vit_mini", CLUSTER.world, {"step_s": best.prediction.step_s}))
+        loaded = read_plan(path, ParallelConfig(), len(LAYOUT.blocks))
+        assert loaded == best.strategy
+        dp = CLUSTER.world // (loaded.tp * loaded.pp)
+        assert strategy_problems(loaded, LAYOUT.shape(), CLUSTER.world, BATCH // dp) == []
+
+
+def test_profile_blocks_on_cpu(one_thread):
+    profiles = profile_blocks("vit_mini", 32, 2, torch.device("cpu"), tp_degrees=(1, 2))
+    assert {(b.tp, b.checkpoint, b.fsdp) for b in profiles} == \
+        {(tp, mode, False) for tp in (1, 2) for mode in CHECKPOINT} | {(1, "none", True), (2, "none", True)}
+    for b in profiles:
+        m = b.measured
+        assert m.batch == (1, 2) and min(m.forward_s + m.backward_s) > 0 and min(m.retained_bytes) > 0
+        assert all(peak >= kept for peak, kept in zip(m.peak_bytes, m.retained_bytes, strict=True))
+    kept = {(b.tp, b.checkpoint): b.measured.retained_bytes[-1] for b in profiles if not b.fsdp}
+    assert kept[1, "full"] < kept[1, "selective"] < kept[1, "none"]
+    params = {b.tp: b.params for b in profiles}
+    assert params[2] < params[1]
+
+
+def _collectives_rank(rank: int, init: str, results: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    results[rank] = profile_collectives(None, (1 << 12, 1 << 16))
+    dist.destroy_process_group()
+
+
+def test_profile_collectives_on_two_gloo_ranks(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(_collectives_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=2)
+    measured = results[0]
+    assert (measured.ranks, measured.nodes, measured.sizes) == (2, 1, (1 << 12, 1 << 16))
+    assert set(measured.fits) == set(COLLECTIVES)
+    assert all(f.bus_bytes_per_s > 0 and f.latency_s >= 0 for f in measured.fits.values())
+    assert measured.overlap_slowdown >= 1 and results[1].seconds == measured.seconds  # the slowest rank's, on both
+
+
+def test_collective_groups():
+    assert collective_groups(8, 8) == [[0, 1], [0, 1, 2, 3], list(range(8))]
+    assert collective_groups(12, 6) == [[0, 1], [0, 1, 2, 3], list(range(6)), [0, 6], list(range(12))]
+
+
+def _plan_args(profile_path, out, memory_gib):
+    return ("plan", "--model", "vit_mini", "--img-size", 32, "--nodes", 1, "--gpus", 4, "--memory-gib", memory_gib,
+            "--batch", BATCH, "--out", out, "--profile", profile_path)
+
+
+def test_cli_plans_offline_from_a_saved_profile(tmp_path):
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    result = ok(*_plan_args(profile_path, out, 80))
+    for text in ("searched plan", "DDP", "FSDP + full checkpointing", "images/s", "peak GiB", str(out)):
+        assert text in result.output
+    loaded = read_plan(out, ParallelConfig(), len(LAYOUT.blocks))
+    assert _is_ddp(loaded)
+    assert strategy_problems(loaded, LAYOUT.shape(), CLUSTER.world, BATCH // CLUSTER.world) == []
+
+
+def test_cli_fails_clearly_when_nothing_fits(tmp_path):
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    result = vitctl(*_plan_args(profile_path, out, 0.05))
+    assert result.exit_code == 1
+    assert "does not fit" in result.output
+    assert "no strategy for vit_mini" in result.stderr and "--memory-gib" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the missing profile is measured")
+def test_cli_without_a_profile_on_a_cpu_says_how_to_get_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    result = vitctl("plan", "--model", "vit_mini", "--img-size", 32, "--gpus", 4, "--memory-gib", 8, "--batch", BATCH,
+                    "--out", tmp_path / "plan.json")
+    assert result.exit_code == 1
+    assert "no profile" in result.stderr and "--profile-only" in result.stderr and "--profile" in result.stderr

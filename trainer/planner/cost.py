@@ -1,0 +1,276 @@
+"""Predicted step time and peak memory per GPU of a `Strategy`, from a `Profile`: pure functions of the measurements
+and of how the runtime executes the strategy (bf16 autocast, AdamW, fp32 gradient reduction).
+
+Per block and micro-batch: its measured forward and backward (recomputation included) for the chosen checkpoint
+mode on one tensor-parallel rank's share, plus 4 all-reduces of its bf16 output within the tensor-parallel group
+(6 when fully checkpointed, the forward runs twice). An FSDP block all-gathers its bf16 weights before the forward
+and again before the backward and reduce-scatters its fp32 gradients beside its compute, which runs slower by the
+measured overlap slowdown meanwhile; FSDP's own work around the block is measured on one rank. Replicated weights
+are all-reduced in fp32 once per step after the backward. A pipeline of pp stages and m micro-batches takes
+(m + pp - 1) times its slowest stage's micro-batch.
+"""
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import ConfigError
+from ..parallel.strategy import BlockStrategy, Strategy
+from .profile import BlockShape, LinkFit, Measured, ModelLayout, Profile, bus_factor
+
+STATE_BYTES = 16  # per parameter held: fp32 weight, fp32 gradient, AdamW's fp32 exp_avg and exp_avg_sq
+REDUCE_BYTES = 4  # per replicated parameter: the flat fp32 buffer its gradient is copied into and all-reduced
+GRAD_BYTES = 4  # fp32 gradients are what is reduced
+GATHERED_BYTES = 2  # an FSDP block's weights all-gathered in bf16 for compute
+FSDP_BUFFER_BYTES = 2 * GATHERED_BYTES + 2 + GRAD_BYTES  # per parameter of the largest FSDP block: it and the
+# prefetched next one gathered, its unsharded bf16 gradient and that gradient's fp32 copy being reduce-scattered
+PIPELINE_FSDP_BYTES = GATHERED_BYTES + GRAD_BYTES  # torch.distributed.pipelining keeps an FSDP block unsharded and
+# its gradient unreduced (fp32) from the first micro-batch's backward until the last's
+RESIDUAL_BYTES = 4  # autocast keeps the residual stream, which crosses the pipeline stages, in fp32
+TP_BYTES = 2  # the tensor-parallel all-reduces sum bf16 matmul outputs
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus: int  # per node
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a block's cost depends on besides its own choice: the degrees and the micro-batch."""
+
+    cluster: Cluster
+    tp: int
+    pp: int
+    microbatches: int
+    microbatch: int  # samples per micro-batch
+
+    @property
+    def dp(self) -> int:
+        return self.cluster.world // (self.tp * self.pp)
+
+    @property
+    def dp_crosses_nodes(self) -> bool:  # a data-parallel group is dp ranks tp apart: dp * tp consecutive ranks
+        return self.dp * self.tp > self.cluster.gpus
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One block's or part's share of its stage."""
+
+    micro_s: float  # forward + backward of one micro-batch, with the communication that is not overlapped
+    step_s: float  # once per step: its share of the gradient reduction, and its optimizer update
+    state_bytes: float  # weights, gradients and optimizer state, held all step
+    activation_bytes: float  # per micro-batch in flight
+    transient_bytes: float  # above its activations while its backward runs
+    gathered_params: int  # FSDP: parameters all-gathered for its compute; 0 when replicated
+    replicated: bool  # its gradients join the stage's all-reduce after the backward
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    blocks: range
+    micro_s: float  # per micro-batch: forward, backward and the transfers to the neighbouring stages
+    step_s: float  # once per step: gradient reductions that do not overlap, optimizer
+    peak_bytes: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    images_per_s: float
+    peak_bytes: float  # of the fullest GPU
+    stages: tuple[StagePrediction, ...]
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+
+def at_batch(batches: Sequence[int], values: Sequence[float], batch: float) -> float:
+    """The least-squares line through the measurements at `batch` (through the origin from one batch), >= 0."""
+    if len(set(batches)) == 1:
+        return statistics.fmean(values) * batch / batches[0]
+    mean_x, mean_y = statistics.fmean(batches), statistics.fmean(values)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(batches, values, strict=True)) / \
+        sum((x - mean_x) ** 2 for x in batches)
+    return max(0.0, mean_y + slope * (batch - mean_x))
+
+
+def link(profile: Profile, op: str, ranks: int, crosses_nodes: bool) -> tuple[LinkFit, float]:
+    """The measured fit for `op` among `ranks` ranks on one node or across nodes (the nearest group size measured
+    there), and the overlap slowdown measured with it."""
+    measured = [c for c in profile.collectives if (c.nodes > 1) == crosses_nodes]
+    if not measured:
+        where = "across nodes" if crosses_nodes else "among the GPUs of one node"
+        how = ("on two nodes: `torchrun --nnodes 2 --nproc-per-node G -m vitctl.cli plan --profile-only "
+               f"--model {profile.model}` (or plan for --nodes 1)") if crosses_nodes else \
+            f"on a node with several GPUs: `vitctl plan --profile-only --model {profile.model}`"
+        raise ConfigError(f"the {profile.device} profile of {profile.model} has no collectives measured {where}; "
+                          f"measure them {how}")
+    nearest = min(measured, key=lambda c: (abs(c.ranks - ranks), -c.ranks))
+    return nearest.fits[op], nearest.overlap_slowdown
+
+
+def collective_s(profile: Profile, op: str, ranks: int, crosses_nodes: bool, nbytes: float,
+                 latency: bool = True) -> float:
+    """Seconds of one collective on `nbytes` (the whole buffer); `latency=False`: the bandwidth term alone."""
+    if ranks == 1 or nbytes == 0:
+        return 0.0
+    fit, _ = link(profile, op, ranks, crosses_nodes)
+    return (fit.latency_s if latency else 0.0) + bus_factor(op, ranks) * nbytes / fit.bus_bytes_per_s
+
+
+def overlapped(compute_s: float, comm_s: float, slowdown: float) -> float:
+    """Compute and communication side by side: the longer of the two, the compute slowed while both run."""
+    return max(compute_s, comm_s) + (slowdown - 1) * min(compute_s, comm_s)
+
+
+@dataclass(frozen=True)
+class FsdpWork:
+    """What FSDP2 adds around a block per micro-batch, measured on one rank (where its collectives move nothing):
+    its hooks and the copies into and out of its collectives' buffers, and the bf16 casts of its inputs it keeps."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    retained_bytes: float = 0.0
+
+
+def phase_seconds(measured: Measured, batch: int) -> tuple[float, float]:
+    """Forward and backward seconds at `batch`: the device's or, when launching is slower (eager), the host's."""
+    fit = lambda values: at_batch(measured.batch, values, batch)  # noqa: E731
+    return (max(fit(measured.forward_s), fit(measured.forward_host_s)),
+            max(fit(measured.backward_s), fit(measured.backward_host_s)))
+
+
+def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, measured: Measured,
+                 tp_s: float = 0.0, work: FsdpWork | None = None) -> Cost:
+    """The cost of a module of `params` (local) parameters, measured as `measured`, held replicated or by FSDP
+    (`work`: what FSDP adds around it, where measured)."""
+    forward, backward = phase_seconds(measured, setting.microbatch)
+    retained = at_batch(measured.batch, measured.retained_bytes, setting.microbatch)
+    transient = max(0.0, at_batch(measured.batch, measured.peak_bytes, setting.microbatch) - retained)
+    dp, crosses = setting.dp, setting.dp_crosses_nodes
+    if not fsdp:
+        reduce = collective_s(profile, "all_reduce", dp, crosses, GRAD_BYTES * params, latency=False)
+        state = (STATE_BYTES + (REDUCE_BYTES if dp > 1 else 0)) * params
+        return Cost(forward + backward + tp_s, reduce + profile.optimizer_s_per_param * params, state, retained,
+                    transient, 0, True)
+    work = work or FsdpWork()
+    forward, backward, retained = forward + work.forward_s, backward + work.backward_s, retained + work.retained_bytes
+    gather = collective_s(profile, "all_gather", dp, crosses, GATHERED_BYTES * params)
+    scatter = collective_s(profile, "reduce_scatter", dp, crosses, GRAD_BYTES * params)
+    slowdown = link(profile, "all_gather", dp, crosses)[1] if dp > 1 else 1.0
+    optimizer = profile.optimizer_s_per_param * params / dp
+    if setting.pipelined:  # the reduce-scatter waits for the last micro-batch (see PIPELINE_FSDP_BYTES)
+        micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather, slowdown) + tp_s
+        return Cost(micro, scatter + optimizer, (STATE_BYTES / dp + PIPELINE_FSDP_BYTES) * params, retained,
+                    transient, params, False)
+    micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather + scatter, slowdown) + tp_s
+    return Cost(micro, optimizer, STATE_BYTES / dp * params, retained, transient, params, False)
+
+
+def fsdp_work(profile: Profile, setting: Setting, shape: BlockShape) -> FsdpWork:
+    """A block's time and retained memory under FSDP on one rank, over its plain ones."""
+    sharded, plain = (profile.block(shape.key, setting.tp, "none", fsdp).measured for fsdp in (True, False))
+    (sharded_forward, sharded_backward), (forward, backward) = (phase_seconds(m, setting.microbatch)
+                                                                for m in (sharded, plain))
+    kept = at_batch(sharded.batch, sharded.retained_bytes, setting.microbatch) - \
+        at_batch(plain.batch, plain.retained_bytes, setting.microbatch)
+    return FsdpWork(max(0.0, sharded_forward - forward), max(0.0, sharded_backward - backward), max(0.0, kept))
+
+
+def block_cost(profile: Profile, setting: Setting, shape: BlockShape, choice: BlockStrategy) -> Cost:
+    block = profile.block(shape.key, setting.tp, choice.checkpoint)
+    all_reduces = 6 if choice.checkpoint == "full" else 4  # 2 in the forward, 2 in the backward, 2 if rerun
+    tp_s = all_reduces * collective_s(profile, "all_reduce", setting.tp, False,
+                                      TP_BYTES * setting.microbatch * shape.tokens * shape.dim)
+    work = fsdp_work(profile, setting, shape) if choice.fsdp else None
+    return weights_cost(profile, setting, block.params, choice.fsdp, block.measured, tp_s, work)
+
+
+def block_costs(profile: Profile, setting: Setting, layout: ModelLayout, blocks: range,
+                choices: Sequence[BlockStrategy]) -> list[Cost]:
+    """`block_cost` of each block in `blocks` (`choices` indexed as the model's blocks), once per distinct shape and
+    choice."""
+    memo: dict[tuple[str, BlockStrategy], Cost] = {}
+    for i in blocks:
+        if (key := (layout.blocks[i].key, choices[i])) not in memo:
+            memo[key] = block_cost(profile, setting, layout.blocks[i], choices[i])
+    return [memo[(layout.blocks[i].key, choices[i])] for i in blocks]
+
+
+def part_cost(profile: Profile, setting: Setting, name: str, fsdp: bool) -> Cost:
+    """Embedding, patch merging and head: replicated over the tensor-parallel ranks, measured whole."""
+    part = profile.part(name)
+    return weights_cost(profile, setting, part.params, fsdp, part.measured)
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once: all under GPipe, pp - stage under 1F1B."""
+    return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+
+
+def boundary_bytes(layout: ModelLayout, blocks: range, microbatch: int) -> float:
+    """The larger activation a stage receives (the previous stage's last block's output) or sends (its own last
+    block's) per micro-batch."""
+    edges = ([layout.blocks[blocks.start - 1]] if blocks.start else []) + \
+        ([layout.blocks[blocks.stop - 1]] if blocks.stop < len(layout.blocks) else [])
+    return RESIDUAL_BYTES * microbatch * max(s.tokens * s.dim for s in edges)
+
+
+def stage_parts(layout: ModelLayout, blocks: range, last: bool) -> list[str]:
+    """The parts a stage runs: those before its blocks' (embed, Swin's patch merging), the head on the last."""
+    return [p.name for p in layout.parts if p.before in blocks or (last and p.before == len(layout.blocks))]
+
+
+def stage_fixed(profile: Profile, layout: ModelLayout, setting: Setting, blocks: range, stage: int,
+                fsdp_rest: bool) -> tuple[list[Cost], float, float]:
+    """What a stage holds and spends besides its blocks: its parts' costs, the send/recv seconds per micro-batch,
+    and the bytes of its transfer buffers."""
+    parts = [part_cost(profile, setting, name, fsdp_rest)
+             for name in stage_parts(layout, blocks, stage == setting.pp - 1)]
+    if not setting.pipelined:
+        return parts, 0.0, 0.0
+    boundary = boundary_bytes(layout, blocks, setting.microbatch)
+    send = collective_s(profile, "send_recv", 2, setting.cluster.nodes > 1, boundary)
+    return parts, 2 * send, 2 * boundary  # forward: activation out; backward: its gradient back
+
+
+def stage_prediction(profile: Profile, setting: Setting, costs: Sequence[Cost], transfer_s: float,
+                     transfer_bytes: float, held: int, blocks: range) -> StagePrediction:
+    """A stage from its blocks' and parts' costs, holding `held` micro-batches' activations at once."""
+    latency = link(profile, "all_reduce", setting.dp, setting.dp_crosses_nodes)[0].latency_s \
+        if setting.dp > 1 and any(c.replicated for c in costs) else 0.0  # one all-reduce for all replicated weights
+    gathered = max((c.gathered_params for c in costs), default=0)
+    peak = (sum(c.state_bytes for c in costs) + held * sum(c.activation_bytes for c in costs)
+            + max((c.transient_bytes for c in costs), default=0.0) + FSDP_BUFFER_BYTES * gathered + transfer_bytes)
+    return StagePrediction(blocks, sum(c.micro_s for c in costs) + transfer_s, sum(c.step_s for c in costs) + latency,
+                           peak)
+
+
+def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: Cluster,
+            global_batch: int) -> Prediction:
+    """Step time, images/s and the fullest GPU's memory of `strategy` (one stage per pipeline rank)."""
+    dp = cluster.world // (strategy.tp * strategy.pp)
+    setting = Setting(cluster, strategy.tp, strategy.pp, strategy.microbatches,
+                      global_batch // dp // strategy.microbatches)
+    stages, start = [], 0
+    for stage, count in enumerate(strategy.stage_blocks(len(layout.blocks))):
+        blocks = range(start, start + count)
+        parts, transfer_s, transfer_bytes = stage_fixed(profile, layout, setting, blocks, stage, strategy.fsdp_rest)
+        costs = block_costs(profile, setting, layout, blocks, strategy.blocks) + parts
+        held = in_flight(strategy.schedule, strategy.pp, strategy.microbatches, stage)
+        stages.append(stage_prediction(profile, setting, costs, transfer_s, transfer_bytes, held, blocks))
+        start += count
+    step = (strategy.microbatches + strategy.pp - 1) * max(s.micro_s for s in stages) + max(s.step_s for s in stages)
+    return Prediction(step, global_batch / step, max(s.peak_bytes for s in stages), tuple(stages))

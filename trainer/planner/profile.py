@@ -1,0 +1,577 @@
+"""What the planner's cost model stands on, measured on this machine: each distinct block of a model for every
+tensor-parallel degree and checkpoint mode, the parts outside the blocks, the optimizer step, and the collectives
+among ranks. Saved as JSON per GPU type, torch version, model and image size."""
+
+import copy
+import functools
+import json
+import math
+import re
+import socket
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..config import ConfigError, ModelConfig
+from ..models import MODELS, blocks_of, build_model, default_window, model_error
+from ..models.swin import SwinTransformer
+from ..ops import Ops, resolve
+from ..parallel.strategy import CHECKPOINT, ModelShape
+
+PROFILE_VERSION = 1
+SHIPPED = Path(__file__).parent / "profiles"
+WARMUP, ITERS = 2, 7
+HOST_AHEAD_S = 0.02  # spin the GPU this long before a timed call: longer than any block takes to launch
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """A transformer block as the cost model sees it: its widths and the per-sample input it takes."""
+
+    dim: int
+    heads: int
+    hidden: int  # MLP hidden units
+    window: int  # Swin's attention window side; 0: global attention (ViT)
+    input_shape: tuple[int, ...]  # per sample: (tokens, dim) for ViT, (H, W, dim) for Swin
+
+    @property
+    def tokens(self) -> int:
+        return math.prod(self.input_shape[:-1])
+
+    @property
+    def key(self) -> str:
+        grid = "x".join(map(str, self.input_shape[:-1]))
+        return f"d{self.dim}-h{self.heads}-{grid}" + (f"-w{self.window}" if self.window else "")
+
+
+@dataclass(frozen=True)
+class Part:
+    """A module outside the blocks, run just before block `before` (the number of blocks: after the last)."""
+
+    name: str  # embed, merge1 (Swin's patch merging before its stage 1), ..., head
+    before: int
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    name: str
+    img_size: int
+    blocks: tuple[BlockShape, ...]  # in forward order
+    parts: tuple[Part, ...]
+
+    def shape(self) -> ModelShape:
+        return ModelShape(self.name, tuple(b.heads for b in self.blocks), tuple(b.hidden for b in self.blocks))
+
+
+def model_layout(model_name: str, img_size: int) -> ModelLayout:
+    """The blocks and other parts of a registered model, from its hyperparameters (nothing is built)."""
+    if error := model_error(ModelConfig(name=model_name, img_size=img_size)):
+        raise ConfigError(error)
+    spec = MODELS[model_name]
+    kw = spec.kwargs
+    blocks: list[BlockShape] = []
+    parts = [Part("embed", 0)]
+    if spec.family is SwinTransformer:
+        for i, (depth, heads) in enumerate(zip(kw["depths"], kw["heads"], strict=True)):
+            dim, side = kw["dim"] * 2**i, img_size // 4 // 2**i
+            if i:
+                parts.append(Part(f"merge{i}", len(blocks)))
+            blocks += [BlockShape(dim, heads, 4 * dim, min(default_window(img_size), side), (side, side, dim))] * depth
+    else:
+        dim, tokens = kw["dim"], 1 + (img_size // kw["patch"]) ** 2
+        blocks = [BlockShape(dim, kw["heads"], int(dim * kw["mlp_ratio"]), 0, (tokens, dim))] * kw["depth"]
+    return ModelLayout(model_name, img_size, tuple(blocks), (*parts, Part("head", len(blocks))))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Forward and backward of one module at a few batch sizes; the cost model fits a line through them. Times are
+    the device's (kernels back to back) and the host's (launching them): a module takes the longer of the two."""
+
+    batch: tuple[int, ...]
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]  # the recomputation of a checkpointed block included
+    forward_host_s: tuple[float, ...]  # the host's time to issue the forward (eager launches; on a CPU the same)
+    backward_host_s: tuple[float, ...]
+    retained_bytes: tuple[int, ...]  # held from the forward until the backward, the module's input included
+    peak_bytes: tuple[int, ...]  # the most held at once in the forward and backward, the input included
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    shape: str  # BlockShape.key
+    tp: int  # measured on one tensor-parallel rank's share: heads / tp and MLP hidden units / tp
+    checkpoint: str
+    fsdp: bool  # measured under FSDP2 on one rank (checkpoint "none" only): the extra time is FSDP's own work
+    params: int  # that share's parameters
+    measured: Measured
+
+
+@dataclass(frozen=True)
+class PartProfile:
+    name: str
+    params: int
+    measured: Measured
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """Seconds of a collective on `size` bytes: latency_s + bus_factor(op, ranks) * size / bus_bytes_per_s."""
+
+    latency_s: float
+    bus_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class CollectiveProfile:
+    ranks: int
+    nodes: int
+    sizes: tuple[int, ...]  # bytes of the whole buffer (all-gather's output, reduce-scatter's input)
+    seconds: dict[str, tuple[float, ...]]  # per collective, per size: the slowest rank's median
+    fits: dict[str, LinkFit]
+    overlap_slowdown: float  # compute runs this many times slower while a collective runs beside it
+
+
+@dataclass(frozen=True)
+class Profile:
+    device: str  # torch.cuda.get_device_name(), or "cpu"
+    torch: str
+    model: str
+    img_size: int
+    blocks: tuple[BlockProfile, ...]
+    parts: tuple[PartProfile, ...]
+    optimizer_s_per_param: float
+    collectives: tuple[CollectiveProfile, ...]
+
+    def block(self, shape: str, tp: int, checkpoint: str, fsdp: bool = False) -> BlockProfile:
+        return next(b for b in self.blocks if (b.shape, b.tp, b.checkpoint, b.fsdp) == (shape, tp, checkpoint, fsdp))
+
+    def part(self, name: str) -> PartProfile:
+        return next(p for p in self.parts if p.name == name)
+
+    def has_tp(self, layout: ModelLayout, tp: int) -> bool:
+        """Whether every block shape of `layout` was measured at degree `tp`, in each checkpoint mode and FSDP."""
+        measured = {(b.shape, b.tp, b.checkpoint, b.fsdp) for b in self.blocks}
+        return all({(s.key, tp, mode, False) for mode in CHECKPOINT} | {(s.key, tp, "none", True)} <= measured
+                   for s in layout.blocks)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": PROFILE_VERSION, **asdict(self)}, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        raw = json.loads(text)
+        if raw.pop("version", None) != PROFILE_VERSION:
+            raise ValueError(f"not a version-{PROFILE_VERSION} profile")
+        return cls(**{**raw, "blocks": tuple(BlockProfile(**{**b, "measured": _measured(b["measured"])})
+                                             for b in raw["blocks"]),
+                      "parts": tuple(PartProfile(**{**p, "measured": _measured(p["measured"])}) for p in raw["parts"]),
+                      "collectives": tuple(_collective_from_dict(c) for c in raw["collectives"])})
+
+
+def _measured(m: dict[str, list]) -> Measured:
+    return Measured(**{k: tuple(v) for k, v in m.items()})
+
+
+def _collective_from_dict(c: dict[str, Any]) -> CollectiveProfile:
+    return CollectiveProfile(**{**c, "sizes": tuple(c["sizes"]),
+                                "seconds": {op: tuple(s) for op, s in c["seconds"].items()},
+                                "fits": {op: LinkFit(**f) for op, f in c["fits"].items()}})
+
+
+def read_profile(path: Path) -> Profile:
+    try:
+        return Profile.from_json(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--profile {path} does not exist; write one with `vitctl plan --profile-only`") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--profile {path} is not a profile ({e}); measure it again with "
+                          f"`vitctl plan --profile-only`") from None
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def profile_file(device: str, torch_version: str, model: str, img_size: int) -> str:
+    """The file name a profile is cached and shipped under, e.g. NVIDIA_H200-torch2.11.0_cu130-swin_h-224.json."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{device}-torch{torch_version}-{model}-{img_size}") + ".json"
+
+
+# Measurement ------------------------------------------------------------------------------------------------------
+
+
+def profile_blocks(model_name: str, img_size: int, batch: int, device: torch.device,
+                   tp_degrees: Sequence[int] = (1, 2, 4, 8),
+                   checkpoints: Sequence[str] = CHECKPOINT) -> tuple[BlockProfile, ...]:
+    """Time and memory of one tensor-parallel rank's share of each distinct block, per degree and checkpoint mode,
+    at `batch` and a quarter of it (bf16 autocast on a GPU, fp32 on a CPU); and each share under FSDP2 on a
+    one-rank mesh, whose extra time is FSDP's own work (hooks, copies in and out of its collectives' buffers).
+    Runs FSDP2 in a process group of its own: call it with none initialised."""
+    model, layout = _build(model_name, img_size, device), model_layout(model_name, img_size)
+    first = {}
+    for shape, block in zip(layout.blocks, blocks_of(model), strict=True):
+        first.setdefault(shape.key, (shape, block))
+    profiles = []
+    with _one_rank_mesh(device) as mesh:
+        for key, (shape, block) in first.items():
+            make = lambda b, s=shape: torch.randn(b, *s.input_shape, device=device, requires_grad=True)  # noqa: E731
+            for tp in (t for t in tp_degrees if shape.heads % t == 0 and shape.hidden % t == 0):
+                local = _tp_share(copy.deepcopy(block), tp).train()
+                params = _count(local)
+                for mode in checkpoints:
+                    local.checkpoint = mode
+                    profiles.append(BlockProfile(key, tp, mode, False, params, _measure(local, make, batch, device)))
+                local.checkpoint = "none"
+                sharded = fully_shard(local, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16 if device.type == "cuda" else None, reduce_dtype=torch.float32))
+                profiles.append(BlockProfile(key, tp, "none", True, params, _measure(sharded, make, batch, device)))
+    return tuple(profiles)
+
+
+@contextmanager
+def _one_rank_mesh(device: torch.device) -> Iterator[DeviceMesh]:
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh(device.type, (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def profile_parts(model_name: str, img_size: int, batch: int, device: torch.device) -> tuple[PartProfile, ...]:
+    """Time and memory of the parts outside the blocks: patch embedding, Swin's patch merging, norm + head + loss."""
+    model, layout = _build(model_name, img_size, device), model_layout(model_name, img_size)
+    head = [model.norm, model.head, *([model.pre_logits] if hasattr(model, "pre_logits") else [])]
+    pooled = isinstance(model, SwinTransformer)  # Swin's head pools; ViT's takes the class token
+    last = layout.blocks[-1].input_shape
+    images = lambda b: torch.randn(b, 3, img_size, img_size, device=device)  # noqa: E731
+    parts = {"head": (nn.ModuleList(head), last, lambda x: F.cross_entropy(
+        model.head(model.norm(x)) if pooled else model.head(model.pre_logits(model.norm(x)[:, 0])),
+        torch.zeros(x.shape[0], dtype=torch.long, device=device)))}
+    for part in layout.parts:
+        if part.name.startswith("merge"):
+            merge = model.layers[int(part.name[5:])].downsample
+            side, _, dim = layout.blocks[part.before - 1].input_shape
+            parts[part.name] = (merge, (side, side, dim), merge)
+    outside = {id(p) for module, _, _ in parts.values() for p in module.parameters()}
+    inside = {id(p) for block in blocks_of(model) for p in block.parameters()}
+    embed = sum(p.numel() for p in model.parameters() if id(p) not in outside | inside)
+    profiles = [PartProfile("embed", embed, _measure(model.patch_embed, images, batch, device))]
+    for name, (module, shape, run) in parts.items():
+        make = lambda b, s=shape: torch.randn(b, *s, device=device, requires_grad=True)  # noqa: E731
+        profiles.append(PartProfile(name, _count(module), _measure(module, make, batch, device, run)))
+    return tuple(sorted(profiles, key=lambda p: [p.name for p in layout.parts].index(p.name)))
+
+
+def profile_optimizer(device: torch.device) -> float:
+    """Seconds per parameter of one AdamW step, by the implementation the op seams pick on `device`."""
+    sizes = [1 << 22] * 16 if device.type == "cuda" else [1 << 16] * 8
+    params = [nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = _ops(device).optimizer([{"params": params, "weight_decay": 0.05}], 1e-3, (0.9, 0.999), 1e-8)
+    seconds = [_seconds(optimizer.step, device) for _ in range(WARMUP + ITERS)][WARMUP:]
+    return statistics.median(seconds) / sum(sizes)
+
+
+@functools.cache
+def _ops(device: torch.device) -> Ops:
+    """The op implementations a run on `device` picks (eager), resolved once: resolving logs every fallback."""
+    return resolve("all", device, compiling=False)
+
+
+def _build(model_name: str, img_size: int, device: torch.device) -> nn.Module:
+    config = ModelConfig(name=model_name, img_size=img_size, drop_path=0.0)
+    with torch.device(device):
+        return build_model(config, _ops(device)).train()
+
+
+def _tp_share(block: nn.Module, tp: int) -> nn.Module:
+    """`block` cut to what one of `tp` tensor-parallel ranks holds and computes between its all-reduces: the first
+    heads / tp heads (q, k, v rows and proj columns, Swin's bias-table columns) and MLP hidden units / tp."""
+    if tp == 1:
+        return block
+    attn, mlp = block.attn, block.mlp
+    width, hidden = attn.qkv.weight.shape[1] // tp, mlp.fc1.weight.shape[0] // tp  # PackedQKV: (3, dim, dim)
+    attn.heads //= tp
+    for module, name, dim, length in [(attn.qkv, "weight", 1, width), (attn.qkv, "bias", 1, width),
+                                      (attn.proj, "weight", 1, width), (mlp.fc1, "weight", 0, hidden),
+                                      (mlp.fc1, "bias", 0, hidden), (mlp.fc2, "weight", 1, hidden)]:
+        setattr(module, name, nn.Parameter(getattr(module, name).narrow(dim, 0, length).clone()))
+    if hasattr(attn, "relative_position_bias_table"):
+        attn.relative_position_bias_table = nn.Parameter(attn.relative_position_bias_table[:, :attn.heads].clone())
+    return block
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _measure(module: nn.Module, make_input: Callable[[int], Tensor], batch: int, device: torch.device,
+             run: Callable[[Tensor], Tensor] | None = None) -> Measured:
+    batches = tuple(sorted({max(1, batch // 4), batch}))
+    columns = zip(*(_measure_at(module, run or module, make_input(b), device) for b in batches), strict=True)
+    return Measured(batches, *map(tuple, columns))
+
+
+def _measure_at(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor,
+                device: torch.device) -> tuple[float | int, ...]:
+    """Forward and backward seconds on the device (median) and on the host (least: interference from other
+    processes or the garbage collector only ever adds to it), then retained and peak bytes."""
+    # The warm-up also creates the weights' .grad, so that no timed backward allocates them.
+    on_device = [_forward_backward_seconds(run, x, device, spin=True) for _ in range(WARMUP + ITERS)][WARMUP:]
+    on_host = [_forward_backward_seconds(run, x, device, spin=False) for _ in range(ITERS)] \
+        if device.type == "cuda" else on_device
+    memory = _cuda_memory if device.type == "cuda" else _cpu_memory
+    return (*(statistics.median(c) for c in zip(*on_device, strict=True)),
+            *(min(c) for c in zip(*on_host, strict=True)), *memory(module, run, x))
+
+
+def _forward_backward_seconds(run: Callable[[Tensor], Tensor], x: Tensor, device: torch.device,
+                              spin: bool) -> tuple[float, float]:
+    x.grad, out = None, []
+    forward = _timed(lambda: out.append(_autocast(device, run, x)), device, spin)
+    grad = torch.ones_like(out[0])
+    return forward, _timed(lambda: out[0].backward(grad), device, spin)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, spin: bool) -> float:
+    """Seconds of `fn`'s work on the device (`spin`), else of the host's issuing it (where `fn` itself waits for the
+    device, that too); on a CPU both are the wall time."""
+    if device.type == "cpu":
+        return _wall_seconds(fn, device)
+    torch.cuda.synchronize(device)
+    if not spin:
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(_ahead_cycles(device.index or 0))  # the host queues all of fn's kernels while the GPU spins,
+    start.record()  # so that the events time the kernels alone, not the gaps between their launches
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+@functools.cache
+def _ahead_cycles(index: int) -> int:
+    """GPU clock cycles in HOST_AHEAD_S, for torch.cuda._sleep."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    return int(10**7 * HOST_AHEAD_S / (start.elapsed_time(end) / 1e3))
+
+
+def _autocast(device: torch.device, run: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    context: AbstractContextManager = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
+        else nullcontext()
+    with context:
+        return run(x)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """From the start of `fn`'s work to its end, as it runs beside whatever else is in flight."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _cuda_memory(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor) -> tuple[int, int]:
+    x.grad = None
+    torch.cuda.synchronize(x.device)
+    base = torch.cuda.memory_allocated(x.device)
+    torch.cuda.reset_peak_memory_stats(x.device)
+    out = _autocast(x.device, run, x)
+    retained = torch.cuda.memory_allocated(x.device) - base - _nbytes(out)  # the output is the next one's input
+    out.backward(torch.ones_like(out))
+    return retained + _nbytes(x), torch.cuda.max_memory_allocated(x.device) - base + _nbytes(x)
+
+
+class _Storages(TorchDispatchMode):
+    """Every storage the ops under it create, but the weights': its size, and a weak reference that tells whether
+    anything (autograd's saved tensors, a checkpoint's cache) still holds it."""
+
+    def __init__(self, weights: set[int]) -> None:
+        super().__init__()
+        self.weights, self.live, self.created_bytes = weights, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and (storage := t.untyped_storage()).data_ptr() not in self.weights:
+                known = self.live.get(storage.data_ptr())
+                if storage.nbytes() and (known is None or known[0]() is None):  # new, or a freed one's address
+                    self.live[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+                    self.created_bytes += storage.nbytes()
+        return out
+
+    def held_bytes(self, but: Tensor) -> int:
+        """Bytes of the storages still alive, at their size now (FSDP frees its gathered weights by resizing)."""
+        held = [ref() for ptr, (ref, _) in self.live.items() if ptr != but.untyped_storage().data_ptr()]
+        return sum(storage.nbytes() for storage in held if storage is not None)
+
+
+def _cpu_memory(module: nn.Module, run: Callable[[Tensor], Tensor], x: Tensor) -> tuple[int, int]:
+    """CPU has no allocator statistics: the retained bytes are the storages the forward created that outlive it;
+    the peak is bounded by all the forward created (which a checkpointed backward creates again) plus the input
+    and the output's gradient."""
+    x.grad = None
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    with _Storages({p.untyped_storage().data_ptr() for p in local}) as storages:
+        out = run(x)
+    retained = storages.held_bytes(but=out) + _nbytes(x)
+    out.backward(torch.ones_like(out))
+    return retained, storages.created_bytes + _nbytes(x) + _nbytes(out)
+
+
+# Collectives ------------------------------------------------------------------------------------------------------
+
+
+def bus_factor(op: str, ranks: int) -> float:
+    """How many times its size a collective moves through each rank's link (NCCL's bus bandwidth convention)."""
+    return {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks,
+            "reduce_scatter": (ranks - 1) / ranks, "send_recv": 1.0}[op]
+
+
+def collective_sizes(device: torch.device) -> tuple[int, ...]:
+    """Buffer sizes to time: 1 MiB to 1 GiB on GPUs, 16 KiB to 4 MiB on CPU ranks (gloo)."""
+    return tuple(4**i << 20 for i in range(6)) if device.type == "cuda" else tuple(4**i << 14 for i in range(5))
+
+
+def profile_collectives(group: dist.ProcessGroup | None, sizes_bytes: Sequence[int]) -> CollectiveProfile:
+    """Seconds of all-reduce, all-gather, reduce-scatter and send/recv among `group`'s ranks per size, a latency +
+    bandwidth line through them, and how much they slow compute beside them; every rank of `group` calls it."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    hosts: list[str | None] = [None] * ranks
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    sizes, seconds = [], {op: [] for op in COLLECTIVES}
+    for size in sizes_bytes:
+        full = torch.ones(max(1, size // 4 // ranks) * ranks, device=device)
+        sizes.append(_nbytes(full))
+        for op, call in _collective_calls(full, rank, ranks, group).items():
+            seconds[op].append(_collective_seconds(call, group, device))
+    slowest = torch.tensor([seconds[op] for op in COLLECTIVES], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    seconds = {op: tuple(slowest[i].tolist()) for i, op in enumerate(COLLECTIVES)}
+    fits = {op: _fit(sizes, times, bus_factor(op, ranks)) for op, times in seconds.items()}
+    return CollectiveProfile(ranks, len(set(hosts)), tuple(sizes), seconds, fits,
+                             _overlap_slowdown(full, group, device))
+
+
+def _collective_calls(full: Tensor, rank: int, ranks: int,
+                      group: dist.ProcessGroup | None) -> dict[str, Callable[[], object]]:
+    part = torch.empty(full.numel() // ranks, device=full.device)
+    return {"all_reduce": lambda: dist.all_reduce(full, group=group),
+            "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=group),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=group),
+            "send_recv": lambda: _exchange(full, rank, ranks, group)}
+
+
+def _exchange(buffer: Tensor, rank: int, ranks: int, group: dist.ProcessGroup | None) -> None:
+    """Ranks 0 -> 1, 2 -> 3, ...: a pipeline's boundary transfer between neighbouring pairs at once."""
+    peer = rank ^ 1
+    if peer < ranks:
+        (dist.send if rank % 2 == 0 else dist.recv)(buffer, dist.get_global_rank(group or dist.group.WORLD, peer),
+                                                    group=group)
+
+
+def _collective_seconds(call: Callable[[], object], group: dist.ProcessGroup | None, device: torch.device) -> float:
+    times = []
+    for _ in range(WARMUP + ITERS):
+        dist.barrier(group=group)
+        times.append(_wall_seconds(call, device))
+    return statistics.median(times[WARMUP:])
+
+
+def _wall_seconds(call: Callable[[], object], device: torch.device) -> float:
+    """From the launch until the result, by the host's clock (NCCL runs on its own stream, beyond CUDA events on
+    the current one)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    begin = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - begin
+
+
+def _fit(sizes: Sequence[int], seconds: Sequence[float], factor: float) -> LinkFit:
+    """Least-squares line seconds = latency + factor * size / bandwidth; bandwidth from the largest size when the
+    points give no positive slope (latency-bound sizes only)."""
+    mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(seconds)
+    spread = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / spread if spread else 0
+    if slope <= 0:
+        return LinkFit(0.0, factor * sizes[-1] / seconds[-1])
+    return LinkFit(max(0.0, mean_y - slope * mean_x), factor / slope)
+
+
+def _overlap_slowdown(buffer: Tensor, group: dist.ProcessGroup | None, device: torch.device) -> float:
+    """Matmuls' time while all-reduces of `buffer` run beside them, over their time alone (at least 1)."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16) if device.type == "cuda" \
+        else torch.randn(256, 256, device=device)
+    matmuls = lambda: [a @ a for _ in range(20)]  # noqa: E731
+    alone = statistics.median([_seconds(matmuls, device) for _ in range(WARMUP + ITERS)][WARMUP:])
+    reduce_s = _collective_seconds(lambda: dist.all_reduce(buffer, group=group), group, device)
+    count = torch.tensor([math.ceil(alone / reduce_s) + 1], device=device)  # enough to last the matmuls out,
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # and the same on every rank
+    beside = []
+    for _ in range(ITERS):
+        dist.barrier(group=group)
+        works = [dist.all_reduce(buffer, group=group, async_op=True) for _ in range(int(count))]
+        beside.append(_seconds(matmuls, device))
+        for work in works:
+            work.wait()
+    return max(1.0, statistics.median(beside) / alone)
+
+
+def collective_groups(world: int, local: int) -> list[list[int]]:
+    """Rank sets to measure: 2, 4, ... ranks of the first node (and all of them), and when there are several
+    nodes, one rank of each of the first two and then every rank."""
+    sizes = sorted({2**i for i in range(1, local.bit_length()) if 2**i <= local} | ({local} if local > 1 else set()))
+    groups = [list(range(n)) for n in sizes]
+    return groups + ([[0, local], list(range(world))] if world > local else [])
+
+
+def measure_collectives(local: int, sizes_bytes: Sequence[int]) -> tuple[CollectiveProfile, ...]:
+    """Every rank of the initialised default group calls this; rank 0's answer holds every group's measurement."""
+    results = []
+    for ranks in collective_groups(dist.get_world_size(), local):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            results.append(profile_collectives(group, sizes_bytes))
+        dist.barrier()
+    return tuple(results)

@@ -1,0 +1,252 @@
+"""Galvatron's search: for each tensor-parallel degree, pipeline degree, micro-batch count and division of the blocks
+into stages, dynamic programming over each stage's blocks picks per block {FSDP or replicated} x {checkpoint none,
+selective, full} for the least time whose memory fits the budget; the fastest of these is the plan."""
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..parallel.strategy import CHECKPOINT, BlockStrategy, Strategy, strategy_problems
+from .cost import (
+    FSDP_BUFFER_BYTES,
+    Cluster,
+    Cost,
+    Prediction,
+    Setting,
+    block_costs,
+    in_flight,
+    part_cost,
+    predict,
+    stage_fixed,
+)
+from .profile import ModelLayout, Profile
+
+MEMORY_STEPS = 4096  # the budget's resolution in the dynamic programme; each block's memory is rounded up to it
+CHOICES = tuple(BlockStrategy(fsdp, mode) for fsdp in (False, True) for mode in CHECKPOINT)
+SCHEDULE = "1f1b"  # holds fewer micro-batches than GPipe for the same bubble
+
+
+@dataclass(frozen=True)
+class Option:
+    seconds: float
+    units: int  # of memory
+
+
+@dataclass(frozen=True)
+class Planned:
+    name: str
+    strategy: Strategy
+    prediction: Prediction | None  # None when the strategy cannot run this job (`problem` says why)
+    fits: bool
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Planned | None  # None: no strategy fits the budget
+    uniform: tuple[Planned, ...]  # DDP, FSDP, FSDP + full checkpointing, TP + FSDP, PP
+    least: Planned | None  # the strategy needing the least memory of all searched
+
+
+def cheapest_under(options: Sequence[Sequence[Option]], units: int) -> tuple[float, tuple[int, ...]] | None:
+    """One option per block with the least total seconds whose units sum to at most `units`, and the index chosen
+    for each block; None when none fits. Dynamic programming over the blocks, the memory axis vectorised."""
+    if units < 0:
+        return None
+    best, picks = np.zeros(units + 1), []  # best[u]: least seconds of the blocks so far within u units
+    for block in options:
+        candidates = np.full((len(block), units + 1), np.inf)
+        for j, option in enumerate(block):
+            if option.units <= units:
+                candidates[j, option.units:] = best[:units + 1 - option.units] + option.seconds
+        pick = candidates.argmin(axis=0)
+        best = candidates[pick, np.arange(units + 1)]
+        picks.append(pick)
+    if not np.isfinite(best[units]):
+        return None
+    chosen, u = [], units
+    for block, pick in zip(reversed(options), reversed(picks), strict=True):
+        chosen.append(int(pick[u]))
+        u -= block[chosen[-1]].units
+    return float(best[units]), tuple(reversed(chosen))
+
+
+def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch: int,
+           budget_bytes: float) -> SearchResult:
+    """The fastest strategy whose predicted peak memory per GPU is within `budget_bytes`, the uniform strategies'
+    predictions, and the least memory any searched strategy needs."""
+    stage_cache: dict[tuple, tuple[BlockStrategy, ...] | None] = {}
+    best = least = None
+    for setting, stages in configurations(layout, profile, cluster, global_batch):
+        base = Strategy(tp=setting.tp, pp=setting.pp, microbatches=setting.microbatches, schedule=SCHEDULE,
+                        stages=stages if setting.pipelined else ())
+        for fsdp_rest in (False, True) if setting.dp > 1 else (False,):
+            blocks = _plan_stages(layout, profile, setting, stages, fsdp_rest, budget_bytes, stage_cache)
+            if blocks is not None and (any(b.fsdp for b in blocks) or not fsdp_rest):  # no FSDP for the rest alone
+                planned = _evaluate("searched", replace(base, blocks=blocks, fsdp_rest=fsdp_rest), layout, profile,
+                                    cluster, global_batch, budget_bytes)
+                if planned.fits and (best is None or planned.prediction.step_s < best.prediction.step_s):
+                    best = planned
+        smallest = replace(base, blocks=(BlockStrategy(setting.dp > 1, "full"),) * len(layout.blocks),
+                           fsdp_rest=setting.dp > 1)
+        planned = _evaluate("least memory", smallest, layout, profile, cluster, global_batch, budget_bytes)
+        if least is None or planned.prediction.peak_bytes < least.prediction.peak_bytes:  # runnable: predicted
+            least = planned
+    return SearchResult(best, uniform(layout, profile, cluster, global_batch, budget_bytes), least)
+
+
+def configurations(layout: ModelLayout, profile: Profile, cluster: Cluster,
+                   global_batch: int) -> Iterator[tuple[Setting, tuple[int, ...]]]:
+    """Every (tp, pp, micro-batches) the job allows, with each candidate division of the blocks into stages."""
+    for tp in tp_degrees(layout, profile, cluster):
+        for pp in (p for p in _divisors(cluster.world // tp) if p <= len(layout.blocks)):
+            dp = cluster.world // (tp * pp)
+            if global_batch % dp:
+                continue
+            for m in microbatch_counts(pp, global_batch // dp):
+                setting = Setting(cluster, tp, pp, m, global_batch // dp // m)
+                for stages in divisions(layout, profile, setting):
+                    yield setting, stages
+
+
+def tp_degrees(layout: ModelLayout, profile: Profile, cluster: Cluster) -> list[int]:
+    """Tensor-parallel degrees within a node that divide every block's heads and MLP and were profiled."""
+    shape = layout.shape()
+    return [t for t in _divisors(cluster.gpus) if not any(h % t for h in shape.heads + shape.hidden)
+            and profile.has_tp(layout, t)]
+
+
+def microbatch_counts(pp: int, per_rank_batch: int) -> list[int]:
+    """1 without a pipeline; else pp, 2pp, 4pp and 8pp micro-batches, those that divide the rank's batch."""
+    if pp == 1:
+        return [1]
+    return [m for m in (pp << i for i in range(4)) if per_rank_batch % m == 0]
+
+
+def divisions(layout: ModelLayout, profile: Profile, setting: Setting) -> list[tuple[int, ...]]:
+    """Blocks per stage: as even as possible, balanced by time, and balanced by the least memory each can take
+    (which weighs the first stages' extra micro-batches in flight)."""
+    n, pp = len(layout.blocks), setting.pp
+    if pp == 1:
+        return [(n,)]
+    quick = _with_parts(layout, profile, setting, BlockStrategy())
+    small = _with_parts(layout, profile, setting, BlockStrategy(setting.dp > 1, "full"))
+    time = _prefix([c.micro_s for c in quick])
+    state, activation = _prefix([c.state_bytes for c in small]), _prefix([c.activation_bytes for c in small])
+    held = [in_flight(SCHEDULE, pp, setting.microbatches, s) for s in range(pp)]
+    memory = lambda s, a, b: state[b] - state[a] + held[s] * (activation[b] - activation[a])  # noqa: E731
+    candidates = [Strategy(pp=pp).stage_blocks(n), min_max_division(n, pp, lambda s, a, b: time[b] - time[a]),
+                  min_max_division(n, pp, memory)]
+    return list(dict.fromkeys(candidates))
+
+
+def min_max_division(n_blocks: int, stages: int, cost: Callable[[int, int, int], float]) -> tuple[int, ...]:
+    """Blocks per stage, each stage at least one, minimising the largest `cost(stage, first block, end)`."""
+    best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {(0, 0): (0.0, ())}
+    for s in range(stages):
+        for end in range(s + 1, n_blocks - (stages - s - 1) + 1):
+            best[(s + 1, end)] = min((max(best[(s, start)][0], cost(s, start, end)), best[(s, start)][1] +
+                                      (end - start,)) for start in range(s, end) if (s, start) in best)
+    return best[(stages, n_blocks)][1]
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    return [0.0, *np.cumsum(values).tolist()]
+
+
+def _with_parts(layout: ModelLayout, profile: Profile, setting: Setting, choice: BlockStrategy) -> list[Cost]:
+    """Each block's cost under `choice`, with those of the parts that run just before it (after it, for the last
+    block's head)."""
+    n = len(layout.blocks)
+    parts = {p.name: part_cost(profile, setting, p.name, choice.fsdp) for p in layout.parts}
+    costs = []
+    for i, own in enumerate(block_costs(profile, setting, layout, range(n), (choice,) * n)):
+        near = [parts[p.name] for p in layout.parts if p.before == i or (p.before == n and i == n - 1)]
+        costs.append(replace(own, micro_s=own.micro_s + sum(p.micro_s for p in near),
+                             state_bytes=own.state_bytes + sum(p.state_bytes for p in near),
+                             activation_bytes=own.activation_bytes + sum(p.activation_bytes for p in near)))
+    return costs
+
+
+def _plan_stages(layout: ModelLayout, profile: Profile, setting: Setting, stages: tuple[int, ...], fsdp_rest: bool,
+                 budget: float, cache: dict) -> tuple[BlockStrategy, ...] | None:
+    blocks: list[BlockStrategy] = []
+    start = 0
+    for stage, count in enumerate(stages):
+        key = (setting, stage, start, count, fsdp_rest)
+        if key not in cache:
+            cache[key] = plan_stage(layout, profile, setting, range(start, start + count), stage, fsdp_rest, budget)
+        if cache[key] is None:
+            return None
+        blocks += cache[key]
+        start += count
+    return tuple(blocks)
+
+
+def plan_stage(layout: ModelLayout, profile: Profile, setting: Setting, blocks: range, stage: int, fsdp_rest: bool,
+               budget: float) -> tuple[BlockStrategy, ...] | None:
+    """The fastest choice per block of one stage within `budget` bytes, or None. Its blocks' weighted time, (m + pp
+    - 1) per micro-batch plus once per step, is minimised; the memory outside the per-block sums (the largest
+    transient, FSDP's gather buffers) is reserved up front at its largest, so the plan never exceeds the budget."""
+    parts, _, transfer_bytes = stage_fixed(profile, layout, setting, blocks, stage, fsdp_rest)
+    held = in_flight(SCHEDULE, setting.pp, setting.microbatches, stage)
+    every = [block_costs(profile, setting, layout, blocks, (choice,) * len(layout.blocks)) for choice in CHOICES]
+    table = [list(row) for row in zip(*every, strict=True)]  # per block, per choice
+    weight, unit = setting.microbatches + setting.pp - 1, budget / MEMORY_STEPS
+    transient = max(c.transient_bytes for c in [*parts, *(c for row in table for c in row)])
+    fixed = sum(c.state_bytes + held * c.activation_bytes for c in parts) + transient + transfer_bytes
+    best: tuple[float, tuple[BlockStrategy, ...]] | None = None
+    for allow_fsdp in (False, True) if setting.dp > 1 else (False,):
+        allowed = [j for j, choice in enumerate(CHOICES) if allow_fsdp or not choice.fsdp]
+        gathered = max(c.gathered_params for c in [*parts, *(row[j] for row in table for j in allowed)])
+        options = [[Option(weight * row[j].micro_s + row[j].step_s,
+                           math.ceil((row[j].state_bytes + held * row[j].activation_bytes) / unit)) for j in allowed]
+                   for row in table]
+        found = cheapest_under(options, math.floor((budget - fixed - FSDP_BUFFER_BYTES * gathered) / unit))
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found[0], tuple(CHOICES[allowed[j]] for j in found[1])
+    return None if best is None else best[1]
+
+
+def uniform(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch: int,
+            budget: float) -> tuple[Planned, ...]:
+    """The one-setting-for-all strategies, predicted: DDP, FSDP, FSDP + full checkpointing, TP (the most within a
+    node) + FSDP, and a pipeline over each node's GPUs (the micro-batch count that does best)."""
+    every = lambda fsdp, checkpoint: (BlockStrategy(fsdp, checkpoint),) * len(layout.blocks)  # noqa: E731
+    rows = [("DDP", Strategy(blocks=every(False, "none"))),
+            ("FSDP", Strategy(blocks=every(True, "none"), fsdp_rest=True)),
+            ("FSDP + full checkpointing", Strategy(blocks=every(True, "full"), fsdp_rest=True))]
+    if (tp := max(tp_degrees(layout, profile, cluster), default=1)) > 1:
+        rows.append((f"TP{tp} + FSDP", Strategy(tp=tp, blocks=every(True, "none"), fsdp_rest=True)))
+    planned = [_evaluate(name, s, layout, profile, cluster, global_batch, budget) for name, s in rows]
+    pp = cluster.gpus
+    if 1 < pp <= len(layout.blocks):
+        per_rank = global_batch // (cluster.world // pp)
+        pipelines = [Strategy(pp=pp, microbatches=m, schedule=SCHEDULE, blocks=every(False, "none"))
+                     for m in microbatch_counts(pp, per_rank) or [pp]]
+        planned.append(min((_evaluate(f"PP{pp}", s, layout, profile, cluster, global_batch, budget)
+                            for s in pipelines), key=_rank))
+    return tuple(planned)
+
+
+def _rank(p: Planned) -> tuple:
+    """Runnable before not, fitting before not, then the faster."""
+    return (p.prediction is None, not p.fits, p.prediction.step_s if p.prediction else 0.0)
+
+
+def _evaluate(name: str, strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: Cluster,
+              global_batch: int, budget: float) -> Planned:
+    dp = cluster.world // (strategy.tp * strategy.pp)
+    if global_batch % dp:
+        return Planned(name, strategy, None, False, f"the batch {global_batch} does not divide over {dp} data-parallel "
+                                                    f"ranks")
+    if problems := strategy_problems(strategy, layout.shape(), cluster.world, global_batch // dp):
+        return Planned(name, strategy, None, False, problems[0])
+    prediction = predict(strategy, layout, profile, cluster, global_batch)
+    return Planned(name, strategy, prediction, prediction.peak_bytes <= budget)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

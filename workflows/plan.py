@@ -1,0 +1,188 @@
+"""`vitctl plan`: find (or measure) the profile of this GPU type, search the layerwise strategy for a job, write the
+plan that `vitctl train --set parallel.plan=FILE` runs."""
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vitctl.datasets.atomic import partial_open, publish
+from vitctl.trainer.config import ConfigError
+from vitctl.trainer.parallel.env import init_distributed
+from vitctl.trainer.planner.cost import Cluster
+from vitctl.trainer.planner.profile import (
+    SHIPPED,
+    CollectiveProfile,
+    ModelLayout,
+    Profile,
+    collective_sizes,
+    device_name,
+    measure_collectives,
+    model_layout,
+    profile_blocks,
+    profile_file,
+    profile_optimizer,
+    profile_parts,
+    read_profile,
+)
+from vitctl.trainer.planner.search import SearchResult, search
+
+PROFILE_BATCH = {"cuda": 32, "cpu": 4}  # samples per measurement (and a quarter of it); lines are fitted through both
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    img_size: int
+    nodes: int
+    gpus: int  # per node
+    memory_gib: float  # per GPU
+    batch: int  # global: all data-parallel ranks together
+    profile: Path | None  # None: the cached or shipped profile of this machine's GPU type
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    request: PlanRequest
+    layout: ModelLayout
+    profile: Profile
+    profile_path: Path
+    result: SearchResult
+
+    @property
+    def world(self) -> int:
+        return self.request.nodes * self.request.gpus
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vitctl" / "profiles"
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count()
+
+
+def local_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def plan(request: PlanRequest, echo: Callable[[str], None]) -> PlanOutcome:
+    """Search the strategy of `request`; the outcome's `result.best` is None when nothing fits (write_plan says)."""
+    layout = model_layout(request.model, request.img_size)
+    profile, path = load_profile(request.model, request.img_size, request.profile, echo)
+    cluster = Cluster(request.nodes, request.gpus)
+    return PlanOutcome(request, layout, profile, path,
+                       search(layout, profile, cluster, request.batch, request.memory_gib * 2**30))
+
+
+def write_plan(outcome: PlanOutcome, out: Path) -> None:
+    """The plan file of the searched strategy; ConfigError when no strategy fits the budget."""
+    request, best = outcome.request, outcome.result.best
+    if best is None:
+        raise ConfigError(_no_fit(outcome))
+    p = best.prediction
+    _write(out, best.strategy.to_json(request.model, outcome.world, predicted={
+        "step_s": round(p.step_s, 4), "peak_gib": round(p.peak_gib, 2), "images_per_s": round(p.images_per_s, 1)}))
+
+
+def _no_fit(outcome: PlanOutcome) -> str:
+    r, least = outcome.request, outcome.result.least
+    needs = "" if least is None else (f"; the least any searched strategy needs is {least.prediction.peak_gib:.1f} GiB "
+                                      f"({least.strategy.layout(outcome.world)}, every block FSDP and fully "
+                                      f"checkpointed)")
+    return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
+            f"--memory-gib {r.memory_gib:g}{needs}; raise --memory-gib, add GPUs (--nodes, --gpus) or lower --batch")
+
+
+def load_profile(model: str, img_size: int, path: Path | None,
+                 echo: Callable[[str], None]) -> tuple[Profile, Path]:
+    """The profile at `path`; else the cached or shipped one of this GPU type and torch; else, on a GPU, one
+    measured now (and cached)."""
+    if path is None:
+        device = local_device()
+        name = profile_file(device_name(device), torch.__version__, model, img_size)
+        path = next((folder / name for folder in (cache_dir(), SHIPPED) if (folder / name).exists()), None)
+        if path is None and device.type == "cpu":
+            raise ConfigError(_missing(model, img_size, name))
+        if path is None:
+            echo(f"no profile of {model} at {img_size} px for {device_name(device)} yet: measuring it (minutes)")
+            path = save_profile(measure_profile(model, img_size, device, local_collectives(visible_gpus(), device)))
+    profile = read_profile(path)
+    if (profile.model, profile.img_size) != (model, img_size):
+        raise ConfigError(f"--profile {path} measured {profile.model} at {profile.img_size} px, not {model} at "
+                          f"{img_size} px; measure that with `vitctl plan --profile-only --model {model} "
+                          f"--img-size {img_size}`")
+    return profile, path
+
+
+def _missing(model: str, img_size: int, name: str) -> str:
+    shipped = sorted(SHIPPED.glob(f"*-{model}-{img_size}.json"))
+    known = f"; profiles shipped for it: {', '.join(map(str, shipped))} (pass one with --profile)" if shipped else ""
+    return (f"no profile {name} in {cache_dir()} or {SHIPPED}, and this machine has no GPU to measure one{known}; "
+            f"measure it on a GPU node with `vitctl plan --profile-only --model {model} --img-size {img_size}` and "
+            f"pass the file it writes with --profile")
+
+
+def measure_profile(model: str, img_size: int, device: torch.device,
+                    collectives: tuple[CollectiveProfile, ...]) -> Profile:
+    """Blocks, parts and the optimizer measured on `device`, with the collectives measured among ranks."""
+    batch = PROFILE_BATCH[device.type]
+    return Profile(device_name(device), torch.__version__, model, img_size,
+                   profile_blocks(model, img_size, batch, device), profile_parts(model, img_size, batch, device),
+                   profile_optimizer(device), collectives)
+
+
+def save_profile(profile: Profile, folder: Path | None = None) -> Path:
+    path = (folder or cache_dir()) / profile_file(profile.device, profile.torch, profile.model, profile.img_size)
+    _write(path, profile.to_json())
+    return path
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with partial_open(path, "w") as f:
+        f.write(text)
+    publish(path)
+
+
+def profile_only(model: str, img_size: int, ranks: int | None) -> Path | None:
+    """Measure and cache this machine's profile: collectives among `ranks` local ranks (default: every GPU, or 2
+    CPU ranks), spawned here, or among all ranks when a launcher (torchrun) started one process per GPU, of which
+    rank 0 then measures the rest and returns the file (the others None)."""
+    model_layout(model, img_size)  # a bad model or image size fails before minutes of measuring
+    device = local_device()
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        collectives = local_collectives(ranks or visible_gpus() or 2, device)
+        return save_profile(measure_profile(model, img_size, device, collectives))
+    env = init_distributed(use_cuda=device.type == "cuda")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
+    collectives = measure_collectives(local, collective_sizes(env.device))
+    dist.destroy_process_group()
+    return save_profile(measure_profile(model, img_size, env.device, collectives)) if env.is_main else None
+
+
+def local_collectives(ranks: int, device: torch.device) -> tuple[CollectiveProfile, ...]:
+    """Collectives among `ranks` processes spawned on this machine, one per GPU (NCCL) or CPU ranks (gloo); none
+    for one rank."""
+    if ranks == 1:
+        return ()
+    results = mp.Manager().dict()
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_collectives_rank, args=(ranks, f"file://{folder}/init", device.type, results), nprocs=ranks)
+    return results[0]
+
+
+def _collectives_rank(rank: int, ranks: int, init: str, device_type: str, results: dict) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init, rank=rank,
+                            world_size=ranks)
+    measured = measure_collectives(ranks, collective_sizes(torch.device(device_type)))
+    if rank == 0:
+        results[0] = measured
+    dist.destroy_process_group()
