@@ -47,7 +47,7 @@ def test_overrides_win_over_presets_and_read_yaml_values():
 
 @pytest.mark.parametrize(("override", "message"), [
     ("optim.lrr=1", "unknown keys \\['optim.lrr'\\]"),
-    ("train.precision=fp8", "train.precision must be one of"),
+    ("train.precision=fp4", "train.precision must be one of"),
     ("data.batch_size=big", "data.batch_size: expected int"),
     ("optim.betas=[0.9]", "expected a list of 2 values"),
     ("model.drop_path=1.5", "model.drop_path must be in"),

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import COMPILE_MODES, ConfigError, ModelConfig
+from .config import COMPILE_MODES, ConfigError, ModelConfig, TrainConfig
+from .fp8 import convert_to_float8
 from .metrics import mfu
 from .models import MODELS, build_model
 from .ops import resolve
@@ -44,7 +45,7 @@ def timm_model(name: str, img_size: int, fused_attn: bool, drop_path: float = 0.
 def training_step(model: nn.Module, precision: Precision, compile_: bool, fused_optimizer: Callable,
                   compile_mode: str = "default") -> Callable:
     """One training step (forward, loss, backward, optimizer) as the trainer runs it."""
-    master = MasterWeights(model) if precision.mode == "bf16-pure" else None  # casts the model to bf16
+    master = MasterWeights(model) if precision.pure else None  # casts the model to bf16
     weights = master.module if master else model
     optimizer = fused_optimizer([{"params": [p for p in weights.parameters() if p.requires_grad],
                                   "weight_decay": 0.05}], 1e-4, (0.9, 0.999), 1e-8)
@@ -100,7 +101,7 @@ def measure(name: str, setting: str, model: nn.Module, precision: Precision, com
     rate = batch * 1000 / median_ms  # from the median step: one slow step (a stall, a recompile) does not skew it
     result = BenchResult(name, setting, rate, median_ms, torch.cuda.max_memory_allocated(device) / 2**30,
                          mfu(flops, rate, device))
-    if precision.mode == "bf16-pure" and dict(ops.chosen)["optimizer"] == "cuda":
+    if precision.pure and dict(ops.chosen)["optimizer"] == "cuda":
         result.optimizer = "torch fused AdamW's arithmetic on float32 master weights, one vitctl kernel with the copies"
     return result
 
@@ -132,6 +133,8 @@ def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bo
     for precision in precisions:
         ops = resolve(fused, device, compiling=compile_)
         model = build_model(ModelConfig(name=model_name, img_size=img_size, drop_path=0.0), ops)
+        if precision == "fp8":  # the default recipe; bench/bench_fp8.py times both
+            convert_to_float8(model, TrainConfig().fp8_recipe, fsdp=False)
         flops = 3 * model.flops_per_image()
         setting = f"{precision}{_compiled(compile_, compile_mode)}, fused {fused}"
         result = measure(f"vitctl {model_name}", setting, model, Precision(precision, device), compile_, batch,

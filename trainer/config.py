@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 
 PRESETS = Path(__file__).parent / "presets"
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 scaling: one scale per tensor, or per row
 GRAD_REDUCE = ("auto", "after_backward", "overlap")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile modes; reduce-overhead replays CUDA graphs
 
@@ -65,6 +66,7 @@ class TrainConfig:
     epochs: float = 300.0
     max_steps: int | None = None  # stop early (demos, benchmarks)
     precision: str = "bf16"
+    fp8_recipe: str = "tensorwise"  # with precision=fp8: tensorwise | rowwise
     fused: str = "all"  # all | none | comma-separated seams
     compile: bool = False
     compile_mode: str = "default"  # reduce-overhead: CUDA graphs, for steps whose kernel launches outrun the GPU
@@ -228,6 +230,8 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
 def validate(c: RunConfig) -> None:
     checks = [
         (c.train.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS}, got {c.train.precision!r}"),
+        (c.train.fp8_recipe in FP8_RECIPES,
+         f"train.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {c.train.fp8_recipe!r}"),
         (c.parallel.dp_shard == -1 or c.parallel.dp_shard >= 1, "parallel.dp_shard must be -1 (all) or at least 1"),
         (c.parallel.fsdp or c.parallel.dp_shard in (-1, 1), "parallel.dp_shard needs parallel.fsdp=true"),
         (c.parallel.grad_reduce in GRAD_REDUCE,

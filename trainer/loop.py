@@ -29,6 +29,7 @@ from . import checkpoint as ckpt
 from . import runlock
 from .config import ConfigError, RunConfig, config_from_dict
 from .data import Batch, build_data
+from .fp8 import convert_to_float8
 from .metrics import MetricsWriter, mfu
 from .models import build_model
 from .ops import resolve
@@ -110,6 +111,8 @@ class Trainer:
         self.precision = Precision(config.train.precision, env.device)
         _seed(config.train.seed)  # the same initial weights on every rank
         model = self._build_model(load_weights=not checkpoints)
+        if self.precision.fp8:  # before parallelize: FSDP2 shards and the masters copy what this swaps in
+            convert_to_float8(model, config.train.fp8_recipe, fsdp=self.strategy.fsdp)
         self.flops_per_image = model.flops_per_image()  # of the whole model: a pipeline stage keeps part of it
         # Each data-parallel rank its own drop path and mixup. The ranks of one data-parallel coordinate draw the
         # same mixup (a pipeline's first stage mixes the images, its last the targets) and, within a stage, the same

@@ -1,5 +1,6 @@
 """One precision layer: autocast and the grad scaler, FSDP2's mixed-precision policy, and for bf16-pure the fp32
-master weights. In every mode gradients are accumulated and reduced in fp32."""
+master weights. fp8 is bf16-pure whose blocks' matmuls run in float8 (fp8.py). In every mode gradients are
+accumulated and reduced in fp32."""
 
 import copy
 from contextlib import AbstractContextManager, nullcontext
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": None}
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": None, "fp8": None}
 
 
 @dataclass
@@ -21,7 +22,12 @@ class Precision:
 
     @property
     def pure(self) -> bool:
-        return self.mode == "bf16-pure"
+        """A bf16 model with fp32 master weights (or FSDP2's fp32 shards): bf16-pure, and fp8 on top of it."""
+        return self.mode in ("bf16-pure", "fp8")
+
+    @property
+    def fp8(self) -> bool:
+        return self.mode == "fp8"
 
     def autocast(self) -> AbstractContextManager:
         dtype = AUTOCAST[self.mode]

@@ -11,6 +11,7 @@ from vitctl.datasets.index import index_path
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.shards import split_shards
+from .fp8 import fp8_problems
 from .models import model_error, model_shape
 from .ops import parse_fused
 from .parallel import parallel_dims
@@ -57,9 +58,13 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
         problems.append("parallel.grad_reduce=overlap (DDP) does not run with tensor or pipeline parallel, whose "
                         "replicated gradients are reduced after the backward; use parallel.grad_reduce=auto")
     mixed = len({b.fsdp for b in s.blocks} | {s.fsdp_rest}) > 1
-    if config.train.precision == "bf16-pure" and (mixed or s.tp > 1 and not s.fsdp):
-        problems.append("train.precision=bf16-pure needs every block sharded (FSDP2 keeps the fp32 weights) or, "
-                        "with parallel.tp=1, none; use train.precision=bf16 for this strategy")
+    precision = config.train.precision
+    if precision in ("bf16-pure", "fp8") and (mixed or s.tp > 1 and not s.fsdp):
+        problems.append(f"train.precision={precision} needs every block sharded (FSDP2 keeps the fp32 weights) or, "
+                        f"with parallel.tp=1, none; use train.precision=bf16 for this strategy")
+    if precision == "fp8" and s.tp > 1:
+        problems.append("train.precision=fp8 does not run with tensor parallel yet (its split layers have no float8 "
+                        "path); use parallel.tp=1 or train.precision=bf16-pure")
     return problems
 
 
@@ -96,6 +101,8 @@ def _device_problems(config: RunConfig, device: torch.device) -> list[str]:
     if device.type == "cuda" and precision in ("bf16", "bf16-pure") and not torch.cuda.is_bf16_supported():
         problems.append(f"train.precision={precision} needs a GPU with bfloat16 (Ampere or newer), not "
                         f"{torch.cuda.get_device_name(device)}; use --precision fp16")
+    if precision == "fp8":
+        problems += fp8_problems(config, device)
     if device.type != "cuda" and config.train.compile_mode == "reduce-overhead":
         problems.append("train.compile_mode=reduce-overhead replays CUDA graphs and needs a GPU; use "
                         "train.compile_mode=default")

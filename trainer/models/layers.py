@@ -129,7 +129,7 @@ class CheckpointableBlock(nn.Module):
 # The outputs worth keeping: recomputing them costs a matmul; everything else (norms, GELU, adds) is cheap to rerun.
 _SAVED_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_efficient_attention",
               "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention",
-              "vitctl::window_attention", "vitctl::mlp",
+              "vitctl::window_attention", "vitctl::mlp", "aten::_scaled_mm",
               # Tensor parallel's all-reduces: rerunning them would repeat the communication, not just the arithmetic.
               "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor"}
 

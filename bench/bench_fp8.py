@@ -1,0 +1,110 @@
+"""float8 training speed on one GPU, in one process: per model, timm's strongest setting, ours in bf16-pure and ours
+in fp8 with each torchao recipe, all compiled (ours with every fused op); images/s, peak memory and the ratios to
+timm and to our bf16-pure. Each row is the training step of `vitctl bench train` (trainer/bench.py): synthetic batch
+resident on the GPU, warm-up steps, then the median of steps timed back to back with CUDA events."""
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+import torchao
+
+from vitctl.trainer.bench import TIMM_STRONGEST, BenchResult, measure, timm_model
+from vitctl.trainer.config import COMPILE_MODES, FP8_RECIPES, ModelConfig
+from vitctl.trainer.fp8 import convert_to_float8
+from vitctl.trainer.models import MODELS, build_model
+from vitctl.trainer.ops import resolve
+from vitctl.trainer.precision import Precision
+
+BATCHES = {"vit_b16": 256, "vit_l16": 128, "swin_b": 128}  # ViT-B and Swin-B as docs/performance.md has them
+IMG_SIZE = 224
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    label: str  # timm | bf16-pure | fp8 tensorwise | fp8 rowwise
+    result: BenchResult
+
+
+def ours(name: str, batch: int, flops: float, recipe: str | None, args: argparse.Namespace) -> BenchResult:
+    """Our model compiled with every fused op, bf16-pure, its blocks' matmuls in float8 when `recipe` is given."""
+    device = torch.device("cuda")
+    model = build_model(ModelConfig(name=name, img_size=IMG_SIZE, drop_path=0.0),
+                        resolve("all", device, compiling=True)).to(device)
+    if recipe is not None:
+        convert_to_float8(model, recipe, fsdp=False)
+    setting = f"fp8 {recipe}" if recipe else "bf16-pure"
+    # fp8 is bf16-pure's step (bf16 model, fp32 masters, one optimizer kernel) on the float8 model.
+    return measure(f"vitctl {name}", setting, model, Precision("bf16-pure", device), True, batch, IMG_SIZE,
+                   flops, args.steps, args.warmup, args.compile_mode)
+
+
+def timm(name: str, batch: int, flops: float, args: argparse.Namespace) -> BenchResult:
+    return measure(f"timm {MODELS[name].timm_name}", TIMM_STRONGEST, timm_model(name, IMG_SIZE, fused_attn=True),
+                   Precision("bf16", torch.device("cuda")), True, batch, IMG_SIZE, flops, args.steps, args.warmup,
+                   args.compile_mode)
+
+
+def rows_of(name: str, args: argparse.Namespace) -> list[Row]:
+    batch = BATCHES[name]
+    cpu = torch.device("cpu")
+    flops = 3 * build_model(ModelConfig(name=name, img_size=IMG_SIZE), resolve("none", cpu)).flops_per_image()
+    runs = [("timm", lambda: timm(name, batch, flops, args)),
+            ("bf16-pure", lambda: ours(name, batch, flops, None, args))]
+    runs += [(f"fp8 {recipe}", lambda recipe=recipe: ours(name, batch, flops, recipe, args))
+             for recipe in FP8_RECIPES]
+    rows = []
+    for label, run in runs:
+        start = time.perf_counter()
+        rows.append(Row(name, batch, label, run()))
+        print(f"{name} b{batch} {label}: {rows[-1].result.images_per_s:,.0f} img/s, {rows[-1].result.peak_gib:.1f} "
+              f"GiB ({time.perf_counter() - start:.0f} s with its compile)", flush=True)
+        _release()
+    return rows
+
+
+def _release() -> None:
+    """Drop the compiled graphs (and their CUDA graph pools) of the row before, so each row starts clean."""
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| model | batch | setting | images/s | ms/step (median) | peak GiB | MFU (bf16 peak) | vs timm | "
+             "vs our bf16-pure |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        same = {r.label: r.result for r in rows if r.model == row.model}
+        r = row.result
+        mfu = "-" if r.mfu is None else f"{r.mfu:.1%}"
+        lines.append(f"| {row.model} | {row.batch} | {row.label} | {r.images_per_s:,.0f} | {r.ms_per_step:.1f} | "
+                     f"{r.peak_gib:.1f} | {mfu} | {r.images_per_s / same['timm'].images_per_s:.2f}x | "
+                     f"{r.images_per_s / same['bf16-pure'].images_per_s:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(BATCHES)}")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead",
+                        help="for every row; reduce-overhead (CUDA graphs) keeps Swin's many kernels GPU-bound")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args()
+    models = args.models.split(",")
+    if unknown := [m for m in models if m not in BATCHES]:
+        parser.error(f"--models: {', '.join(unknown)} not among {', '.join(BATCHES)}")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {torchao.__version__}, "
+          f"compile mode {args.compile_mode}, {args.warmup} warm-up + median of {args.steps} steps", flush=True)
+    rows = [row for name in models for row in rows_of(name, args)]
+    print(f"\ntimm: {TIMM_STRONGEST}; ours: --fused all, compiled, bf16 weights with fp32 masters\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
