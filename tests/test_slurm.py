@@ -82,9 +82,21 @@ def test_two_nodes_train_like_a_local_four_process_run(prepared_shards, tmp_path
     nodes = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "NodeList"], capture_output=True, text=True)
     assert nodes.stdout.strip() == "n[1-2]"
     listed = status.collect(registry.load_records())[0]
-    assert (listed.state, listed.step, listed.total_steps, listed.layout) == ("COMPLETED", 24, 24, "2x2 CPU")
+    assert (listed.state, listed.step, listed.total_steps, listed.layout) == ("COMPLETED", 24, 24, "2x2 CPU dp4")
     log = vitctl("logs", job, "--rank", 3, "--follow")  # returns: the job has ended
     assert log.exit_code == 0 and "resumed" not in log.output
+
+
+def test_a_pipeline_of_tensor_parallel_pairs_spans_two_nodes_like_four_local_ranks(prepared_shards, tmp_path):
+    """pp2 x tp2 on 2 nodes x 2 ranks: each node holds one stage's tensor-parallel pair, the stages talk across."""
+    hybrid = ["--set", "model.name=vit_mini", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
+              "--set", "parallel.microbatches=2", "--steps", 6]
+    ok("train", "--data", prepared_shards, "--out", tmp_path / "local", *RUN, *hybrid, "--executor", "local",
+       "--gpus", 0, "--tasks-per-node", 4)
+    job = submit(prepared_shards, tmp_path / "slurm", *hybrid)
+    assert wait_for(job, status.TERMINAL) == "COMPLETED"
+    assert same(weights(tmp_path / "slurm"), weights(tmp_path / "local"))
+    assert status.collect(registry.load_records())[-1].layout == "2x2 CPU pp2·tp2"
 
 
 @pytest.mark.parametrize("interrupt", ["usr2", "scontrol-requeue"])
