@@ -54,7 +54,8 @@ class Pipeline:
         self.first, self.last = stage == 0, stage == strategy.pp - 1
         self.microbatches = strategy.microbatches
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
-        self.pipeline_stage = PipelineStage(_Contiguous(stage_module), stage, strategy.pp, device, group=group)
+        _send_contiguous(stage_module)
+        self.pipeline_stage = PipelineStage(stage_module, stage, strategy.pp, device, group=group)
         # scale_grads=False: the loss of each micro-batch is divided by their count instead (`_loss`), so that the
         # sum of the micro-batch gradients is the batch mean's, as without a pipeline.
         self.schedule = SCHEDULES[strategy.schedule](self.pipeline_stage, strategy.microbatches, loss_fn=self._loss,
@@ -84,16 +85,12 @@ class Pipeline:
         return dist.get_global_rank(self.group, self.stage + offset)
 
 
-class _Contiguous(nn.Module):
-    """The stage as the schedule runs it. gloo sends only contiguous tensors, and a Swin stage's output (and the
-    gradient of its input) may be laid out otherwise after its window permutations."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.module(_ContiguousGradient.apply(x)).contiguous()
+def _send_contiguous(module: nn.Module) -> None:
+    """gloo sends only contiguous tensors, and a Swin stage's output (and its input's gradient) may be laid out
+    otherwise after the window permutations. Hooks, not a wrapper: the schedule must see an FSDP stage as one, to
+    reduce its gradients once per step rather than once per micro-batch."""
+    module.register_forward_pre_hook(lambda _, args: tuple(_ContiguousGradient.apply(a) for a in args))
+    module.register_forward_hook(lambda _, args, output: output.contiguous())
 
 
 class _ContiguousGradient(torch.autograd.Function):
