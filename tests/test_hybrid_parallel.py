@@ -127,3 +127,12 @@ def test_a_plan_for_another_model_and_a_plan_beside_strategy_keys_are_refused(pr
         "'vit_b16'" in result.stderr
     result = vitctl(*base, "--set", "parallel.tp=2")
     assert result.exit_code == 1 and "sets the strategy, so parallel.tp cannot be given beside it" in result.stderr
+
+
+def test_a_tensor_parallel_group_may_not_span_nodes(prepared_shards, tmp_path):
+    result = vitctl("train", "--config", "demo_vit", "--set", "model.name=vit_mini", "--set",
+                    f"model.num_classes={CLASSES}", "--data", prepared_shards, "--out", tmp_path / "run",
+                    "--executor", "slurm", "--nodes", 2, "--tasks-per-node", 2, "--gpus", 0, "--batch", 6,
+                    "--set", "parallel.tp=4", "--dry-run")
+    assert result.exit_code == 1
+    assert "parallel.tp=4 would split tensor-parallel groups across nodes of 2 ranks" in result.stderr
