@@ -30,7 +30,7 @@ from .console import console, err_console
 def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, profile_only) -> None:
     """Search the fastest layerwise strategy (tensor and pipeline parallel degrees, and per block FSDP or
     replicated weights and activation checkpointing) whose predicted memory fits --memory-gib per GPU, and write it
-    for `vitctl train --set parallel.plan=OUT`."""
+    for `vitctl train --plan OUT`."""
     if profile_only:
         path = wf.profile_only(model_name, img_size, gpus)
         if path is not None:
@@ -51,7 +51,7 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
         tables.insert(0, _plan_table(outcome))
     console.print(Columns(tables))
     wf.write_plan(outcome, out)
-    console.print(f"plan: {out}  (train with --set parallel.plan={out} --set data.batch_size="
+    console.print(f"plan: {out}  (train with --plan {out} --batch "
                   f"{_per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
 
 

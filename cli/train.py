@@ -25,6 +25,8 @@ def run_options(command):
         click.option("--fused", help="Fused ops: all, none, or comma-separated seams; seam=impl picks one "
                      "(e.g. all,optimizer=apex)."),
         click.option("--compile/--no-compile", default=None, help="torch.compile the model."),
+        click.option("--plan", type=click.Path(dir_okay=False, path_type=Path),
+                     help="A parallel plan from `vitctl plan` (the same as --set parallel.plan=PATH)."),
         click.option("--resume", is_flag=True, help="Continue the run in --out from its last checkpoint."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Override any config value, e.g. --set optim.lr=1e-3 (repeatable)."),
@@ -57,6 +59,7 @@ def _flags(o: dict) -> dict:
              "model": {"name": o["model"]},
              "train": {"out_dir": str(o["out"]) if o["out"] else None, "epochs": o["epochs"], "max_steps": o["steps"],
                        "precision": o["precision"], "fused": o["fused"], "compile": o["compile"]},
+             "parallel": {"plan": str(o["plan"]) if o.get("plan") else None},
              "finetune": {"from_ckpt": str(o["from_ckpt"]) if o.get("from_ckpt") else None,
                           "trust_checkpoint": o.get("trust_checkpoint") or None}}
     return {section: {k: v for k, v in values.items() if v is not None} for section, values in flags.items()}

@@ -93,7 +93,7 @@ def test_a_layerwise_plan_trains_as_one_process_and_resumes_under_another_layout
     out = tmp_path / "split"
     train(prepared_shards, out, model, 4, 1, STEPS // 2, "--set", "parallel.pp=2", "--set", "parallel.tp=2",
           "--set", "parallel.microbatches=2")
-    train(prepared_shards, out, model, 4, 2, STEPS, "--resume", "--set", f"parallel.plan={plan_file}")
+    train(prepared_shards, out, model, 4, 2, STEPS, "--resume", "--plan", plan_file)
     assert_same_run(reference[model], out)
     assert json.loads((ckpt.list_checkpoints(out)[-1] / "meta.json").read_text())["layout"] == "pp2·fsdp2"
 
