@@ -8,14 +8,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..models import blocks_of
 from ..models.swin import SwinTransformer
 from ..models.vit import VisionTransformer
 from .strategy import Strategy
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # The parts outside the blocks, run before the first block and after the last: they live on the end stages.
 ENDS = {VisionTransformer: (("patch_embed", "cls_token", "pos_embed"), ("norm", "pre_logits", "head")),
         SwinTransformer: (("patch_embed",), ("norm", "head"))}
@@ -55,10 +53,14 @@ class Pipeline:
         self.microbatches = strategy.microbatches
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
         _send_contiguous(stage_module)
+        # Imported here: torch.distributed.pipelining takes a second to import, which every CLI command would pay.
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         self.pipeline_stage = PipelineStage(stage_module, stage, strategy.pp, device, group=group)
         # scale_grads=False: the loss of each micro-batch is divided by their count instead (`_loss`), so that the
         # sum of the micro-batch gradients is the batch mean's, as without a pipeline.
-        self.schedule = SCHEDULES[strategy.schedule](self.pipeline_stage, strategy.microbatches, loss_fn=self._loss,
+        schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        self.schedule = schedules[strategy.schedule](self.pipeline_stage, strategy.microbatches, loss_fn=self._loss,
                                                      scale_grads=False)
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
