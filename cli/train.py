@@ -6,10 +6,11 @@ import click
 from rich.table import Table
 
 from vitctl.workflows import train as wf
+from vitctl.workflows.bench import PRECISIONS
 
 from .console import console, err_console
 
-PRECISIONS = click.Choice(list(wf.PRECISIONS))
+PRECISION_CHOICE = click.Choice(PRECISIONS)
 
 
 def run_options(command):
@@ -21,7 +22,7 @@ def run_options(command):
         click.option("--batch", type=click.IntRange(min=1), help="Batch size per rank."),
         click.option("--epochs", type=float),
         click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps."),
-        click.option("--precision", type=PRECISIONS),
+        click.option("--precision", type=PRECISION_CHOICE),
         click.option("--fused", help="Fused ops: all, none, or comma-separated seams; seam=impl picks one "
                      "(e.g. all,optimizer=apex)."),
         click.option("--compile/--no-compile", default=None, help="torch.compile the model."),

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from vitctl.trainer import checkpoint
-from vitctl.trainer.config import PRECISIONS, ConfigError, RunConfig, load_config  # noqa: F401 (PRECISIONS: the CLI's)
+from vitctl.trainer.config import ConfigError, RunConfig, load_config
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.preflight import preflight
 
