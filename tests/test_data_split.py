@@ -1,5 +1,6 @@
 """The data split over data-parallel ranks, through both loaders (the index loader and DALI, on the CPU): every
-sample once per epoch, a new order each epoch, and a resumed stream that continues with the same batches."""
+sample once per epoch, a new order each epoch, and a resumed stream that continues with the same batches (with the
+whole recipe on: RandAugment, colour jitter, random erasing); repeated augmentation's plan."""
 
 import itertools
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from vitctl.trainer.data.augment import Recipe
 from vitctl.trainer.data.loader import EvalBatches, LoaderSpec, TrainBatches
 from vitctl.trainer.data.plan import EpochPlan, eval_rows
 from vitctl.trainer.data.shards import read_table, split_shards
@@ -14,9 +16,11 @@ from vitctl.trainer.data.shards import read_table, split_shards
 RANKS, BATCH = 3, 7  # 60 train samples in shards of 16, 16, 16, 12: 2 global batches of 21 per epoch, 18 left out
 
 
+RECIPE = Recipe(32, min_scale=0.35, rand_augment="rand-m9-mstd0.5-inc1", color_jitter=0.4, reprob=0.25)
+
+
 def spec(workers: int = 0) -> LoaderSpec:
-    return LoaderSpec(img_size=32, min_scale=0.35, hflip=True, seed=5, workers=workers, device=torch.device("cpu"),
-                      gpu_decode=False)
+    return LoaderSpec(RECIPE, seed=5, workers=workers, device=torch.device("cpu"), gpu_decode=False)
 
 
 def loader(kind: str, table, plan: EpochPlan, workers: int = 0):
@@ -69,7 +73,7 @@ def test_a_stream_resumed_mid_epoch_gives_the_same_remaining_batches(table, kind
     resumed = list(itertools.islice(loader(kind, table, plan)(epoch, sample), 4))
     for (a_images, a_labels, a_rows), (b_images, b_labels, b_rows) in zip(whole[1:], resumed, strict=True):
         assert torch.equal(a_rows, b_rows) and torch.equal(a_labels, b_labels)
-        assert torch.equal(a_images, b_images)  # the same crops and flips: they depend on (seed, epoch, sample)
+        assert torch.equal(a_images, b_images)  # the same augmentations: they depend on (seed, epoch, draw)
 
 
 def test_resharded_stream_continues_the_same_permutation():
@@ -107,3 +111,53 @@ def test_eval_reads_every_sample_once_and_ranks_run_the_same_count(prepared_shar
     rows = [r for batches in outputs for b in batches if b is not None for r in b[2].tolist()]
     assert sorted(rows) == list(range(len(table)))
     assert [list(eval_rows(10, r, 3)) for r in range(3)] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+def _epoch_draws(plans: list[EpochPlan], epoch: int) -> list[tuple[int, int]]:
+    """(rank, draw) for every draw of an epoch, over all ranks."""
+    order, plan = plans[0].order(epoch), plans[0]
+    return [(p.dp_rank, int(d)) for b in range(plan.batches_per_epoch) for p in plans
+            for d in p.rows(order, b * plan.global_batch)]
+
+
+@pytest.mark.parametrize(("ranks", "batch", "repeats"), [(3, 4, 3), (4, 3, 3), (2, 6, 3), (5, 2, 2)])
+def test_repeated_augmentation_draws_each_sample_r_times_on_distinct_ranks(ranks, batch, repeats):
+    """60 samples: an epoch is still 60 draws (timm's RepeatAugSampler), 60 / r samples each r times, its repeats on
+    r different ranks when there are at least r, each repeat a draw of its own."""
+    plans = [EpochPlan(60, batch, rank, ranks, seed=3, repeats=repeats) for rank in range(ranks)]
+    for epoch in range(2):
+        draws = _epoch_draws(plans, epoch)
+        assert len(draws) == 60 == len({d for _, d in draws})
+        samples = plans[0].sample(np.array([d for _, d in draws]))
+        assert np.bincount(samples, minlength=60).tolist().count(repeats) == 60 // repeats
+        ranks_of = {}
+        for (rank, _), sample in zip(draws, samples, strict=True):
+            ranks_of.setdefault(int(sample), []).append(rank)
+        assert all(len(set(r)) == min(repeats, ranks) for r in ranks_of.values())
+    assert set(_epoch_draws(plans, 0)) != set(_epoch_draws(plans, 1))
+
+
+def test_repeated_augmentation_resumes_mid_epoch_and_onto_other_ranks():
+    plans = [EpochPlan(60, 4, rank, 3, seed=3, repeats=3) for rank in range(3)]
+    for plan in plans:
+        whole = [(e, r.tolist()) for e, r in itertools.islice(plan.stream(0, 0), 9)]  # across the epoch boundary
+        resumed = [(e, r.tolist()) for e, r in itertools.islice(plan.stream(*plan.locate(0, 0, 2)), 7)]
+        assert whole[2:] == resumed
+    two = [EpochPlan(60, 6, rank, 2, seed=3, repeats=3) for rank in range(2)]  # 2 ranks of 6 after 3 of 4
+    order, position = plans[0].order(0), plans[0].locate(0, 0, 2)
+    assert sorted(d for p in plans for d in p.rows(order, position[1]).tolist()) == \
+        sorted(d for p in two for d in p.rows(order, position[1]).tolist())
+
+
+def test_without_repeats_the_order_is_the_plain_permutation():
+    plan = EpochPlan(50, 5, 1, 2, seed=4)
+    assert np.array_equal(plan.order(3), np.random.default_rng([4, 3]).permutation(50))
+    assert np.array_equal(plan.sample(plan.order(3)), plan.order(3))
+
+
+def test_a_samples_repeats_are_augmented_differently(table):
+    """Three ranks read one sample's three repeats at the same place of their batches: three different views."""
+    plans = [EpochPlan(len(table), 4, rank, 3, seed=5, repeats=3) for rank in range(3)]
+    firsts = [next(TrainBatches(table, spec(), plan)(0, 0)) for plan in plans]
+    assert len({int(rows[0]) for _, _, rows in firsts}) == 1
+    assert not torch.equal(firsts[0][0][0], firsts[1][0][0]) and not torch.equal(firsts[1][0][0], firsts[2][0][0])

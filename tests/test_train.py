@@ -37,13 +37,19 @@ def last_meta(out: Path) -> dict:
     return ckpt.read_meta(ckpt.list_checkpoints(out)[-1])
 
 
-def test_resume_continues_exactly(prepared_shards, tmp_path):
+# The published recipe's data side (timm's transforms in this process, seeded per sample) and a warmup from above 0.
+RECIPE = ["augment.rand_augment=rand-m9-mstd0.5-inc1", "augment.reprob=0.25", "augment.repeated_aug=2",
+          "optim.warmup_lr=1e-3"]
+
+
+@pytest.mark.parametrize("recipe", [[], RECIPE], ids=["light", "recipe"])
+def test_resume_continues_exactly(prepared_shards, tmp_path, recipe):
     """N steps in one go == N/2 steps, stop, resume, N/2 more: bitwise, on CPU in fp32 (mixup, drop path on)."""
-    train(tiny(prepared_shards, tmp_path / "whole", "train.max_steps=10"))
-    train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=5"))
+    train(tiny(prepared_shards, tmp_path / "whole", "train.max_steps=10", *recipe))
+    train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=5", *recipe))
     with pytest.raises(ConfigError, match="pass --resume"):
-        train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=10"))
-    train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=10"), resume=True)
+        train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=10", *recipe))
+    train(tiny(prepared_shards, tmp_path / "split", "train.max_steps=10", *recipe), resume=True)
     for part in ("model", "optimizer"):
         whole, split = final_weights(tmp_path / "whole", part), final_weights(tmp_path / "split", part)
         assert whole.keys() == split.keys()

@@ -10,28 +10,41 @@ def test_every_preset_loads_and_validates(preset):
     assert config.model.name and config.train.out_dir
 
 
-# The published recipes' optimisation values (microsoft/Swin-Transformer configs, DeiT-B): base lr per global batch
-# of 512, as ours. Their augmentation (RandAugment, colour jitter, random erasing) is not in the presets yet.
-SWIN_1K = {"optim.lr": 5e-4, "optim.min_lr": 5e-6, "optim.weight_decay": 0.05, "optim.warmup_epochs": 20,
-           "optim.clip_grad": 5.0, "optim.layer_decay": None, "train.epochs": 300, "augment.mixup": 0.8,
-           "augment.cutmix": 1.0, "augment.label_smoothing": 0.1}
-SWIN_22K_TO_1K = {**SWIN_1K, "optim.lr": 2e-5, "optim.min_lr": 2e-7, "optim.weight_decay": 1e-8,
-                  "optim.warmup_epochs": 5, "train.epochs": 30, "model.drop_path": 0.2}
+# The published recipes, as their sources give them; lr, warmup_lr and min_lr per global batch of 512 as ours.
+# Swin: microsoft/Swin-Transformer config.py (_C.DATA, _C.AUG, _C.TRAIN, _C.TEST, _C.MODEL.LABEL_SMOOTHING defaults)
+# and configs/swin/swin_{tiny,base}_patch4_window7_224.yaml, swin_large_patch4_window7_224_22kto1k_finetune.yaml,
+# swin_large_patch4_window12_384_22kto1k_finetune.yaml (TEST.CROP False); data/build.py builds the transforms with
+# timm's create_transform and evaluates at int(256 / 224 x size) -> size (crop 0.875), bicubic, ImageNet mean/std.
+# DeiT-B: facebookresearch/deit main.py's argparse defaults (--model deit_base_patch16_224), samplers.py's RASampler
+# (3 repeats), datasets.py's build_transform (eval: Resize(int(size / eval_crop_ratio), bicubic), CenterCrop).
+# Colour jitter: AUG.COLOR_JITTER 0.4 (Swin) and --color-jitter 0.3 (DeiT) are set, but the timm they pin (0.4.12,
+# 0.3.2) applies colour jitter only without auto-augment (transforms_imagenet_train: `elif color_jitter`), and both
+# set rand-m9-mstd0.5-inc1: the recipes as trained have none, 0 here.
+IMAGENET = {"data.mean": (0.485, 0.456, 0.406), "data.std": (0.229, 0.224, 0.225)}
+SWIN_1K = {**IMAGENET, "optim.lr": 5e-4, "optim.warmup_lr": 5e-7, "optim.min_lr": 5e-6, "optim.weight_decay": 0.05,
+           "optim.warmup_epochs": 20, "optim.clip_grad": 5.0, "optim.eps": 1e-8, "optim.betas": (0.9, 0.999),
+           "optim.layer_decay": None, "train.epochs": 300,
+           "augment.mixup": 0.8, "augment.cutmix": 1.0, "augment.mixup_switch_prob": 0.5,
+           "augment.label_smoothing": 0.1, "augment.min_crop_scale": 0.08, "augment.interpolation": "bicubic",
+           "augment.rand_augment": "rand-m9-mstd0.5-inc1", "augment.color_jitter": 0.0, "augment.reprob": 0.25,
+           "augment.remode": "pixel", "augment.recount": 1, "augment.repeated_aug": 1, "augment.hflip": True,
+           "eval.crop_pct": 0.875, "eval.crop_mode": "center", "eval.interpolation": "bicubic"}
+SWIN_22K_TO_1K = {**SWIN_1K, "optim.lr": 2e-5, "optim.warmup_lr": 2e-8, "optim.min_lr": 2e-7,
+                  "optim.weight_decay": 1e-8, "optim.warmup_epochs": 5, "train.epochs": 30, "model.drop_path": 0.2}
 OFFICIAL = {
     "swin_t_pretrain": {**SWIN_1K, "model.name": "swin_t", "model.drop_path": 0.2},
     "swin_b_pretrain": {**SWIN_1K, "model.name": "swin_b", "model.drop_path": 0.5},
     "swin_l_22k_to_1k_224": {**SWIN_22K_TO_1K, "model.name": "swin_l", "model.img_size": 224},
     "swin_l_22k_to_1k_384": {**SWIN_22K_TO_1K, "model.name": "swin_l", "model.img_size": 384,
-                             "model.window_size": 12},
-    "vit_b16_pretrain": {"model.name": "vit_b16", "model.drop_path": 0.1, "optim.lr": 5e-4, "optim.min_lr": 1e-5,
-                         "optim.weight_decay": 0.05, "optim.warmup_epochs": 5, "optim.clip_grad": None,
-                         "train.epochs": 300, "augment.mixup": 0.8, "augment.cutmix": 1.0,
-                         "augment.label_smoothing": 0.1},
+                             "model.window_size": 12, "eval.crop_pct": 1.0, "eval.crop_mode": "squash"},
+    "vit_b16_pretrain": {**SWIN_1K, "model.name": "vit_b16", "model.drop_path": 0.1, "optim.lr": 5e-4,
+                         "optim.warmup_lr": 1e-6, "optim.min_lr": 1e-5, "optim.warmup_epochs": 5,
+                         "optim.clip_grad": None, "augment.repeated_aug": 3},
 }
 
 
 @pytest.mark.parametrize("preset", sorted(OFFICIAL))
-def test_presets_hold_the_published_optimisation_values(preset):
+def test_presets_hold_the_published_recipes(preset):
     config = load_config(preset, ["data.path=/somewhere"]).to_dict()
     held = {key: config[key.split(".")[0]][key.split(".")[1]] for key in OFFICIAL[preset]}
     assert held == OFFICIAL[preset]
@@ -53,6 +66,14 @@ def test_overrides_win_over_presets_and_read_yaml_values():
     ("model.drop_path=1.5", "model.drop_path must be in"),
     ("nonsense", "not of the form section.key=value"),
     ("train.compile_mode=fastest", "train.compile_mode must be one of default, reduce-overhead"),
+    ("augment.remode=noise", "augment.remode must be one of const, rand, pixel, got 'noise'"),
+    ("augment.interpolation=nearest", "augment.interpolation must be one of bilinear, bicubic"),
+    ("eval.crop_mode=stretch", "eval.crop_mode must be one of center, squash"),
+    ("eval.crop_pct=1.5", "eval.crop_pct must be in \\(0, 1\\]"),
+    ("augment.repeated_aug=0", "augment.repeated_aug must be at least 1"),
+    ("augment.reprob=2", "augment.reprob must be in \\[0, 1\\]"),
+    ("data.std=[0.2, 0, 0.2]", "data.std must be positive"),
+    ("data.mean=[0.5, 0.5]", "data.mean: expected a list of 3 values"),
 ])
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from .recipe import CROP_MODES, ERASE_MODES, INTERPOLATIONS, RAND_GRAMMAR, parse_rand_augment
+
 PRESETS = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 scaling: one scale per tensor, or per row
@@ -37,15 +39,35 @@ class DataConfig:
     batch_size: int = 128  # per rank
     workers: int = 4  # loader processes per rank
     train_samples: int = 1_281_167  # synthetic data only: the epoch length it pretends to have
+    # Normalisation of train and eval images, as fractions of 255; None: the model family's (recipe.MODEL_EVAL).
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
 
 
 @dataclass
 class AugmentConfig:
     mixup: float = 0.8
     cutmix: float = 1.0
+    mixup_switch_prob: float = 0.5  # with both on: the chance a batch gets cutmix rather than mixup
     label_smoothing: float = 0.1
     min_crop_scale: float = 0.08
     hflip: bool = True  # off for data where mirroring changes the class (digits, text)
+    interpolation: str = "bicubic"  # the random-resized crop's (and RandAugment's geometric ops')
+    rand_augment: str | None = None  # timm's RandAugment string, e.g. rand-m9-mstd0.5-inc1
+    color_jitter: float = 0.0  # brightness, contrast and saturation factors in [1 - x, 1 + x]
+    reprob: float = 0.0  # random erasing: the chance an image gets erased boxes
+    remode: str = "pixel"  # const | rand | pixel: what fills an erased box
+    recount: int = 1  # erased boxes per erased image: 1 up to this many
+    repeated_aug: int = 1  # each drawn sample appears this many times in an epoch, on different ranks (DeiT)
+
+
+@dataclass
+class EvalConfig:
+    """How val images are cropped; None: the model family's default (recipe.MODEL_EVAL)."""
+
+    crop_pct: float | None = None  # timm's: resize to size / crop_pct, keep the centre size x size
+    crop_mode: str | None = None  # center (the shorter side resized) | squash (both sides: the aspect is lost)
+    interpolation: str | None = None
 
 
 @dataclass
@@ -56,6 +78,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_epochs: float = 5.0
+    warmup_lr: float = 0.0  # where the warmup starts, for a global batch of 512 as lr
     clip_grad: float | None = 5.0
     accum_steps: int = 1
     layer_decay: float | None = None  # layer-wise LR decay, finetuning
@@ -108,6 +131,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -256,7 +280,38 @@ def validate(c: RunConfig) -> None:
         (c.train.ema_decay is None or 0 < c.train.ema_decay < 1, "train.ema_decay must be in (0, 1)"),
         (0 <= c.augment.label_smoothing < 1, "augment.label_smoothing must be in [0, 1)"),
         (0 < c.augment.min_crop_scale <= 1, "augment.min_crop_scale must be in (0, 1]"),
+        (c.optim.warmup_lr >= 0, "optim.warmup_lr must not be negative"),
     ]
-    problems = [message for ok, message in checks if not ok]
+    problems = [message for ok, message in checks if not ok] + _recipe_problems(c)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _one_of(key: str, value: str | None, options: tuple[str, ...]) -> list[str]:
+    return [] if value is None or value in options else [f"{key} must be one of {', '.join(options)}, got {value!r}"]
+
+
+def _recipe_problems(c: RunConfig) -> list[str]:
+    """The augmentation, eval view and normalisation keys."""
+    a, e = c.augment, c.eval
+    checks = [
+        (a.mixup >= 0 and a.cutmix >= 0, "augment.mixup and augment.cutmix must not be negative"),
+        (0 <= a.mixup_switch_prob <= 1, "augment.mixup_switch_prob must be in [0, 1]"),
+        (a.color_jitter >= 0, "augment.color_jitter must not be negative"),
+        (0 <= a.reprob <= 1, "augment.reprob must be in [0, 1]"),
+        (a.recount >= 1, "augment.recount must be at least 1"),
+        (a.repeated_aug >= 1, "augment.repeated_aug must be at least 1 (1: no repeats)"),
+        (e.crop_pct is None or 0 < e.crop_pct <= 1, "eval.crop_pct must be in (0, 1]"),
+        (c.data.std is None or min(c.data.std) > 0, "data.std must be positive"),
+    ]
+    problems = [message for ok, message in checks if not ok]
+    problems += _one_of("augment.interpolation", a.interpolation, INTERPOLATIONS)
+    problems += _one_of("augment.remode", a.remode, ERASE_MODES)
+    problems += _one_of("eval.crop_mode", e.crop_mode, CROP_MODES)
+    problems += _one_of("eval.interpolation", e.interpolation, INTERPOLATIONS)
+    if a.rand_augment is not None:
+        try:
+            parse_rand_augment(a.rand_augment)
+        except ValueError as error:
+            problems.append(f"augment.rand_augment: {error}; write it as {RAND_GRAMMAR}, or null for none")
+    return problems

@@ -152,6 +152,7 @@ class Trainer:
         self.global_batch = plan.global_batch * c.optim.accum_steps
         self.base_lr = c.optim.lr * self.global_batch / LR_REFERENCE_BATCH
         self.min_lr = c.optim.min_lr * self.global_batch / LR_REFERENCE_BATCH
+        self.warmup_lr = c.optim.warmup_lr * self.global_batch / LR_REFERENCE_BATCH  # scaled as Swin's main.py does
         self.epoch_steps = plan.batches_per_epoch / c.optim.accum_steps  # fractional: a step may span two epochs
         left = math.ceil(max(0.0, c.train.epochs - self.epochs_done()) * plan.batches_per_epoch - 1e-9)
         self.stop_step = self.position.step + math.ceil(left / c.optim.accum_steps)
@@ -334,7 +335,7 @@ class Trainer:
         vote = StopVote(env.device)
         while p.step < self.stop_step:
             set_lr(self.optimizer, lr_at(self.epochs_done() + 1 / self.epoch_steps, c.train.epochs,
-                                         c.optim.warmup_epochs, self.base_lr, self.min_lr))
+                                         c.optim.warmup_epochs, self.base_lr, self.min_lr, self.warmup_lr))
             evals_before = math.floor(self.epochs_done() / eval_every + 1e-9)
             window.add(*self.train_step(batches))
             p.step += 1
@@ -428,8 +429,8 @@ def _mixup_and_loss(config: RunConfig):
         from timm.data import Mixup
         from timm.loss import SoftTargetCrossEntropy
 
-        mixup = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, label_smoothing=a.label_smoothing,
-                      num_classes=config.model.num_classes)
+        mixup = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, switch_prob=a.mixup_switch_prob,
+                      label_smoothing=a.label_smoothing, num_classes=config.model.num_classes)
         return mixup, SoftTargetCrossEntropy()
     return None, nn.CrossEntropyLoss(label_smoothing=a.label_smoothing)
 

@@ -34,12 +34,12 @@ def build_optimizer(groups: list[dict], config: OptimConfig, ops: Ops, lr: float
     return ops.optimizer(groups, lr, config.betas, config.eps)
 
 
-def lr_at(epochs: float, total: float, warmup: float, base: float, minimum: float) -> float:
-    """The LR of the step that ends `epochs` into training: linear warmup from 0 over `warmup` epochs, then cosine
-    decay to `minimum` at `total`. In epochs rather than steps, so a run resumed with another global batch keeps
-    its place in the schedule."""
+def lr_at(epochs: float, total: float, warmup: float, base: float, minimum: float, start: float = 0.0) -> float:
+    """The LR of the step that ends `epochs` into training: linear warmup from `start` over `warmup` epochs, then
+    cosine decay to `minimum` at `total`. In epochs rather than steps, so a run resumed with another global batch
+    keeps its place in the schedule."""
     if epochs <= warmup:
-        return base * epochs / warmup
+        return start + (base - start) * epochs / warmup
     progress = min(1.0, (epochs - warmup) / max(1e-9, total - warmup))
     return minimum + 0.5 * (base - minimum) * (1 + math.cos(math.pi * progress))
 

@@ -4,6 +4,7 @@ The data layer knows only the rank's data-parallel coordinate and the group's si
 ranks of a tensor- or pipeline-parallel group read the same batches.
 """
 
+import dataclasses
 import importlib.util
 import logging
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig
+from .augment import recipe_of
 from .loader import Batch, EvalBatches, LoaderSpec, TrainBatches
 from .plan import EpochPlan
 from .shards import read_table, split_shards
@@ -50,19 +52,24 @@ def build_data(config: RunConfig, dp_rank: int, dp_size: int, device: torch.devi
     folder = Path(c.path)
     shards, classes = split_shards(folder, "train")
     table = read_table(folder, shards)
-    plan = EpochPlan(len(table), batch, dp_rank, dp_size, seed)
+    plan = EpochPlan(len(table), batch, dp_rank, dp_size, seed, repeats=config.augment.repeated_aug)
     source = resolve_source(c.source)
     if source == "webdataset" and c.source == "auto":
         log.info("data: nvidia-dali not installed, reading shards with the index loader")
-    spec = LoaderSpec(config.model.img_size, config.augment.min_crop_scale, config.augment.hflip, seed,
-                      c.workers, device, gpu_decode=device.type == "cuda")
+    recipe, cuda = recipe_of(config), device.type == "cuda"
+    # nvjpeg's branch crops and flips only: training with more runs timm's transforms in the PIL workers instead.
+    spec = LoaderSpec(recipe, seed, c.workers, device, gpu_decode=cuda and recipe.crop_and_flip_only)
     if source == "dali":
         from .dali import DaliTrainBatches
 
         train = DaliTrainBatches(table, spec, plan, threads=max(1, c.workers))
     else:
+        if cuda and not spec.gpu_decode:
+            log.info("data: the index loader decodes with PIL in %d workers to apply RandAugment, colour jitter and "
+                     "random erasing as timm does; data.source=dali runs them on the GPU", c.workers)
         train = TrainBatches(table, spec, plan)
-    return Data(source, train, plan, _eval_batches(folder, spec, batch, dp_rank, dp_size), len(classes))
+    eval_spec = dataclasses.replace(spec, gpu_decode=cuda)
+    return Data(source, train, plan, _eval_batches(folder, eval_spec, batch, dp_rank, dp_size), len(classes))
 
 
 def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, dp_rank: int, dp_size: int) -> EvalBatches | None:

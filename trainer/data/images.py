@@ -1,7 +1,8 @@
-"""Image decoding and augmentation: PIL on the CPU, nvjpeg (torchvision.io.decode_jpeg) on the GPU.
+"""Image decoding and the crop every loader shares: PIL on the CPU, nvjpeg (torchvision.io.decode_jpeg) on the GPU.
 
-Each sample's randomness comes from a generator seeded by (seed, epoch, sample), so a batch is the same
-whichever worker builds it and whether or not the run was resumed.
+Each sample's randomness comes from a generator seeded by (seed, epoch, draw), so a batch is the same whichever
+worker builds it and whether or not the run was resumed. The crop box and mirror are drawn first, on the image's
+full size, by every loader alike (train_view); the rest of the recipe follows (augment.py).
 """
 
 import io
@@ -12,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-MEAN = torch.tensor([0.485, 0.456, 0.406]) * 255
-STD = torch.tensor([0.229, 0.224, 0.225]) * 255
-EVAL_CROP = 0.875
+from .augment import Recipe, TimmTransforms, normalize_pil
+
+PIL_RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -22,7 +23,7 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 
 def crop_box(rng: np.random.Generator, width: int, height: int, min_scale: float) -> tuple[int, int, int, int]:
-    """Random-resized-crop box (left, top, w, h): area in [min_scale, 1], aspect in [3/4, 4/3]."""
+    """Random-resized-crop box (left, top, w, h): area in [min_scale, 1], aspect in [3/4, 4/3] (torchvision's)."""
     area = width * height
     for _ in range(10):
         target = area * rng.uniform(min_scale, 1.0)
@@ -30,8 +31,9 @@ def crop_box(rng: np.random.Generator, width: int, height: int, min_scale: float
         w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             return int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1)), w, h
-    side = min(width, height)  # fall back to a centre crop
-    return (width - side) // 2, (height - side) // 2, side, side
+    # torchvision's fallback: the centre of the image with its aspect clamped to [3/4, 4/3]
+    w, h = min(width, round(height * 4 / 3)), min(height, round(width * 4 / 3))
+    return (width - w) // 2, (height - h) // 2, w, h
 
 
 def train_view(rng: np.random.Generator, width: int, height: int, min_scale: float,
@@ -41,45 +43,81 @@ def train_view(rng: np.random.Generator, width: int, height: int, min_scale: flo
     return box, hflip and rng.random() < 0.5
 
 
-def center_box(width: int, height: int) -> tuple[int, int, int, int]:
-    side = round(min(width, height) * EVAL_CROP)
-    return (width - side) // 2, (height - side) // 2, side, side
+def eval_resize(width: int, height: int, size: int, crop_pct: float, mode: str) -> tuple[int, int, int, int]:
+    """timm's eval transform: the (w, h) an image is resized to, floor(size / crop_pct) on the shorter side keeping
+    the aspect (`center`) or on both (`squash`), and the (left, top) of the centre size x size it keeps."""
+    scale = math.floor(size / crop_pct)
+    if mode == "squash":
+        new_w = new_h = scale
+    elif width <= height:
+        new_w, new_h = scale, int(scale * height / width)
+    else:
+        new_w, new_h = int(scale * width / height), scale
+    return new_w, new_h, round((new_w - size) / 2), round((new_h - size) / 2)
 
 
-def decode_pil(data: bytes, size: int, train: bool, rng: np.random.Generator, min_scale: float,
-               hflip: bool) -> torch.Tensor:
-    """JPEG bytes -> (3, size, size) uint8."""
+def eval_box(width: int, height: int, size: int, crop_pct: float, mode: str) -> tuple[float, float, float, float]:
+    """The region of the image (left, top, w, h) an eval view shows, in its pixels."""
+    new_w, new_h, left, top = eval_resize(width, height, size, crop_pct, mode)
+    fx, fy = width / new_w, height / new_h
+    return left * fx, top * fy, size * fx, size * fy
+
+
+def _view(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator) -> Image.Image:
+    """JPEG bytes -> the (size, size) RGB crop, mirrored when drawn so."""
+    size = recipe.size
     with Image.open(io.BytesIO(data)) as image:
-        image.draft("RGB", (size, size))  # let libjpeg decode at a reduced scale when the image is large
-        image = image.convert("RGB")
-        (left, top, w, h), flip = train_view(rng, *image.size, min_scale, hflip) if train \
-            else (center_box(*image.size), False)
-        image = image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
-        if flip:
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+        width, height = image.size
+        (left, top, w, h), flip = train_view(rng, width, height, recipe.min_scale, recipe.hflip) if train \
+            else (eval_box(width, height, size, recipe.eval_crop_pct, recipe.eval_crop_mode), False)
+        # libjpeg may decode at 1/2, 1/4, 1/8 scale while the box keeps at least `size` pixels each way
+        image.draft("RGB", (math.ceil(width * size / w), math.ceil(height * size / h)))
+        scale_x, scale_y = image.size[0] / width, image.size[1] / height
+        box = (left * scale_x, top * scale_y, (left + w) * scale_x, (top + h) * scale_y)
+        resample = PIL_RESAMPLE[recipe.interpolation if train else recipe.eval_interpolation]
+        view = image.convert("RGB").resize((size, size), resample, box=box)
+    return view.transpose(Image.FLIP_LEFT_RIGHT) if flip else view
 
 
-def decode_gpu(datas: list[torch.Tensor], size: int, train: bool, rngs: list[np.random.Generator],
-               min_scale: float, hflip: bool, device: torch.device) -> torch.Tensor:
-    """A batch of JPEG byte tensors -> (B, 3, size, size) uint8 on `device`, decoded by nvjpeg."""
+def decode_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator,
+               transforms: TimmTransforms | None) -> torch.Tensor:
+    """JPEG bytes -> (3, size, size) float32, normalised; in training, the rest of the recipe by timm's transforms."""
+    view = _view(data, recipe, train, rng)
+    return transforms(view, rng) if train and transforms else normalize_pil(view, recipe)
+
+
+def decode_gpu(datas: list[torch.Tensor], recipe: Recipe, train: bool, rngs: list[np.random.Generator],
+               device: torch.device) -> torch.Tensor:
+    """A batch of JPEG byte tensors -> (B, 3, size, size) float32 on `device`, normalised; decoded by nvjpeg. The
+    crop and flip only: the loader picks PIL for a recipe with more (Recipe.crop_and_flip_only)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
-    out = torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
+    out = torch.empty(len(images), 3, recipe.size, recipe.size, dtype=torch.uint8, device=device)
     for i, (image, rng) in enumerate(zip(images, rngs, strict=True)):
-        height, width = image.shape[1:]
-        (left, top, w, h), flip = train_view(rng, width, height, min_scale, hflip) if train \
-            else (center_box(width, height), False)
-        crop = image[None, :, top:top + h, left:left + w].float()
-        crop = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        if flip:
-            crop = crop.flip(-1)
-        out[i] = crop[0].round_().clamp_(0, 255).to(torch.uint8)
-    return out
+        view = _train_view_gpu(image, recipe, rng) if train else _eval_view_gpu(image, recipe)
+        out[i] = view.round_().clamp_(0, 255).to(torch.uint8)
+    return normalize(out, recipe)
 
 
-def normalize(images: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> normalised float, on the images' device."""
-    mean, std = MEAN.to(images.device).view(1, 3, 1, 1), STD.to(images.device).view(1, 3, 1, 1)
-    return ((images.float() - mean) / std).to(dtype)
+def _train_view_gpu(image: torch.Tensor, recipe: Recipe, rng: np.random.Generator) -> torch.Tensor:
+    height, width = image.shape[1:]
+    (left, top, w, h), flip = train_view(rng, width, height, recipe.min_scale, recipe.hflip)
+    crop = image[None, :, top:top + h, left:left + w].float()
+    view = F.interpolate(crop, size=(recipe.size, recipe.size), mode=recipe.interpolation, antialias=True)[0]
+    return view.flip(-1) if flip else view
+
+
+def _eval_view_gpu(image: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """Resize, then crop, as timm's eval transform (a box of whole pixels would shift the view by a fraction)."""
+    size, (height, width) = recipe.size, image.shape[1:]
+    new_w, new_h, left, top = eval_resize(width, height, size, recipe.eval_crop_pct, recipe.eval_crop_mode)
+    resized = F.interpolate(image[None].float(), size=(new_h, new_w), mode=recipe.eval_interpolation, antialias=True)
+    return resized[0, :, top:top + size, left:left + size]
+
+
+def normalize(images: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float32 normalised by the recipe's mean and std, on the images' device."""
+    mean = torch.tensor(recipe.mean, device=images.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(recipe.std, device=images.device).view(1, 3, 1, 1) * 255
+    return (images.float() - mean) / std

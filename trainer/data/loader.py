@@ -2,7 +2,8 @@
 
 Random access, rather than streaming each tar, lets every epoch be a full shuffle of all samples split over the
 data-parallel ranks (plan.py), and lets a resumed run start at the exact batch it stopped at without re-reading
-what came before. Batches are (images, labels, rows): rows are the samples' indices in the split.
+what came before. Batches are (images, labels, rows): images normalised float32, rows the samples' indices in the
+split. Items are (epoch, row, draw): the draw keys the sample's random numbers (a repeat of a sample has its own).
 """
 
 from collections.abc import Iterator
@@ -12,7 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .images import decode_gpu, decode_pil, normalize, sample_rng
+from .augment import Recipe, TimmTransforms
+from .images import decode_gpu, decode_pil, sample_rng
 from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
 
@@ -21,13 +23,11 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class LoaderSpec:
-    img_size: int
-    min_scale: float
-    hflip: bool
+    recipe: Recipe
     seed: int
     workers: int
     device: torch.device
-    gpu_decode: bool  # nvjpeg in the main process instead of PIL in the workers
+    gpu_decode: bool  # nvjpeg in the main process instead of PIL in the workers (crop and flip only)
 
 
 class ShardReader:
@@ -50,22 +50,23 @@ class ShardReader:
 
 
 class ShardImages(Dataset):
-    """Items are (epoch, row); returns decoded uint8 images, or the raw bytes when decoding on the GPU."""
+    """Items are (epoch, row, draw); returns decoded normalised images, or the raw bytes when decoding on the GPU."""
 
     def __init__(self, table: SampleTable, spec: LoaderSpec, train: bool) -> None:
         self.reader, self.spec, self.train = ShardReader(table), spec, train
+        recipe = spec.recipe
+        self.transforms = TimmTransforms(recipe) if train and not recipe.crop_and_flip_only else None
 
     def __len__(self) -> int:
         return len(self.reader.table)
 
-    def __getitem__(self, item: tuple[int, int]):
-        epoch, row = item
+    def __getitem__(self, item: tuple[int, int, int]):
+        epoch, row, draw = item
         data, label = self.reader.read(row), int(self.reader.table.label[row])
         if self.spec.gpu_decode:
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, (epoch, row)
-        rng = sample_rng(self.spec.seed, epoch, row)
-        image = decode_pil(data, self.spec.img_size, self.train, rng, self.spec.min_scale, self.spec.hflip)
-        return image, label, (epoch, row)
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, item
+        rng = sample_rng(self.spec.seed, epoch, draw)
+        return decode_pil(data, self.spec.recipe, self.train, rng, self.transforms), label, item
 
 
 def _collate(items: list) -> tuple:
@@ -80,9 +81,9 @@ class BatchPlan:
     def __init__(self, plan: EpochPlan, epoch: int, sample: int) -> None:
         self.plan, self.epoch, self.sample = plan, epoch, sample
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for epoch, rows in self.plan.stream(self.epoch, self.sample):
-            yield [(epoch, int(r)) for r in rows]
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        for epoch, draws in self.plan.stream(self.epoch, self.sample):
+            yield [(epoch, int(r), int(d)) for r, d in zip(self.plan.sample(draws), draws, strict=True)]
 
 
 class TrainBatches:
@@ -106,7 +107,7 @@ class EvalBatches:
 
     def __call__(self) -> Iterator[Batch | None]:
         rows = self.rows
-        plan = [[(0, r) for r in rows[b * self.batch:(b + 1) * self.batch]] for b in range(self.batches)]
+        plan = [[(0, r, r) for r in rows[b * self.batch:(b + 1) * self.batch]] for b in range(self.batches)]
         real = [p for p in plan if p]
         yield from _run(self.dataset, real, self.spec, train=False)
         for _ in range(len(plan) - len(real)):
@@ -122,8 +123,7 @@ def _run(dataset: ShardImages, batches, spec: LoaderSpec, train: bool) -> Iterat
                         pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed))
     for images, labels, keys in loader:
         if spec.gpu_decode:
-            rngs = [sample_rng(spec.seed, epoch, row) for epoch, row in keys]
-            images = decode_gpu(list(images), spec.img_size, train, rngs, spec.min_scale, spec.hflip, spec.device)
-        images = images.to(spec.device, non_blocking=True)
-        rows = torch.tensor(np.array([row for _, row in keys]))
-        yield normalize(images), labels.to(spec.device, non_blocking=True), rows
+            rngs = [sample_rng(spec.seed, epoch, draw) for epoch, _, draw in keys]
+            images = decode_gpu(list(images), spec.recipe, train, rngs, spec.device)
+        rows = torch.tensor(np.array([row for _, row, _ in keys]))
+        yield images.to(spec.device, non_blocking=True), labels.to(spec.device, non_blocking=True), rows

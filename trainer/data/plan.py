@@ -4,6 +4,12 @@ Each epoch is one seeded permutation of ALL train samples, cut into global batch
 the r-th slice of each. At most dp_size x batch - 1 samples are left out per epoch. A position is (epoch, samples
 consumed in it), counted globally, so a run resumed onto another number of ranks continues the same permutation
 where it stopped. Batches run on from one epoch into the next as one stream.
+
+Repeated augmentation (DeiT's RASampler, timm's RepeatAugSampler) with r repeats: the epoch's order is the
+permutation with each sample repeated r times in a row, cut to the epoch's length (so an epoch draws num_samples / r
+samples, each r times, as timm's sampler does), and each global batch is dealt round-robin over the ranks, so a
+sample's consecutive repeats land on r different ranks when there are at least r. The order holds draws, sample x r
++ repeat: each repeat has its own key for its augmentation's random numbers. With r = 1 a draw is the sample.
 """
 
 from collections.abc import Iterator
@@ -19,6 +25,7 @@ class EpochPlan:
     dp_rank: int
     dp_size: int
     seed: int
+    repeats: int = 1  # repeated augmentation: draws of each sample in a row in the order
 
     @property
     def global_batch(self) -> int:
@@ -29,7 +36,16 @@ class EpochPlan:
         return self.num_samples // self.global_batch
 
     def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        """The epoch's draws in order (sample x repeats + repeat), num_samples of them."""
+        samples = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        if self.repeats == 1:
+            return samples
+        draws = samples[:, None] * self.repeats + np.arange(self.repeats)
+        return draws.reshape(-1)[:self.num_samples]
+
+    def sample(self, draws: np.ndarray) -> np.ndarray:
+        """The samples (rows of the split) that draws read."""
+        return draws // self.repeats
 
     def start(self, epoch: int, sample: int) -> tuple[int, int]:
         """Where a stream from (epoch, sample) begins: a position left by a run with a smaller global batch may not
@@ -50,12 +66,14 @@ class EpochPlan:
         return epoch + 1 + epochs, into * self.global_batch
 
     def rows(self, order: np.ndarray, sample: int) -> np.ndarray:
-        """This rank's rows of the global batch that starts at `sample` of an epoch with this order."""
-        start = sample + self.dp_rank * self.batch
+        """This rank's draws of the global batch that starts at `sample` of an epoch with this order."""
+        if self.repeats > 1:  # round-robin: consecutive repeats go to consecutive ranks
+            return order[sample + self.dp_rank:sample + self.global_batch:self.dp_size]
+        start = sample + self.dp_rank * self.batch  # contiguous, as runs written before repeats were read
         return order[start:start + self.batch]
 
     def stream(self, epoch: int, sample: int) -> Iterator[tuple[int, np.ndarray]]:
-        """(epoch, this rank's rows) for every batch from (epoch, sample) on, epoch after epoch."""
+        """(epoch, this rank's draws) for every batch from (epoch, sample) on, epoch after epoch."""
         epoch, sample = self.start(epoch, sample)
         order = self.order(epoch)
         while True:
