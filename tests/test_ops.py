@@ -1,5 +1,6 @@
 import dataclasses
 import logging
+import sys
 
 import pytest
 import torch
@@ -94,3 +95,19 @@ def test_an_implementation_that_pays_only_under_compile_is_left_out_of_eager_run
     assert dict(resolve("all", cpu, compiling=True).chosen)["mlp"] == "cuda"
     assert dict(resolve("all", cpu).chosen)["mlp"] == "reference"
     assert dict(resolve("mlp=cuda", cpu).chosen)["mlp"] == "cuda"  # asked for: used
+
+
+def test_an_apex_without_the_function_we_call_is_unavailable_not_a_crash(monkeypatch):
+    """apex's snapshot of 2025 dropped fused_dense_gelu_dense_function; the seam checks for what it calls."""
+    import types
+
+    from vitctl.trainer.ops import apex_ops
+
+    fused_dense = types.ModuleType("apex.fused_dense")
+    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
+    monkeypatch.setitem(sys.modules, "apex.fused_dense", fused_dense)
+    check = apex_ops._missing("apex.fused_dense", "FusedDenseGeluDenseFunc")
+    assert check(torch.device("cuda")) == "this apex's apex.fused_dense has no FusedDenseGeluDenseFunc"
+    fused_dense.FusedDenseGeluDenseFunc = object
+    assert check(torch.device("cuda")) is None
+    assert check(torch.device("cpu")) == "needs CUDA"
