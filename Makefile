@@ -5,7 +5,14 @@ BIN := $(VENV)/bin
 DEMO_DIR ?= demo
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test lint bench clean-demo
+# The image (containers/README.md): the offline base from Debian's packages and PyPI wheels, then vitctl's image on it.
+IMAGE_TAG ?= localhost/vitctl:latest
+IMAGE_BASE ?= localhost/vitctl-base:torch2.11.0
+IMAGE_OUT ?= build/image
+IMAGE_ARCHS ?= 8.0;9.0;10.0
+APEX_ARCHIVE ?= $(wildcard ../shared/vendor/apex-*.tar.gz)
+
+.PHONY: demo test lint bench clean-demo image image-test
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +38,7 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
 	slurm/dev-cluster/up
+	containers/install-tools
 	$(BIN)/python -m pytest -m "not gpu"
 
 bench: $(BIN)/.installed
@@ -38,3 +46,12 @@ bench: $(BIN)/.installed
 
 clean-demo:
 	rm -rf $(DEMO_DIR)
+
+image: $(BIN)/.installed
+	containers/install-tools
+	WORK=$(IMAGE_OUT) containers/base/build-base $(IMAGE_BASE)
+	$(BIN)/vitctl image build --base $(IMAGE_BASE) --tag $(IMAGE_TAG) --out $(IMAGE_OUT) --arch-list '$(IMAGE_ARCHS)' \
+		$(if $(APEX_ARCHIVE),--apex $(APEX_ARCHIVE))
+
+image-test:
+	containers/image-test $(IMAGE_TAG) $(IMAGE_OUT)/$(subst :,-,$(notdir $(IMAGE_TAG))).sqsh

@@ -1,11 +1,13 @@
 """`vitctl bench train`: our training step against timm's, side by side in one process."""
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
+from vitctl.workflows import doctor as checks
 from vitctl.workflows.bench import COMPILE_MODES, MODEL_NAMES, PRECISIONS, bench_train, op_report
 
-from .console import console
+from .console import console, err_console
 
 
 def _precision_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -67,10 +69,32 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
 
 
 @click.command()
-def doctor() -> None:
-    """Which op implementations (reference, sdpa, apex, torch-fused, cuda) can run here, and why not."""
+@click.option("--expect-image/--no-expect-image", default=None,
+              help="Also check all the container image promises (prebuilt CUDA ops, apex, DALI, submitit, webdataset) "
+                   "and exit 1 if any is missing [default: on where VITCTL_PREBUILT_OPS=1, as in the image].")
+def doctor(expect_image: bool | None) -> None:
+    """Which op implementations (reference, sdpa, apex, torch-fused, cuda) can run here and why not; how the CUDA ops
+    were built; in the image, its self-test."""
     device, rows = op_report()
-    table = Table("op", "implementation", "available", title=f"vitctl ops on {device}")
+    table = Table("op", "implementation", "available", title=f"vitctl ops on {device} ({checks.this_vitctl()})")
     for seam, name, reason in rows:
         table.add_row(seam, name, "[green]yes[/]" if reason is None else f"[red]no[/]: {reason}")
     console.print(table)
+    builds = Table("function", "build", title="CUDA ops (vitctl_cuda_ops)")
+    for name, state in checks.op_builds():
+        builds.add_row(name, f"[green]{state}[/]" if state == "prebuilt" else state)
+    console.print(builds)
+    if not (checks.in_image() if expect_image is None else expect_image):
+        return
+    results = checks.image_checks()
+    image = Table("promise", "kept", "detail", title="container image self-test")
+    for check in results:
+        image.add_row(check.name, "[green]yes[/]" if check.ok else "[red]no[/]", escape(check.detail))
+    console.print(image)
+    failed = [check.name for check in results if not check.ok]
+    if failed:
+        err_console.print(f"[bold red]error:[/] the image lacks {len(failed)} of what it promises: "
+                          f"{', '.join(failed)}; rebuild it with `vitctl image build` (containers/README.md)",
+                          highlight=False, soft_wrap=True)
+        raise click.exceptions.Exit(1)
+    console.print(f"image self-test passed: {len(results)} checks", highlight=False)

@@ -44,6 +44,7 @@ with _quiet_interrupt():
     from .console import err_console
     from .data import data
     from .export import export
+    from .image import image
     from .jobs import cancel, jobs, logs, status_command
     from .plan import plan
     from .train import finetune, rank, train
@@ -77,6 +78,7 @@ cli.add_command(finetune)
 cli.add_command(bench)
 cli.add_command(doctor)
 cli.add_command(plan)
+cli.add_command(image)
 for command in (export, status_command, jobs, logs, cancel, rank):
     cli.add_command(command)
 

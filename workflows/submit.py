@@ -19,7 +19,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,24 @@ class LaunchRequest:
     @property
     def tasks(self) -> int:
         return self.gpus_per_node or self.tasks_per_node
+
+
+def resolve_container_image(request: LaunchRequest) -> LaunchRequest:
+    """The request with a file image (`vitctl image build`'s .sqsh) as the absolute path pyxis needs; a registry
+    image (nvcr.io#nvidia/pytorch:TAG) is left to pyxis to pull."""
+    image = request.container_image
+    if not image:
+        return request
+    if request.executor == "local":
+        raise ConfigError("--container-image runs every rank in the image through pyxis (srun): use it with "
+                          "--executor slurm, or drop it to run here")
+    if not image.startswith(("/", "./", "../")) and not image.endswith((".sqsh", ".squashfs")):
+        return request
+    path = Path(image).absolute()
+    if not path.is_file():
+        raise ConfigError(f"--container-image {image}: no such file; `vitctl image build` writes one (OUT/NAME.sqsh), "
+                          "or name a registry image such as nvcr.io#nvidia/pytorch:25.10-py3")
+    return replace(request, container_image=str(path))
 
 
 def default_executor() -> str:
@@ -199,19 +217,30 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     checkpoint.checkpoints_to_resume(run_dir, resume)
 
 
-def _srun_args(request: LaunchRequest) -> list[str]:
+def container_mounts(config: dict[str, Any], request: LaunchRequest) -> str:
+    """pyxis's --container-mounts: the user's, then each folder the ranks read or write, at the same path inside the
+    image (the run folder, the shards, the checkpoint to finetune from, the plan) unless the user mounted it."""
+    given = [m for m in (request.container_mounts or "").split(",") if m]
+    targets = {m.split(":")[1] if ":" in m else m for m in given}  # SRC[:DST[:FLAGS]]
+    files = [config["finetune"].get("from_ckpt"), config["parallel"].get("plan")]
+    folders = [config["train"]["out_dir"], config["data"].get("path"),
+               *(str(Path(f) if Path(f).is_dir() else Path(f).parent) for f in files if f)]
+    added = [f"{folder}:{folder}" for folder in dict.fromkeys(f for f in folders if f) if folder not in targets]
+    return ",".join(given + added)
+
+
+def _srun_args(request: LaunchRequest, config: dict[str, Any]) -> list[str]:
     """pyxis's flags, for each task's srun."""
     if not request.container_image:
         return []
-    mounts = [f"--container-mounts={request.container_mounts}"] if request.container_mounts else []
-    return [f"--container-image={request.container_image}", *mounts]
+    return [f"--container-image={request.container_image}", f"--container-mounts={container_mounts(config, request)}"]
 
 
 def _python(request: LaunchRequest) -> str:
     return "python3" if request.container_image else sys.executable  # a container's interpreter, not this one
 
 
-def make_executor(request: LaunchRequest, folder: Path, name: str) -> submitit.Executor:
+def make_executor(request: LaunchRequest, folder: Path, name: str, config: dict[str, Any]) -> submitit.Executor:
     minutes = parse_time(request.time)
     if request.executor == "local":
         executor = submitit.LocalExecutor(folder, max_num_timeout=request.max_requeues)
@@ -223,7 +252,7 @@ def make_executor(request: LaunchRequest, folder: Path, name: str) -> submitit.E
         "job_name": name, "nodes": request.nodes, "ntasks_per_node": request.tasks, "time": minutes,
         "cpus_per_task": request.cpus_per_gpu or 1, "gpus_per_node": request.gpus_per_node or None,
         "partition": request.partition, "account": request.account, "qos": request.qos, "mem": request.mem,
-        "signal_delay_s": SIGNAL_DELAY_S, "srun_args": _srun_args(request) or None,
+        "signal_delay_s": SIGNAL_DELAY_S, "srun_args": _srun_args(request, config) or None,
         # Requeue on preemption or node failure even where the cluster's default (JobRequeue) is off.
         "additional_parameters": {"requeue": True}}
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
@@ -254,7 +283,7 @@ def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str) -> 
         "cat > \"$config\" <<'VITCTL_CONFIG'",
         yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False).rstrip("\n"),  # tuples as lists
         "VITCTL_CONFIG",
-        shlex.join(["srun", *_srun_args(request), _python(request), "-m", "vitctl.cli", "rank", "--config"])
+        shlex.join(["srun", *_srun_args(request, config), _python(request), "-m", "vitctl.cli", "rank", "--config"])
         + ' "$config"',
     ]
     return "\n".join(lines) + "\n"
@@ -291,7 +320,7 @@ def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str])
                        request.gpus_per_node, time.time(), command=command, submitter=list(this_process()))
     claim_run_dir(record)
     try:
-        submitted = make_executor(request, folder, name).submit(TrainTask(job))
+        submitted = make_executor(request, folder, name, job.config).submit(TrainTask(job))
     except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError, OSError) as e:
         registry.remove_record(record.key)
         raise LaunchError(f"submission failed: {e}") from None

@@ -21,6 +21,7 @@ from .submit import (
     command_line,
     default_executor,
     refuse_busy_run_dir,
+    resolve_container_image,
     run_rank,
     sbatch_script,
     submit,
@@ -61,6 +62,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if request.executor == "local" and request.gpus_per_node > visible_gpus():
         raise ConfigError(f"--gpus {request.gpus_per_node} but this machine has {visible_gpus()} CUDA devices; "
                           "use --gpus 0 for CPU ranks")
+    request = resolve_container_image(request)
     run_dir = Path(config.train.out_dir).absolute()
     config.train.out_dir = str(run_dir)  # tasks may start elsewhere
     if config.data.path:

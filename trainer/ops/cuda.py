@@ -1,11 +1,13 @@
 """Our CUDA kernels (csrc/) as torch.library custom ops: fake implementations for torch.compile, autograd.
 
 The extension is built by `pip install` when a CUDA toolkit and a CUDA build of torch are present (module
-`vitctl_cuda_ops`); otherwise it is built just in time on first use and cached by torch.
+`vitctl_cuda_ops`); otherwise it is built just in time on first use and cached by torch, except where
+VITCTL_PREBUILT_OPS=1 (the container image) says that it was compiled with vitctl and must be there.
 """
 
 import functools
 import importlib
+import os
 from pathlib import Path
 
 import torch
@@ -17,15 +19,33 @@ from .reference import merge_heads, split_heads
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("ops.cpp", "window_process.cu", "window_softmax.cu", "window_attention.cu", "fused_mlp.cpp",
            "master_adamw.cu")
+PREBUILT_ONLY_ENV = "VITCTL_PREBUILT_OPS"
+
+
+def prebuilt_only() -> bool:
+    """Set in the image: a missing op there is a broken image, and a just-in-time build would hide it (and need a
+    compiler and minutes on every node)."""
+    return os.environ.get(PREBUILT_ONLY_ENV) == "1"
+
+
+@functools.cache
+def prebuilt() -> tuple[object | None, str | None]:
+    """The module compiled when vitctl was installed, or None and why it does not import."""
+    try:
+        return importlib.import_module("vitctl_cuda_ops"), None
+    except ImportError as e:
+        return None, str(e).splitlines()[0][:200]
 
 
 @functools.cache
 def extension():
     """The compiled module; raises with the reason when it cannot be had."""
-    try:
-        return importlib.import_module("vitctl_cuda_ops")
-    except ImportError:
-        pass
+    module, why = prebuilt()
+    if module is not None:
+        return module
+    if prebuilt_only():
+        raise RuntimeError(f"vitctl_cuda_ops is not prebuilt here ({why}) and {PREBUILT_ONLY_ENV}=1 forbids building "
+                           "it just in time: rebuild the image (vitctl image build), or unset the variable outside it")
     from torch.utils.cpp_extension import load
 
     missing = [s for s in SOURCES if not (CSRC / s).exists()]

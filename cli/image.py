@@ -1,0 +1,47 @@
+"""`vitctl image build`: the prebuilt container image, as an OCI archive and as a squashfs that pyxis runs."""
+
+from pathlib import Path
+
+import click
+
+from vitctl.workflows import image as wf
+from vitctl.workflows.provenance import vitctl_version
+
+from .console import console, err_console
+
+
+@click.group()
+def image() -> None:
+    """The prebuilt container image (containers/)."""
+
+
+@image.command()
+@click.option("--base", default=wf.DEFAULT_BASE, show_default=True,
+              help="Image with a CUDA build of torch and its nvcc: an NGC PyTorch image, or the offline base that "
+                   "containers/base/build-base builds (localhost/vitctl-base:torch2.11.0).")
+@click.option("--tag", help="Name of the image [default: localhost/vitctl:VERSION].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=wf.ImageRequest.out,
+              show_default=True, help="Folder for NAME.oci.tar and NAME.sqsh.")
+@click.option("--arch-list", default=wf.DEFAULT_ARCHS, show_default=True,
+              help="TORCH_CUDA_ARCH_LIST: the GPU archs the ops and apex are compiled for.")
+@click.option("--apex", "apex_archive", type=click.Path(dir_okay=False, path_type=Path),
+              help="apex's source as a .tar.gz, for builds without access to its git repository "
+                   "[default: the pinned git ref].")
+@click.option("--max-jobs", type=click.IntRange(min=1), help="Parallel compiler jobs [default: one per CPU].")
+@click.option("--dry-run", is_flag=True, help="Print the commands; build nothing.")
+def build(base: str, tag: str | None, out: Path, arch_list: str, apex_archive: Path | None, max_jobs: int | None,
+          dry_run: bool) -> None:
+    """Build containers/Containerfile with buildah; write OUT/NAME.oci.tar (for docker, podman, Apptainer) and
+    OUT/NAME.sqsh, which `vitctl train --container-image OUT/NAME.sqsh` runs every rank in."""
+    request = wf.ImageRequest(base, tag or f"localhost/vitctl:{vitctl_version()}", out, arch_list,
+                              apex_archive.absolute() if apex_archive else None, max_jobs)
+    if dry_run:
+        click.echo("\n".join(wf.plan(request)))
+        return
+    built = wf.build(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))
+    gib = 2**30
+    console.print(f"built {request.tag} in {built.seconds / 60:.1f} min\n"
+                  f"OCI archive: {built.outputs.oci_archive} ({built.oci_bytes / gib:.2f} GiB)\n"
+                  f"squashfs:    {built.outputs.squashfs} ({built.squashfs_bytes / gib:.2f} GiB)\n"
+                  f"run it: vitctl train ... --executor slurm --container-image {built.outputs.squashfs}",
+                  highlight=False, soft_wrap=True)

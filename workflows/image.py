@@ -1,0 +1,184 @@
+"""`vitctl image build`: containers/Containerfile built by buildah, then written as an OCI archive and as the squashfs
+that pyxis runs (`srun --container-image=/path/NAME.sqsh`), laid out as `enroot import` lays out its images."""
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import LaunchError
+from .provenance import git_commit, vitctl_version
+
+REPO = Path(__file__).resolve().parents[1]
+CONTAINERFILE = Path("containers/Containerfile")
+VENDOR = Path("containers/vendor")  # ignored by git: third-party archives staged for an offline build
+DEFAULT_BASE = "nvcr.io/nvidia/pytorch:25.10-py3"
+DEFAULT_ARCHS = "8.0;9.0;10.0"
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+# enroot keeps what its images need to start in /etc; zstd unpacks fast and squashfs-tools has had it for years.
+SQUASH_OPTIONS = ("-comp", "zstd", "-Xcompression-level", "3", "-wildcards", "-e", "dev/*")
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    base: str = DEFAULT_BASE
+    tag: str = "localhost/vitctl:latest"
+    out: Path = Path("build/image")
+    arch_list: str = DEFAULT_ARCHS
+    apex_archive: Path | None = None  # apex's source as an archive (offline); None: the Containerfile's APEX_REF
+    max_jobs: int | None = None  # parallel compiler jobs (nvcc takes GBs of memory each)
+    storage_driver: str = "vfs"  # works everywhere, as root, without fuse or overlay support
+    storage_root: Path | None = None  # buildah's own image store instead of the system's
+
+
+@dataclass(frozen=True)
+class ImageOutputs:
+    oci_archive: Path
+    squashfs: Path
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    outputs: ImageOutputs
+    seconds: float
+    oci_bytes: int
+    squashfs_bytes: int
+
+
+def outputs(request: ImageRequest) -> ImageOutputs:
+    """localhost/vitctl:0.1.0 -> OUT/vitctl-0.1.0.oci.tar and OUT/vitctl-0.1.0.sqsh."""
+    name = request.tag.rsplit("/", 1)[-1].replace(":", "-")
+    out = request.out.absolute()
+    return ImageOutputs(out / f"{name}.oci.tar", out / f"{name}.sqsh")
+
+
+def buildah(request: ImageRequest) -> list[str]:
+    root = ["--root", str(request.storage_root), "--runroot", str(request.storage_root / "run")] \
+        if request.storage_root else []
+    return ["buildah", "--storage-driver", request.storage_driver, *root]
+
+
+def bud_command(request: ImageRequest, version: str, commit: str | None) -> list[str]:
+    """The build, run in the repository root (the build context)."""
+    args = {"BASE_IMAGE": request.base, "TORCH_CUDA_ARCH_LIST": request.arch_list, "VITCTL_VERSION": version,
+            "GIT_COMMIT": commit or "unknown"}
+    if request.apex_archive:
+        args["APEX_ARCHIVE"] = str(VENDOR / request.apex_archive.name)
+    if request.max_jobs:
+        args["MAX_JOBS"] = str(request.max_jobs)
+    volumes = []
+    if HOST_CA.is_file():  # pip in the build trusts what this machine trusts (a TLS-inspecting proxy's CA)
+        volumes = ["--volume", f"{HOST_CA}:/run/host-ca.crt:ro"]
+        args["PIP_CERT"] = "/run/host-ca.crt"
+    return [*buildah(request), "bud", "--isolation", "chroot", "-f", str(CONTAINERFILE), "-t", request.tag, *volumes,
+            *(a for key, value in args.items() for a in ("--build-arg", f"{key}={value}")), "."]
+
+
+def push_command(request: ImageRequest) -> list[str]:
+    return [*buildah(request), "push", request.tag, f"oci-archive:{outputs(request).oci_archive}:{request.tag}"]
+
+
+def squash_command(rootfs: Path, target: Path) -> list[str]:
+    return ["mksquashfs", str(rootfs), str(target), "-all-root", "-noappend", "-no-progress", *SQUASH_OPTIONS]
+
+
+def plan(request: ImageRequest) -> list[str]:
+    """The build as shell lines (`--dry-run`)."""
+    staged = [] if not request.apex_archive else [shlex.join(["cp", str(request.apex_archive), str(VENDOR) + "/"])]
+    ctr, tool = "$container", shlex.join(buildah(request))
+    return [f"cd {shlex.quote(str(REPO))}", *staged, shlex.join(bud_command(request, vitctl_version(), git_commit())),
+            shlex.join(push_command(request)), f"container=$({tool} from --pull-never {shlex.quote(request.tag)})",
+            f"rootfs=$({tool} mount {ctr})",
+            "# as `enroot import`: /etc/environment (Env), /etc/fstab (Volumes), /etc/rc (labels, workdir, entrypoint, "
+            "cmd) and /etc/rc.local from the image's config",
+            shlex.join(squash_command(Path("ROOTFS"), outputs(request).squashfs)).replace("ROOTFS", '"$rootfs"'),
+            f"{tool} umount {ctr}; {tool} rm {ctr}"]
+
+
+def enroot_configure(rootfs: Path, config: dict[str, Any]) -> None:
+    """Write what enroot reads when a container starts from the OCI image config (`enroot import` does the same):
+    the environment (pyxis's ranks find the image's python3 through its PATH), volumes as mounts, and /etc/rc."""
+    etc = rootfs / "etc"
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "environment").write_text("".join(f"{e}\n" for e in config.get("Env") or []))
+    (etc / "fstab").write_text("".join(f"${{ENROOT_ROOTFS}}{v} {v} none x-create=dir,bind,rw,nosuid,nodev\n"
+                                       for v in config.get("Volumes") or {}))
+    workdir = config.get("WorkingDir") or "/"
+    (rootfs / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    entrypoint = [shlex.quote(a) for a in config.get("Entrypoint") or []]
+    cmd = [shlex.quote(a) for a in config.get("Cmd") or []] or ([] if entrypoint else ["/bin/sh"])
+    labels = [f"# {key} {value}" for key, value in (config.get("Labels") or {}).items()]
+    rc = [*labels, *([""] if labels else []),
+          f"mkdir -p {shlex.quote(workdir)} 2> /dev/null", f"cd {shlex.quote(workdir)} && unset OLDPWD || exit 1", "",
+          "if [ -s /etc/rc.local ]; then", "    . /etc/rc.local", "fi", "",
+          "if [ $# -gt 0 ]; then", "    exec " + " ".join([*entrypoint, '"$@"']),
+          "else", "    exec " + " ".join([*entrypoint, *cmd]), "fi"]
+    (etc / "rc").write_text("\n".join(rc) + "\n")
+    (etc / "rc.local").write_text("# Sourced by /etc/rc when the container starts.\n")
+
+
+def _run(command: list[str], what: str, cwd: Path | None = None) -> str:
+    try:
+        done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    except OSError as e:
+        raise LaunchError(f"{what}: cannot run {command[0]} ({e.strerror}); install it: apt-get install buildah "
+                          "squashfs-tools (or run `make image`, which does)") from None
+    if done.returncode:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
+        raise LaunchError(f"{what} failed (exit status {done.returncode}): {shlex.join(command)}\n{tail}")
+    return done.stdout
+
+
+def export_squashfs(request: ImageRequest, target: Path) -> None:
+    """The image's root filesystem, configured as enroot would, into `target`."""
+    tool = buildah(request)
+    container = _run([*tool, "from", "--pull-never", request.tag], "creating a container of the image").strip()
+    try:
+        rootfs = Path(_run([*tool, "mount", container], "mounting the image").strip())
+        inspected = json.loads(_run([*tool, "inspect", "--type", "image", request.tag], "reading the image config"))
+        enroot_configure(rootfs, inspected["OCIv1"].get("config") or {})
+        target.unlink(missing_ok=True)
+        _run(squash_command(rootfs, target), "mksquashfs")
+    finally:
+        subprocess.run([*tool, "umount", container], capture_output=True)
+        subprocess.run([*tool, "rm", container], capture_output=True)
+
+
+def check_tools() -> None:
+    missing = [t for t in ("buildah", "mksquashfs") if shutil.which(t) is None]
+    if missing:
+        raise LaunchError(f"vitctl image build needs {' and '.join(missing)}: apt-get install buildah squashfs-tools "
+                          "(as root; containers/README.md)")
+
+
+def build(request: ImageRequest, echo: Callable[[str], None]) -> BuiltImage:
+    """Build the image, write the OCI archive and the squashfs; the archive of apex is staged in the build context
+    only while the build runs."""
+    check_tools()
+    if request.apex_archive and not request.apex_archive.is_file():
+        raise LaunchError(f"--apex {request.apex_archive}: no such file (an archive of apex's source, e.g. "
+                          "apex-6424da3b4faa.tar.gz)")
+    done = outputs(request)
+    done.oci_archive.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    staged = REPO / VENDOR / request.apex_archive.name if request.apex_archive else None
+    try:
+        if staged:
+            staged.parent.mkdir(exist_ok=True)
+            shutil.copyfile(request.apex_archive, staged)
+        echo(f"building {request.tag} on {request.base} (CUDA archs {request.arch_list})")
+        _run(bud_command(request, vitctl_version(), git_commit()), "buildah bud", cwd=REPO)
+    finally:
+        if staged:
+            staged.unlink(missing_ok=True)
+    echo(f"writing {done.oci_archive}")
+    done.oci_archive.unlink(missing_ok=True)
+    _run(push_command(request), "buildah push (OCI archive)")
+    echo(f"writing {done.squashfs}")
+    export_squashfs(request, done.squashfs)
+    return BuiltImage(done, time.monotonic() - started, done.oci_archive.stat().st_size, done.squashfs.stat().st_size)
