@@ -6,6 +6,7 @@ import argparse
 import copy
 
 import torch
+from bench_ops import time_ms  # bench/ is the script's folder
 from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -18,20 +19,9 @@ SHAPES = [("vit_b16 qkv", 256 * 197, 768, 2304), ("vit_b16 fc1", 256 * 197, 768,
 
 
 def step_ms(layer: nn.Module, x: torch.Tensor, steps: int) -> float:
-    """Median ms of forward + backward of a compiled `layer`, timed with CUDA events."""
+    """Median wall ms of forward + backward of a compiled `layer`, timed with CUDA events."""
     torch._dynamo.reset()  # each layer its own graph: the shared lambda would hit the recompile limit and run eager
-    run = torch.compile(lambda: layer(x).sum().backward())
-    for _ in range(5):
-        run()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return time_ms(torch.compile(lambda: layer(x).sum().backward()), warmup=5, repeats=steps)[1]
 
 
 def main() -> None:
