@@ -67,7 +67,7 @@ def training_step(model: nn.Module, precision: Precision, compile_: bool, fused_
             scaler.update()
         else:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # set_to_none is the default; apex's FusedAdam takes no argument
 
     return step
 

@@ -246,7 +246,7 @@ class Trainer:
             # Summed at once: under CUDA graphs `loss` is a graph output that the next replay overwrites.
             total = loss.clone() if total is None else total.add_(loss)
         norm = self._optimizer_step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none is the default; apex's FusedAdam takes no argument
         if self.ema:
             self.ema.update(self.par.weights)
         return total, norm, waited
