@@ -1,5 +1,6 @@
 """GPU checks (marked gpu; CI has no GPU and skips them; run them on the device machine)."""
 
+import importlib.util
 import math
 
 import pytest
@@ -52,4 +53,17 @@ def test_trains_compiled_with_cuda_graphs(prepared_shards, tmp_path):
         "train.precision=bf16", "train.max_steps=6", "train.compile=true", "train.compile_mode=reduce-overhead",
         "train.eval_every_epochs=0.5", f"train.out_dir={tmp_path}", "augment.mixup=0", "augment.cutmix=0"])
     result = train(config, use_cuda=True)
+    assert result["step"] == 6 and result["eval_samples"] == 20 and math.isfinite(result["loss"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs nvidia-dali")
+def test_trains_on_the_gpu_from_dali_with_the_full_recipe(prepared_shards, tmp_path):
+    """DALI's GPU pipeline (nvjpeg decoding, RandAugment, erasing on the GPU) feeds training and resumes mid-epoch."""
+    overrides = ["model.name=swin_micro", "model.img_size=32", "model.window_size=4", "model.num_classes=5",
+                 f"data.path={prepared_shards}", "data.source=dali", "data.batch_size=8", "data.workers=2",
+                 "augment.rand_augment=rand-m9-mstd0.5-inc1", "augment.reprob=0.25", "train.precision=bf16",
+                 "train.checkpoint_every=3", f"train.out_dir={tmp_path}"]
+    result = train(load_config(None, [*overrides, "train.max_steps=3"]), use_cuda=True)
+    assert result["step"] == 3
+    result = train(load_config(None, [*overrides, "train.max_steps=6"]), resume=True, use_cuda=True)
     assert result["step"] == 6 and result["eval_samples"] == 20 and math.isfinite(result["loss"])

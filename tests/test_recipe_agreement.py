@@ -1,7 +1,8 @@
 """Both training loaders apply the same recipe, judged by statistics over the same images: the index loader (timm's
-transforms, the reference) and DALI (on the CPU here). Each check runs N draws through each loader (the same crops,
-their own RandAugment and erasing draws) and compares them; tolerances are Z standard errors of what is compared,
-computed from the draws themselves, so a chance failure has odds of about 1e-4 per check."""
+transforms, the reference) and DALI, on the CPU and (marked gpu) on the GPU with nvjpeg's decoding. Each check runs N
+draws through each loader (the same crops, their own RandAugment and erasing draws) and compares them; tolerances are
+Z standard errors of what is compared, computed from the draws themselves, so a chance failure has odds of about 1e-4
+per check."""
 
 import io
 import itertools
@@ -44,12 +45,19 @@ def write_table(folder: Path, images: list[np.ndarray]) -> SampleTable:
                        sizes.astype(np.int32), np.zeros(len(blobs), np.int64))
 
 
-def run(kind: str, table: SampleTable, recipe: Recipe) -> tuple[torch.Tensor, np.ndarray]:
-    """DRAWS images from one loader, as normalised floats, and the (epoch, sample) each was drawn as."""
-    spec = LoaderSpec(recipe, SEED, workers=0, device=torch.device("cpu"), gpu_decode=False)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def dali_device(request) -> str:
+    """Where DALI's pipeline runs: the CPU, or the GPU (nvjpeg decoding, DALI's GPU operators)."""
+    return request.param
+
+
+def run(kind: str, table: SampleTable, recipe: Recipe, device: str = "cpu") -> tuple[torch.Tensor, np.ndarray]:
+    """DRAWS images from one loader, as normalised floats on the CPU, and the (epoch, sample) each was drawn as."""
+    spec = LoaderSpec(recipe, SEED, workers=0, device=torch.device(device), gpu_decode=False)
     plan = EpochPlan(len(table), BATCH, 0, 1, SEED)
     batches = dali.DaliTrainBatches(table, spec, plan, threads=2) if kind == "dali" else TrainBatches(table, spec, plan)
-    images, rows = zip(*((b[0], b[2]) for b in itertools.islice(batches(0, 0), DRAWS // BATCH)), strict=True)
+    images, rows = zip(*((b[0].cpu(), b[2]) for b in itertools.islice(batches(0, 0), DRAWS // BATCH)), strict=True)
     epochs = np.repeat(np.arange(DRAWS // len(table)), len(table))
     return torch.cat(images), np.stack([epochs, torch.cat(rows).numpy()], 1)
 
@@ -77,7 +85,7 @@ def photos(tmp_path_factory) -> SampleTable:
     return write_table(tmp_path_factory.mktemp("photos"), [smooth_image(40, 48, seed) for seed in range(IMAGES)])
 
 
-def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos, monkeypatch):
+def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos, monkeypatch, dali_device):
     recipe = Recipe(SIZE, rand_augment="rand-m9-mstd0.5-inc1", reprob=0.25)
     drawn = Counter()
 
@@ -88,7 +96,7 @@ def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos
 
     draw = dali.draw_rand_augment
     monkeypatch.setattr(dali, "draw_rand_augment", counting)  # workers=0: the external source runs in this process
-    dali_images, dali_keys = run("dali", photos, recipe)
+    dali_images, dali_keys = run("dali", photos, recipe, dali_device)
 
     applied = Counter()
     spec = LoaderSpec(recipe, SEED, workers=0, device=torch.device("cpu"), gpu_decode=False)
@@ -113,10 +121,10 @@ def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos
     assert p > P_MIN, (applied, drawn)
 
 
-def test_colour_jitter_gives_the_same_pixel_statistics(photos):
+def test_colour_jitter_gives_the_same_pixel_statistics(photos, dali_device):
     """torchvision's ColorJitter in a random order against DALI's brightness, contrast, saturation in a fixed one."""
     recipe = Recipe(SIZE, color_jitter=0.4)
-    cpu_images, dali_images = run("index", photos, recipe)[0], run("dali", photos, recipe)[0]
+    cpu_images, dali_images = run("index", photos, recipe)[0], run("dali", photos, recipe, dali_device)[0]
     for channel in range(3):
         for statistic in ("mean", "std"):
             a = getattr(cpu_images[:, channel].flatten(1), statistic)(1).numpy()
@@ -124,7 +132,7 @@ def test_colour_jitter_gives_the_same_pixel_statistics(photos):
             assert_close(a, b, f"per-image {statistic} of channel {channel}")
 
 
-def test_the_crop_scale_distribution_is_the_same(tmp_path):
+def test_the_crop_scale_distribution_is_the_same(tmp_path, dali_device):
     """Ramps (red along x, green along y) show each output's crop: its width and height from the ramps' span."""
     height, width = 48, 64
     y, x = np.mgrid[0:height, 0:width]
@@ -133,7 +141,7 @@ def test_the_crop_scale_distribution_is_the_same(tmp_path):
     recipe = Recipe(SIZE, hflip=False)
     scales = {}
     for kind in ("index", "dali"):
-        images, keys = run(kind, table, recipe)
+        images, keys = run(kind, table, recipe, dali_device if kind == "dali" else "cpu")
         red, green = pixels(images, recipe)[:, 0].numpy(), pixels(images, recipe)[:, 1].numpy()
         span = SIZE / (SIZE - 1) / 255  # from the first to the last output pixel's centre
         crop_w = (red[:, :, -1].mean(1) - red[:, :, 0].mean(1)) * span * (width - 1)
@@ -147,14 +155,14 @@ def test_the_crop_scale_distribution_is_the_same(tmp_path):
         assert np.abs(scales[kind] - truth).mean() < 0.02, kind
 
 
-def test_random_erasing_erases_as_often_as_much_and_with_the_same_noise(tmp_path):
+def test_random_erasing_erases_as_often_as_much_and_with_the_same_noise(tmp_path, dali_device):
     """Flat images: an erased pixel is one off its image's flat colour; pixel mode fills with N(0, 1) noise."""
     colours = np.random.default_rng(3).integers(30, 220, size=(IMAGES, 3))
     table = write_table(tmp_path, [np.broadcast_to(c, (40, 48, 3)).astype(np.uint8) for c in colours])
     recipe = Recipe(SIZE, reprob=0.25)
     erased, area, noise = {}, {}, {}
     for kind in ("index", "dali"):
-        images, _ = run(kind, table, recipe)
+        images, _ = run(kind, table, recipe, dali_device if kind == "dali" else "cpu")
         flat = images.flatten(2).median(2).values[:, :, None, None]
         mask = ((images - flat).abs() > 0.05).any(1)  # 0.05 is 3 grey levels; noise falls that close in 1e-4 cases
         fraction = mask.flatten(1).float().mean(1).numpy()

@@ -143,12 +143,19 @@ def _rand_kinds(fill: tuple[int, int, int]) -> list:
     return [implementations[kind] for kind in KINDS]
 
 
+def _device_id(device: torch.device) -> int | None:
+    """DALI's GPU for `device`, None for the CPU (`cuda` without an index is the current GPU)."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _train_pipeline(source: BatchSource, batch: int, spec: LoaderSpec, threads: int):
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.auto_aug import augmentations as aa
     from nvidia.dali.auto_aug.core import select
 
-    recipe, device_id, workers = spec.recipe, spec.device.index if spec.device.type == "cuda" else None, spec.workers
+    recipe, device_id, workers = spec.recipe, _device_id(spec.device), spec.workers
     fields = _fields(recipe)
     interp = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}[recipe.interpolation]
     layers = parse_rand_augment(recipe.rand_augment).layers if recipe.rand_augment else 0
