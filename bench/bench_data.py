@@ -96,7 +96,7 @@ def _write_class(task: tuple[Path, int, int]) -> None:
 def ensure_images(root: Path, images: int) -> list[Path]:
     """Generate `images` JPEGs under ROOT/train/<wnid>/ unless a previous run left exactly these; return them."""
     marker = root / "complete.json"
-    wanted = {"images": images, "size": IMAGE_SIZE, "quality": JPEG_QUALITY, "seed": SEED}
+    wanted = {"images": images, "size": list(IMAGE_SIZE), "quality": JPEG_QUALITY, "seed": SEED}  # as JSON reads it
     if not (marker.is_file() and json.loads(marker.read_text()) == wanted):
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)

@@ -146,7 +146,7 @@ def main() -> None:
             results["losses"][name][run] = losses
             print(f"{name} {run}: first {losses[0]:.4f}, final {final(losses):.4f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
-    args.out.write_text(json.dumps(results))
+            args.out.write_text(json.dumps(results))  # after each run: a call cut short keeps what finished
     print(f"losses: {args.out}\n\n{summary(results)}\n")
     plot_if_possible(results, args.out.with_suffix(".png"))
 

@@ -1,0 +1,148 @@
+"""Training throughput on real-size JPEGs, each loader beside synthetic data in one process on one GPU.
+
+One compiled training step (the preset's model, bf16-pure, fused ops, compile reduce-overhead) is fed by: a batch
+resident on the GPU (synthetic), vitctl's DALI path, vitctl's index loader, and timm's `create_loader` (PIL workers,
+the same recipe) over the same generated JPEGs (500x375, ~110 KB, as ImageNet's). Every loader applies the preset's
+full augmentation recipe. Each row times `--steps` steps after `--warmup`, wall clock from the first timed step to a
+synchronize after the last, so stalls count; it also prints the longest step (an epoch-start stall shows there) and
+the time spent waiting for the next batch. The step has no mixup (it is the same GPU work for every loader).
+"""
+
+import argparse
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from bench_data import ensure_images
+
+from vitctl.trainer.bench import training_step
+from vitctl.trainer.config import load_config
+from vitctl.trainer.data import build_data
+from vitctl.trainer.data.augment import Recipe, recipe_of
+from vitctl.trainer.models import build_model
+from vitctl.trainer.ops import resolve
+from vitctl.trainer.precision import Precision
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+def prepare(work: Path, images: int) -> tuple[Path, Path]:
+    """JPEGs under work/jpeg/train/<wnid>/, and vitctl's shards and index files of them under work/shards."""
+    root, shards = work / "jpeg", work / "shards"
+    ensure_images(root, images)
+    if not (shards / "manifest.json").is_file():
+        cli = [sys.executable, "-m", "vitctl.cli", "data"]
+        subprocess.run([*cli, "shard", str(root), "--out", str(shards), "--split", "train", "--maxsize", "100MB"],
+                       check=True)
+        subprocess.run([*cli, "index", str(shards)], check=True)
+    return root, shards
+
+
+def vitctl_batches(preset: str, overrides: list[str], shards: Path, source: str, batch: int, workers: int) -> Batches:
+    config = load_config(preset, [*overrides, f"data.path={shards}", f"data.source={source}",
+                                  f"data.batch_size={batch}", f"data.workers={workers}"])
+    data = build_data(config, 0, 1, torch.device("cuda"))
+    return ((images, labels) for images, labels, _ in data.train(0, 0))
+
+
+def timm_batches(root: Path, recipe: Recipe, batch: int, workers: int) -> Batches:
+    from timm.data import ImageDataset, create_loader
+
+    loader = create_loader(
+        ImageDataset(str(root / "train")), input_size=(3, recipe.size, recipe.size), batch_size=batch,
+        is_training=True, scale=(recipe.min_scale, 1.0), hflip=0.5 if recipe.hflip else 0.0,
+        color_jitter=recipe.color_jitter, auto_augment=recipe.rand_augment, interpolation=recipe.interpolation,
+        re_prob=recipe.reprob, re_mode=recipe.remode, re_count=recipe.recount, mean=recipe.mean, std=recipe.std,
+        num_workers=workers, pin_memory=True, persistent_workers=True)
+    return itertools.chain.from_iterable(itertools.repeat(loader))
+
+
+def synthetic_batches(batch: int, size: int) -> Batches:
+    images = torch.randn(batch, 3, size, size, device="cuda")
+    labels = torch.randint(0, 1000, (batch,), device="cuda")
+    return itertools.repeat((images, labels))
+
+
+def run(step: Callable | None, batches: Batches, warmup: int, steps: int) -> dict[str, float]:
+    """Throughput over `steps` steps (wall clock, synchronized at the end), the longest step, the data wait; with
+    no step, what the loader alone delivers."""
+    step = step or (lambda images, labels: None)
+    for images, labels in itertools.islice(batches, warmup):
+        step(images, labels)
+    torch.cuda.synchronize()
+    step_s, wait_s = [], 0.0
+    start = last = time.perf_counter()
+    for _ in range(steps):
+        images, labels = next(batches)
+        got = time.perf_counter()
+        step(images, labels)
+        now = time.perf_counter()
+        wait_s += got - last
+        step_s.append(now - last)
+        last = now
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    return {"images_per_s": steps * images.shape[0] / total, "longest_step_s": max(step_s),
+            "median_step_s": statistics.median(step_s), "data_wait_s_per_step": wait_s / steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="swin_b_pretrain")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--images", type=int, default=8000)
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per loader (62 steps are an epoch of "
+                                                                "8,000 images at batch 128: epoch starts are timed)")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--loaders", default="synthetic,dali,index,timm")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_loaders"))
+    parser.add_argument("--no-model", action="store_true", help="time the loaders alone (no training step)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every loader, e.g. augment.rand_augment=null (crop and flip only)")
+    args = parser.parse_args()
+    root, shards = prepare(args.work, args.images)
+    config = load_config(args.preset, [*args.overrides, f"data.batch_size={args.batch}"])
+    recipe = recipe_of(config)
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    ops = resolve(config.train.fused, device, compiling=True)
+    model = None if args.no_model else build_model(config.model, ops).to(device).train()
+    step = None if args.no_model else training_step(model, Precision("bf16-pure", device), True, ops.optimizer,
+                                                     "reduce-overhead")
+    step_line = "no training step" if args.no_model else \
+        f"bf16-pure + compile (reduce-overhead), fused {config.train.fused}"
+    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}; {args.preset}: "
+          f"{config.model.name} b{args.batch}, {step_line}; "
+          f"recipe {recipe}; {args.images} JPEGs; {args.workers} loader workers", flush=True)
+    def ours(source: str) -> Batches:
+        return vitctl_batches(args.preset, args.overrides, shards, source, args.batch, args.workers)
+
+    sources = {"synthetic": lambda: synthetic_batches(args.batch, recipe.size), "dali": lambda: ours("dali"),
+               "index": lambda: ours("webdataset"),
+               "timm": lambda: timm_batches(root, recipe, args.batch, args.workers)}
+    results = {}
+    for name in args.loaders.split(","):
+        try:
+            results[name] = run(step, sources[name](), args.warmup, args.steps)
+        except Exception as error:  # a loader that fails still leaves the others' rows
+            print(f"{name}: failed: {type(error).__name__}: {error}", flush=True)
+            continue
+        print(f"{name}: {results[name]}", flush=True)
+    reference = results.get("synthetic", {}).get("images_per_s")
+    print("\n| loader | img/s | vs synthetic | longest step (s) | median step (s) | data wait per step (s) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        ratio = f"{r['images_per_s'] / reference:.2f}x" if reference else ""
+        print(f"| {name} | {r['images_per_s']:,.0f} | {ratio} | {r['longest_step_s']:.3f} | "
+              f"{r['median_step_s']:.4f} | {r['data_wait_s_per_step']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
