@@ -1,6 +1,6 @@
-"""Hybrid parallelism on 4 CPU gloo ranks: every layout (data parallel, FSDP, tensor parallel, pipeline, and a
-layerwise plan mixing them) trains as one process does, in fp32, step for step; a checkpoint saved under one layout
-resumes under another; bad strategies are refused before launch."""
+"""Hybrid parallelism on 4 CPU gloo ranks: every layout (data parallel, FSDP, tensor parallel, pipeline, interleaved
+pipeline, and a layerwise plan mixing them) trains as one process does, in fp32, step for step; a checkpoint saved
+under one layout resumes under another; bad strategies are refused before launch."""
 
 import json
 
@@ -9,7 +9,9 @@ import torch
 
 from conftest import CLASSES, ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
-from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
+from vitctl.trainer.config import ModelConfig
+from vitctl.trainer.models import model_shape
+from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy, strategy_problems
 
 STEPS = 10
 COMMON = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",
@@ -26,13 +28,23 @@ def train(shards, out, model: str, ranks: int, dp: int, steps: int, *extra: obje
        "--tasks-per-node", ranks, "--batch", GLOBAL_BATCH // dp, "--steps", steps, *COMMON, *extra)
 
 
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run) -> list[float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
+    return [r["loss"] for r in records(run) if "loss" in r]
+
+
+def last_eval(run) -> tuple[float, int]:
+    """The eval loss and sample count at the end: a pipeline's eval runs its stages in turn, outside the schedule."""
+    final = [r for r in records(run) if "eval_loss" in r][-1]
+    return final["eval_loss"], final["eval_samples"]
 
 
 def assert_same_run(a, b) -> None:
     torch.testing.assert_close(losses(a), losses(b), rtol=1e-5, atol=0)
+    torch.testing.assert_close(last_eval(a), last_eval(b), rtol=1e-4, atol=0)
     last_a, last_b = ckpt.list_checkpoints(a)[-1], ckpt.list_checkpoints(b)[-1]
     assert last_a.name == last_b.name
     weights_a, weights_b = ckpt.consolidated(last_a, "model"), ckpt.consolidated(last_b, "model")
@@ -47,12 +59,21 @@ def write_plan(path, strategy: Strategy, model: str) -> str:
     return str(path)
 
 
+def sets(*overrides: str) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+INTERLEAVED = ["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"]
 LAYOUTS = {  # name: (data-parallel degree, --set overrides)
     "dp4": (4, ["parallel.grad_reduce=after_backward"]),
     "fsdp4": (4, ["parallel.fsdp=true"]),
     "tp2-dp2": (2, ["parallel.tp=2"]),
     "pp2-dp2": (2, ["parallel.pp=2", "parallel.microbatches=2"]),
     "pp2-tp2": (1, ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4", "parallel.schedule=gpipe"]),
+    # 2 ranks x 2 stages each, 4 blocks or 5 (Swin: 2, 1, 1, 1): a micro-batch passes each rank twice; 4
+    # micro-batches run in 2 rounds of torch's schedule.
+    "pp2v2-dp2": (2, [*INTERLEAVED, "parallel.microbatches=2"]),
+    "pp2v2-tp2": (1, [*INTERLEAVED, "parallel.tp=2", "parallel.microbatches=4"]),
 }
 
 
@@ -67,15 +88,31 @@ def reference(prepared_shards, tmp_path_factory):
 
 
 # Swin in the layouts that split inside its blocks or between them (its data-parallel ones are ViT's).
-CASES = [("vit_mini", layout) for layout in LAYOUTS] + [("swin_mini", "tp2-dp2"), ("swin_mini", "pp2-tp2")]
+CASES = [("vit_mini", layout) for layout in LAYOUTS] + \
+    [("swin_mini", "tp2-dp2"), ("swin_mini", "pp2-tp2"), ("swin_mini", "pp2v2-dp2")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "layout"), CASES)
 def test_every_layout_trains_as_one_process(prepared_shards, reference, tmp_path, model, layout):
     dp, overrides = LAYOUTS[layout]
-    train(prepared_shards, tmp_path / layout, model, 4, dp, STEPS, *[a for o in overrides for a in ("--set", o)])
+    train(prepared_shards, tmp_path / layout, model, 4, dp, STEPS, *sets(*overrides))
     assert_same_run(reference[model], tmp_path / layout)
+
+
+@pytest.mark.slow
+def test_an_interleaved_pipeline_with_fsdp_resumes_as_data_parallel(prepared_shards, reference, tmp_path):
+    """Half the run on 2 pipeline ranks x 2 stages each, FSDP2 over 2 ranks (a root per stage module) with full
+    recomputation, keeping an EMA (evaluated through the stages at the end); the rest on 4 data-parallel ranks. The
+    EMA does not change the training, so the run still ends where the single process ends."""
+    out, ema = tmp_path / "run", "train.ema_decay=0.9"
+    train(prepared_shards, out, "vit_mini", 4, 2, STEPS // 2,
+          *sets(*INTERLEAVED, "parallel.microbatches=2", "parallel.fsdp=true", "parallel.checkpoint=full", ema))
+    checkpoint = ckpt.list_checkpoints(out)[-1]
+    assert json.loads((checkpoint / "meta.json").read_text())["layout"] == "pp2v2·fsdp2"
+    assert ckpt.consolidated(checkpoint, "ema").keys() == ckpt.consolidated(checkpoint, "model").keys()
+    train(prepared_shards, out, "vit_mini", 4, 4, STEPS, "--resume", *sets("parallel.grad_reduce=after_backward", ema))
+    assert_same_run(reference["vit_mini"], out)
 
 
 @pytest.mark.slow
@@ -109,13 +146,48 @@ def test_a_layerwise_plan_trains_as_one_process_and_resumes_under_another_layout
     (["parallel.pp=2", "parallel.microbatches=2", "parallel.grad_reduce=overlap"],
      "parallel.grad_reduce=overlap (DDP) does not run with tensor or pipeline parallel"),
     (["parallel.plan=missing.json"], "missing.json does not exist; write one with `vitctl plan"),
+    ([*INTERLEAVED, "parallel.microbatches=2", "parallel.virtual_stages=4"],
+     "8 pipeline stages need at least as many blocks; the model has 4; lower parallel.virtual_stages"),
 ])
 def test_strategies_that_cannot_run_are_refused_before_launch(prepared_shards, tmp_path, overrides, message):
-    sets = [a for o in overrides for a in ("--set", o)]
     result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
-                    "--tasks-per-node", 4, "--batch", 6, *COMMON, *sets)
+                    "--tasks-per-node", 4, "--batch", 6, *COMMON, *sets(*overrides))
     assert result.exit_code == 1 and message in result.stderr, result.stderr
     assert "Traceback" not in result.output + result.stderr
+
+
+VIT_MINI = model_shape(ModelConfig(name="vit_mini"))  # 4 blocks
+
+
+@pytest.mark.parametrize(("strategy", "message"), [
+    (Strategy(pp=2, schedule="interleaved_1f1b", microbatches=2),
+     "parallel.schedule=interleaved_1f1b needs parallel.virtual_stages of 2 or more (stages per pipeline rank); "
+     "with one stage per rank use parallel.schedule=1f1b"),
+    (Strategy(pp=2, virtual_stages=2, microbatches=2),
+     "parallel.virtual_stages=2 needs parallel.schedule=interleaved_1f1b; 1f1b runs one stage per pipeline rank"),
+    (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=5),
+     "the interleaved_1f1b schedule runs parallel.microbatches=5 in max(1, microbatches // pp) = 2 rounds of equal "
+     "size, which 5 does not divide into; use a multiple of parallel.pp=2 (e.g. 4 or 6) or fewer than 4"),
+    (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=3, microbatches=2),
+     "6 pipeline stages need at least as many blocks; the model has 4; lower parallel.virtual_stages"),
+    (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=2, stages=(2, 2)),
+     "parallel.stages [2, 2] must give 4 stages (parallel.pp=2 x parallel.virtual_stages=2) of at least one block "
+     "each, 4 blocks in all"),
+    (Strategy(virtual_stages=2), "parallel.microbatches, parallel.stages and parallel.virtual_stages need "
+                                 "parallel.pp > 1 (accumulation: optim.accum_steps)"),
+    (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=0, microbatches=2),
+     "parallel.tp, parallel.pp, parallel.microbatches and parallel.virtual_stages must each be at least 1"),
+])
+def test_interleaved_strategies_that_cannot_run_are_refused(strategy, message):
+    assert strategy_problems(strategy, VIT_MINI, 4, 60) == [message]
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 6, 12])
+def test_interleaved_runs_the_micro_batch_counts_torch_takes(microbatches):
+    """torch's ScheduleInterleaved1F1B takes fewer than 2 x pp micro-batches, or a multiple of their rounds."""
+    strategy = Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=microbatches)
+    assert strategy_problems(strategy, VIT_MINI, 4, 60) == []
+    assert strategy.stage_blocks(4) == (1, 1, 1, 1)
 
 
 def test_a_plan_for_another_model_and_a_plan_beside_strategy_keys_are_refused(prepared_shards, tmp_path):

@@ -155,6 +155,18 @@ def test_stage_search_equals_brute_force_over_sharding_and_checkpointing(budget_
     assert planned.step_s == pytest.approx(min(p.step_s for p in every if p.peak_bytes <= budget))
 
 
+def test_interleaving_shrinks_the_predicted_bubble():
+    """pp2 with 2 stages of one block per rank: the bubble is (pp - 1) / v micro-batches of a rank's, half 1F1B's,
+    which outweighs the twice as many transfers of a micro-batch between ranks."""
+    profile, blocks = hand_made_profile(), (BlockStrategy(),) * len(LAYOUT.blocks)
+    plain = predict(Strategy(pp=2, microbatches=2, blocks=blocks), LAYOUT, profile, CLUSTER, BATCH)
+    interleaved = predict(Strategy(pp=2, microbatches=2, schedule="interleaved_1f1b", virtual_stages=2, blocks=blocks),
+                          LAYOUT, profile, CLUSTER, BATCH)
+    assert [s.blocks for s in interleaved.stages] == [range(i, i + 1) for i in range(4)]
+    assert interleaved.step_s < plain.step_s
+    assert interleaved.peak_bytes > 0
+
+
 def test_plans_load_and_pass_the_checks(tmp_path):
     profile = hand_made_profile()
     for budget in (2, 4, 80):

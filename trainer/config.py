@@ -111,10 +111,11 @@ class ParallelConfig:
     # DDP's buckets during the backward (across nodes, where the transfer is slow), "auto" picks by the ranks' nodes.
     grad_reduce: str = "auto"
     tp: int = 1  # tensor-parallel degree: each block's heads and MLP split over this many ranks of a node
-    pp: int = 1  # pipeline stages, each on its own ranks
+    pp: int = 1  # pipeline ranks, each running virtual_stages stages (one, but under interleaved_1f1b)
     microbatches: int = 1  # with pp: micro-batches per step, each data.batch_size / microbatches samples
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b
-    stages: list[int] = field(default_factory=list)  # blocks per stage; empty: as even as possible
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b
+    virtual_stages: int = 1  # with interleaved_1f1b: stages per pipeline rank (rank r runs stages r, r + pp, ...)
+    stages: list[int] = field(default_factory=list)  # blocks per stage, pp x virtual_stages; empty: even
     checkpoint: str = "none"  # activation checkpointing per block: none | selective | full
     plan: str | None = None  # a JSON plan from `vitctl plan`: the strategy per block (replaces the keys above)
 

@@ -293,7 +293,7 @@ class Trainer:
         sums = torch.zeros(4, dtype=torch.float64, device=self.env.device)  # top-1, top-5, count, loss
         for batch in self.data.eval():
             if batch is None:  # padding: run a dummy forward so FSDP collectives stay in step
-                if self.par.fsdp is not None:
+                if self.par.fsdp:
                     size = self.c.model.img_size
                     self.par.predict(torch.zeros(1, 3, size, size, device=self.env.device, dtype=self.par.input_dtype))
                 continue

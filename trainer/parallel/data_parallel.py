@@ -118,10 +118,13 @@ def _cut(flat: Tensor, places: list[tuple[int, torch.Size]]) -> list[Tensor]:
     return [flat[start:start + shape.numel()].view(shape) for start, shape in places]
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, policy, blocks: list[nn.Module], ignored: set[nn.Parameter]) -> None:
-    """FSDP2: each of `blocks` its own unit, then the root for the rest but `ignored` (left replicated)."""
+def apply_fsdp(roots: list[nn.Module], mesh: Mesh, policy, blocks: list[nn.Module],
+               ignored: set[nn.Parameter]) -> None:
+    """FSDP2: each of `blocks` its own unit, then each root (the model, or each pipeline stage module) for the rest
+    of it but `ignored` (left replicated)."""
     from torch.distributed.fsdp import fully_shard
 
     for block in blocks:
         fully_shard(block, mesh=mesh.fsdp_mesh(), mp_policy=policy)
-    fully_shard(model, mesh=mesh.fsdp_mesh(), mp_policy=policy, ignored_params=ignored or None)
+    for root in roots:
+        fully_shard(root, mesh=mesh.fsdp_mesh(), mp_policy=policy, ignored_params=ignored or None)

@@ -1,5 +1,5 @@
 """Apply the parallelisms to a model, one small function each (torchtitan's `parallelize_*` shape), in this order:
-activation checkpointing per block, the pipeline stage, tensor parallel, compile, then data parallelism (FSDP2 for
+activation checkpointing per block, the pipeline stages, tensor parallel, compile, then data parallelism (FSDP2 for
 the sharded blocks, one reduction after the backward or DDP for replicated weights). The loop calls what this
 returns and never branches on the strategy."""
 
@@ -16,7 +16,7 @@ from ..models import blocks_of
 from ..precision import MasterWeights, Precision
 from .data_parallel import ReduceAfterBackward, apply_ddp, apply_fsdp, one_node
 from .mesh import Mesh
-from .pipeline_parallel import Pipeline, keep_stage, stage_range
+from .pipeline_parallel import Pipeline, rank_blocks, share_parameters, split_stages
 from .strategy import Strategy
 from .tensor_parallel import apply_tensor_parallel
 
@@ -32,7 +32,7 @@ class Parallelized:
     master: MasterWeights | None  # bf16-pure outside FSDP
     ddp: DistributedDataParallel | None
     reducer: ReduceAfterBackward | None  # replicated weights reduced after the backward
-    fsdp: nn.Module | None  # the FSDP2 root, when any weights are sharded
+    fsdp: list[nn.Module]  # the FSDP2 roots (one per pipeline stage of this rank), when any weights are sharded
     pipeline: Pipeline | None
     accum_steps: int
 
@@ -60,12 +60,12 @@ class Parallelized:
         """Eval logits (None on pipeline stages other than the last)."""
         with self.precision.autocast():
             if self.pipeline is not None:
-                return self.pipeline.predict(self.forward, images)
+                return self.pipeline.predict(images)
             return self.forward(images)
 
     def _micro_batch(self, sync: bool) -> AbstractContextManager:
-        if self.fsdp is not None:
-            self.fsdp.set_requires_gradient_sync(sync)
+        for root in self.fsdp:
+            root.set_requires_gradient_sync(sync)
         if self.ddp is not None and not sync:
             return self.ddp.no_sync()
         return nullcontext()
@@ -81,20 +81,23 @@ class Parallelized:
 
 def parallelize(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
                 grad_reduce: str, accum_steps: int) -> Parallelized:
-    """`model` is fp32 on its device, with the same weights on every rank."""
+    """`model` is fp32 on its device, with the same weights on every rank. Under a pipeline it becomes this rank's
+    stages' part of the model, which holds their parameters; the stages run as modules that share them."""
     apply_checkpointing(model, strategy)
+    stage_modules = [model]
     if strategy.pp > 1:
-        blocks = stage_range(strategy, len(blocks_of(model)), mesh.pp_rank)
-        keep_stage(model, blocks, mesh.pp_rank == 0, mesh.pp_rank == strategy.pp - 1)
-        strategy = replace(strategy, blocks=tuple(strategy.blocks[i] for i in blocks))  # this stage's blocks
+        blocks = rank_blocks(strategy, len(blocks_of(model)), mesh.pp_rank)
+        stage_modules = split_stages(model, strategy, mesh.pp_rank)
+        strategy = replace(strategy, blocks=tuple(strategy.blocks[i] for i in blocks))  # this rank's blocks
     if strategy.tp > 1:
         apply_tensor_parallel(model, mesh.sub("tp"))
     if strategy.fsdp:
-        par = _shard(model, mesh, strategy, precision, train, accum_steps)
+        par = _shard(model, stage_modules, mesh, strategy, precision, train, accum_steps)
     else:
         par = _replicate(model, mesh, strategy, precision, train, grad_reduce, accum_steps)
     if strategy.pp > 1:
-        par.pipeline = Pipeline(par.module, strategy, mesh.pp_rank, mesh.sub("pp").get_group(),
+        share_parameters(model, stage_modules)
+        par.pipeline = Pipeline(stage_modules, strategy, mesh.pp_rank, mesh.sub("pp").get_group(),
                                 next(par.weights.parameters()).device)
     return par
 
@@ -119,7 +122,7 @@ def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Prec
     else:
         _compile_blocks(model, train)
         forward = wrapped
-    return Parallelized(master.module if master else model, wrapped, forward, precision, master, ddp, reducer, None,
+    return Parallelized(master.module if master else model, wrapped, forward, precision, master, ddp, reducer, [],
                         None, accum_steps)
 
 
@@ -129,10 +132,11 @@ def _reduce_after_backward(grad_reduce: str, mesh: Mesh, strategy: Strategy) -> 
     return grad_reduce == "after_backward" or (grad_reduce == "auto" and one_node(mesh.dp_group))
 
 
-def _shard(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
-           accum_steps: int) -> Parallelized:
-    """FSDP2 for the blocks marked fsdp (and the rest when fsdp_rest); what stays replicated is reduced over the
-    data-parallel ranks after the backward."""
+def _shard(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Strategy, precision: Precision,
+           train: TrainConfig, accum_steps: int) -> Parallelized:
+    """FSDP2 for the blocks marked fsdp (and the rest when fsdp_rest), under one root per stage module (`roots`: the
+    pipeline schedule reduces each stage's gradients once per step through its root); what stays replicated is
+    reduced over the data-parallel ranks after the backward."""
     _compile_blocks(model, train)  # per block, as FSDP2 expects: its hooks run between the compiled blocks
     blocks = blocks_of(model)
     sharded = [b for b, s in zip(blocks, strategy.blocks, strict=True) if s.fsdp]
@@ -140,10 +144,10 @@ def _shard(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precisio
     if not strategy.fsdp_rest:
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         replicated += [p for p in model.parameters() if id(p) not in in_blocks]
-    apply_fsdp(model, mesh, precision.fsdp_policy(), sharded, set(replicated))
+    apply_fsdp(roots, mesh, precision.fsdp_policy(), sharded, set(replicated))
     reducer = ReduceAfterBackward([(p, p) for p in replicated if p.requires_grad], mesh.dp_group, mesh.dp_size) \
         if replicated and mesh.dp_size > 1 else None
-    return Parallelized(model, model, model, precision, None, None, reducer, model, None, accum_steps)
+    return Parallelized(model, model, model, precision, None, None, reducer, roots, None, accum_steps)
 
 
 def _compile_blocks(model: nn.Module, train: TrainConfig) -> None:

@@ -11,7 +11,8 @@ from ..config import ConfigError, ParallelConfig
 from ..models import ModelShape
 
 CHECKPOINT = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b")
+INTERLEAVED = "interleaved_1f1b"  # the schedule that runs several stages per pipeline rank
+SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)
 PLAN_VERSION = 1
 
 
@@ -24,11 +25,12 @@ class BlockStrategy:
 @dataclass(frozen=True)
 class Strategy:
     tp: int = 1  # tensor-parallel degree (heads and MLP hidden units split), inside a node
-    pp: int = 1  # pipeline stages, one per rank of a pipeline
+    pp: int = 1  # ranks of a pipeline, each running virtual_stages of its stages
     dp_shard: int = -1  # ranks an FSDP block's weights are sharded over (-1: every data-parallel rank)
     microbatches: int = 1  # per step and pipeline, each a slice of the rank's batch
     schedule: str = "1f1b"
-    stages: tuple[int, ...] = ()  # blocks per stage, pp entries; () = as even as possible
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b): rank r runs stages r, r + pp, r + 2pp...
+    stages: tuple[int, ...] = ()  # blocks per stage, n_stages entries; () = as even as possible
     blocks: tuple[BlockStrategy, ...] = ()  # one per block, in the model's order
     fsdp_rest: bool = False  # shard the weights outside the blocks (embeddings, final norm, head) too
 
@@ -36,10 +38,16 @@ class Strategy:
     def fsdp(self) -> bool:
         return self.fsdp_rest or any(b.fsdp for b in self.blocks)
 
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all, over the pp ranks."""
+        return self.pp * self.virtual_stages
+
     def layout(self, world_size: int) -> str:
-        """Short form for tables and `vitctl status`, e.g. `pp2·tp2·fsdp4`."""
+        """Short form for tables and `vitctl status`, e.g. `pp2·tp2·fsdp4` (`pp2v2`: 2 stages per pipeline rank)."""
         dp = world_size // (self.tp * self.pp)
-        parts = [f"pp{self.pp}" if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
+        pipeline = f"pp{self.pp}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        parts = [pipeline if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
                  (f"fsdp{dp}" if self.fsdp else f"dp{dp}") if dp > 1 else ""]
         return "·".join(p for p in parts if p) or "1 rank"
 
@@ -47,7 +55,8 @@ class Strategy:
         """Blocks per stage: the given division, or an even one (earlier stages one more)."""
         if self.stages:
             return self.stages
-        return tuple(n_blocks // self.pp + (i < n_blocks % self.pp) for i in range(self.pp))
+        n = self.n_stages
+        return tuple(n_blocks // n + (i < n_blocks % n) for i in range(n))
 
     def to_json(self, model: str, world_size: int, predicted: dict[str, Any] | None = None) -> str:
         """The plan file: degrees, pipeline, and runs of consecutive blocks with the same strategy."""
@@ -59,7 +68,8 @@ class Strategy:
                 groups.append({"blocks": 1, **asdict(block)})
         plan = {"version": PLAN_VERSION, "model": model, "world_size": world_size, "tp": self.tp, "pp": self.pp,
                 "dp_shard": self.dp_shard, "microbatches": self.microbatches, "schedule": self.schedule,
-                "stages": list(self.stages), "fsdp_rest": self.fsdp_rest, "groups": groups}
+                "virtual_stages": self.virtual_stages, "stages": list(self.stages), "fsdp_rest": self.fsdp_rest,
+                "groups": groups}
         if predicted:
             plan["predicted"] = predicted
         return json.dumps(plan, indent=2) + "\n"
@@ -71,14 +81,14 @@ def strategy_from_config(config: ParallelConfig, n_blocks: int) -> Strategy:
         return read_plan(Path(config.plan), config, n_blocks)
     block = BlockStrategy(fsdp=config.fsdp, checkpoint=config.checkpoint)
     return Strategy(tp=config.tp, pp=config.pp, dp_shard=config.dp_shard, microbatches=config.microbatches,
-                    schedule=config.schedule, stages=tuple(config.stages),
+                    schedule=config.schedule, virtual_stages=config.virtual_stages, stages=tuple(config.stages),
                     blocks=(block,) * n_blocks, fsdp_rest=config.fsdp)
 
 
 def read_plan(path: Path, config: ParallelConfig, n_blocks: int) -> Strategy:
     where = f"parallel.plan {path}"
     defaults = ParallelConfig()
-    given = [key for key in ("tp", "pp", "fsdp", "checkpoint", "microbatches", "schedule", "stages")
+    given = [key for key in ("tp", "pp", "fsdp", "checkpoint", "microbatches", "schedule", "virtual_stages", "stages")
              if getattr(config, key) != getattr(defaults, key)]
     if given:
         raise ConfigError(f"{where} sets the strategy, so parallel.{', parallel.'.join(given)} cannot be given "
@@ -96,6 +106,7 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int) -> Strategy:
                        for g in plan["groups"] for _ in range(int(g["blocks"])))
         strategy = Strategy(tp=int(plan["tp"]), pp=int(plan["pp"]), dp_shard=int(plan.get("dp_shard", -1)),
                             microbatches=int(plan["microbatches"]), schedule=str(plan["schedule"]),
+                            virtual_stages=int(plan.get("virtual_stages", 1)),
                             stages=tuple(int(s) for s in plan.get("stages", ())),
                             blocks=blocks, fsdp_rest=bool(plan.get("fsdp_rest", False)))
     except (KeyError, TypeError, ValueError) as e:
@@ -109,8 +120,8 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int) -> Strategy:
 def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_size: int) -> list[str]:
     """Every reason `s` cannot run `model` on `world_size` ranks with `batch_size` samples per data-parallel rank."""
     problems = []
-    if s.tp < 1 or s.pp < 1 or s.microbatches < 1:
-        return ["parallel.tp, parallel.pp and parallel.microbatches must each be at least 1"]
+    if min(s.tp, s.pp, s.microbatches, s.virtual_stages) < 1:
+        return ["parallel.tp, parallel.pp, parallel.microbatches and parallel.virtual_stages must each be at least 1"]
     if world_size % (s.tp * s.pp):
         problems.append(f"parallel.tp={s.tp} x parallel.pp={s.pp} = {s.tp * s.pp} does not divide the {world_size} "
                         f"ranks; the ranks are pp x data parallel x tp")
@@ -131,19 +142,40 @@ def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_siz
 
 
 def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]:
-    count = s.pp
     if s.pp == 1:
-        return [] if s.microbatches == 1 and not s.stages else \
-            ["parallel.microbatches and parallel.stages need parallel.pp > 1 (accumulation: optim.accum_steps)"]
-    problems = []
+        return [] if s.microbatches == 1 and not s.stages and s.virtual_stages == 1 else \
+            ["parallel.microbatches, parallel.stages and parallel.virtual_stages need parallel.pp > 1 (accumulation: "
+             "optim.accum_steps)"]
+    count = s.n_stages
+    described = f"{count} stages (parallel.pp={s.pp} x parallel.virtual_stages={s.virtual_stages})" \
+        if s.virtual_stages > 1 else f"{count} stages"
+    problems = _schedule_problems(s)
     if n_blocks < count:
-        problems.append(f"{count} pipeline stages need at least as many blocks; the model has {n_blocks}")
+        problems.append(f"{count} pipeline stages need at least as many blocks; the model has {n_blocks}"
+                        + ("; lower parallel.virtual_stages" if s.virtual_stages > 1 else ""))
     if s.stages and (len(s.stages) != count or sum(s.stages) != n_blocks or min(s.stages) < 1):
-        problems.append(f"parallel.stages {list(s.stages)} must give {count} stages of at least one block each, "
+        problems.append(f"parallel.stages {list(s.stages)} must give {described} of at least one block each, "
                         f"{n_blocks} blocks in all")
     if batch_size % s.microbatches:
         problems.append(f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}")
-    if s.schedule != "gpipe" and s.microbatches < s.pp:
-        problems.append(f"the {s.schedule} schedule needs at least parallel.pp={s.pp} micro-batches, got "
-                        f"{s.microbatches}")
     return problems
+
+
+def _schedule_problems(s: Strategy) -> list[str]:
+    """The micro-batch counts and stages per rank the pipeline schedule runs with (torch's own checks, ahead)."""
+    m, pp = s.microbatches, s.pp
+    if s.schedule == INTERLEAVED and s.virtual_stages < 2:
+        return [f"parallel.schedule={INTERLEAVED} needs parallel.virtual_stages of 2 or more (stages per pipeline "
+                f"rank); with one stage per rank use parallel.schedule=1f1b"]
+    if s.schedule != INTERLEAVED and s.virtual_stages > 1:
+        return [f"parallel.virtual_stages={s.virtual_stages} needs parallel.schedule={INTERLEAVED}; {s.schedule} "
+                f"runs one stage per pipeline rank"]
+    if s.schedule == "1f1b" and m < pp:
+        return [f"the 1f1b schedule needs at least parallel.pp={pp} micro-batches, got {m}"]
+    rounds = max(1, m // pp)  # torch's ScheduleInterleaved1F1B runs the micro-batches in this many equal rounds
+    if s.schedule == INTERLEAVED and m % rounds:
+        lower = m // pp * pp
+        return [f"the {INTERLEAVED} schedule runs parallel.microbatches={m} in max(1, microbatches // pp) = {rounds} "
+                f"rounds of equal size, which {m} does not divide into; use a multiple of parallel.pp={pp} (e.g. "
+                f"{lower} or {lower + pp}) or fewer than {2 * pp}"]
+    return []

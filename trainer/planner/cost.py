@@ -7,7 +7,8 @@ mode on one tensor-parallel rank's share, plus 4 all-reduces of its bf16 output 
 and again before the backward and reduce-scatters its fp32 gradients beside its compute, which runs slower by the
 measured overlap slowdown meanwhile; FSDP's own work around the block is measured on one rank. Replicated weights
 are all-reduced in fp32 once per step after the backward. A pipeline of pp stages and m micro-batches takes
-(m + pp - 1) times its slowest stage's micro-batch.
+(m + pp - 1) times its slowest stage's micro-batch; interleaved, with v stages per rank, (m + (pp - 1) / v) times its
+slowest rank's (the sum of its v stages'), the bubble (pp - 1) / (v m) of the step.
 """
 
 import statistics
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import ConfigError
-from ..parallel.strategy import BlockStrategy, Strategy
+from ..parallel.strategy import INTERLEAVED, BlockStrategy, Strategy
 from .profile import BlockShape, LinkFit, Measured, ModelLayout, Profile, bus_factor
 
 STATE_BYTES = 16  # per parameter held: fp32 weight, fp32 gradient, AdamW's fp32 exp_avg and exp_avg_sq
@@ -215,9 +216,17 @@ def part_cost(profile: Profile, setting: Setting, name: str, fsdp: bool) -> Cost
     return weights_cost(profile, setting, part.params, fsdp, part.measured)
 
 
-def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at once: all under GPipe, pp - stage under 1F1B."""
-    return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at once: all under GPipe, pp - stage under 1F1B. Interleaved, a
+    rank runs torch's warm-up forwards ((v - 1) rounds of micro-batches, and 2 for each later rank) and one more
+    before its first backward, spread evenly over its v stages."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule != INTERLEAVED:
+        return min(pp - stage, microbatches)
+    per_round = microbatches // max(1, microbatches // pp)
+    forwards = (virtual_stages - 1) * per_round + 2 * (pp - 1 - stage % pp) + 1
+    return min(forwards, microbatches * virtual_stages) / virtual_stages
 
 
 def boundary_bytes(layout: ModelLayout, blocks: range, microbatch: int) -> float:
@@ -233,12 +242,11 @@ def stage_parts(layout: ModelLayout, blocks: range, last: bool) -> list[str]:
     return [p.name for p in layout.parts if p.before in blocks or (last and p.before == len(layout.blocks))]
 
 
-def stage_fixed(profile: Profile, layout: ModelLayout, setting: Setting, blocks: range, stage: int,
+def stage_fixed(profile: Profile, layout: ModelLayout, setting: Setting, blocks: range, last: bool,
                 fsdp_rest: bool) -> tuple[list[Cost], float, float]:
     """What a stage holds and spends besides its blocks: its parts' costs, the send/recv seconds per micro-batch,
     and the bytes of its transfer buffers."""
-    parts = [part_cost(profile, setting, name, fsdp_rest)
-             for name in stage_parts(layout, blocks, stage == setting.pp - 1)]
+    parts = [part_cost(profile, setting, name, fsdp_rest) for name in stage_parts(layout, blocks, last)]
     if not setting.pipelined:
         return parts, 0.0, 0.0
     boundary = boundary_bytes(layout, blocks, setting.microbatch)
@@ -260,17 +268,22 @@ def stage_prediction(profile: Profile, setting: Setting, costs: Sequence[Cost], 
 
 def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: Cluster,
             global_batch: int) -> Prediction:
-    """Step time, images/s and the fullest GPU's memory of `strategy` (one stage per pipeline rank)."""
+    """Step time, images/s and the fullest GPU's memory of `strategy`. A pipeline rank runs its stages' micro-batches
+    one after another and holds all their memory (their transients summed: an upper bound)."""
     dp = cluster.world // (strategy.tp * strategy.pp)
     setting = Setting(cluster, strategy.tp, strategy.pp, strategy.microbatches,
                       global_batch // dp // strategy.microbatches)
     stages, start = [], 0
     for stage, count in enumerate(strategy.stage_blocks(len(layout.blocks))):
         blocks = range(start, start + count)
-        parts, transfer_s, transfer_bytes = stage_fixed(profile, layout, setting, blocks, stage, strategy.fsdp_rest)
+        parts, transfer_s, transfer_bytes = stage_fixed(profile, layout, setting, blocks,
+                                                        stage == strategy.n_stages - 1, strategy.fsdp_rest)
         costs = block_costs(profile, setting, layout, blocks, strategy.blocks) + parts
-        held = in_flight(strategy.schedule, strategy.pp, strategy.microbatches, stage)
+        held = in_flight(strategy.schedule, strategy.pp, strategy.microbatches, stage, strategy.virtual_stages)
         stages.append(stage_prediction(profile, setting, costs, transfer_s, transfer_bytes, held, blocks))
         start += count
-    step = (strategy.microbatches + strategy.pp - 1) * max(s.micro_s for s in stages) + max(s.step_s for s in stages)
-    return Prediction(step, global_batch / step, max(s.peak_bytes for s in stages), tuple(stages))
+    ranks = [stages[rank::strategy.pp] for rank in range(strategy.pp)]
+    micro_s = max(sum(s.micro_s for s in own) for own in ranks)
+    bubble = (strategy.pp - 1) / strategy.virtual_stages  # in micro-batches of the slowest rank
+    step = (strategy.microbatches + bubble) * micro_s + max(sum(s.step_s for s in own) for own in ranks)
+    return Prediction(step, global_batch / step, max(sum(s.peak_bytes for s in own) for own in ranks), tuple(stages))

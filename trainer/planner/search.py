@@ -25,7 +25,7 @@ from .profile import ModelLayout, Profile
 
 MEMORY_STEPS = 4096  # the budget's resolution in the dynamic programme; each block's memory is rounded up to it
 CHOICES = tuple(BlockStrategy(fsdp, mode) for fsdp in (False, True) for mode in CHECKPOINT)
-SCHEDULE = "1f1b"  # holds fewer micro-batches than GPipe for the same bubble
+SCHEDULE = "1f1b"  # holds fewer micro-batches than GPipe for the same bubble (interleaved: not searched yet)
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def plan_stage(layout: ModelLayout, profile: Profile, setting: Setting, blocks: 
     """The fastest choice per block of one stage within `budget` bytes, or None. Its blocks' weighted time, (m + pp
     - 1) per micro-batch plus once per step, is minimised; the memory outside the per-block sums (the largest
     transient, FSDP's gather buffers) is reserved up front at its largest, so the plan never exceeds the budget."""
-    parts, _, transfer_bytes = stage_fixed(profile, layout, setting, blocks, stage, fsdp_rest)
+    parts, _, transfer_bytes = stage_fixed(profile, layout, setting, blocks, stage == setting.pp - 1, fsdp_rest)
     held = in_flight(SCHEDULE, setting.pp, setting.microbatches, stage)
     every = [block_costs(profile, setting, layout, blocks, (choice,) * len(layout.blocks)) for choice in CHOICES]
     table = [list(row) for row in zip(*every, strict=True)]  # per block, per choice
