@@ -48,9 +48,8 @@ class TemplateStream:
 def losses_of(name: str, recipe: str | None, args: argparse.Namespace) -> list[float]:
     """Each step's loss, training `name` bf16-pure (fp32 masters, fused AdamW), its blocks in float8 with `recipe`."""
     device = torch.device("cuda")
-    torch.manual_seed(args.seed)
     ops = resolve("all", device)
-    model = build_model(ModelConfig(name=name, num_classes=CLASSES, drop_path=0.0), ops).to(device)
+    model = build_model(ModelConfig(name=name, num_classes=CLASSES, drop_path=0.0), ops, args.seed).to(device)
     if recipe is not None:
         convert_to_float8(model, recipe, fsdp=False)
     master = MasterWeights(model)

@@ -59,8 +59,8 @@ def test_the_ema_is_the_decayed_mix_of_the_weights_and_export_gives_it(prepared_
     config = tiny(prepared_shards, tmp_path / "r", "train.max_steps=3", "train.ema_decay=0.5",
                   "train.checkpoint_every=1", "train.keep_checkpoints=3")
     train(config)
-    torch.manual_seed(config.train.seed)  # the trainer's initial weights
-    steps = [build_model(config.model, resolve(config.train.fused, torch.device("cpu"))).state_dict()]
+    initial = build_model(config.model, resolve(config.train.fused, torch.device("cpu")), config.train.seed)
+    steps = [initial.state_dict()]  # the trainer's initial weights
     steps += [ckpt.consolidated(path) for path in ckpt.list_checkpoints(tmp_path / "r")]
     decay = config.train.ema_decay
     expected = timm_layout({name: sum((1 - decay if k else 1) * decay ** (3 - k) * steps[k][name] for k in range(4))

@@ -32,9 +32,8 @@ OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
     return build_model(ModelConfig(name=name, num_classes=10, drop_path=0.0, **MODELS[name]),
-                       resolve("none", torch.device("cpu"), compiling=False))
+                       resolve("none", torch.device("cpu"), compiling=False), seed)
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from .optim import build_optimizer, lr_at, param_groups, set_lr
 from .parallel import DistEnv, StopVote, build_mesh, init_distributed, parallel_dims, parallelize, shutdown
 from .precision import Precision, clip_gradients
 from .preflight import preflight
-from .pretrained import load_pretrained
+from .pretrained import Pretrained, read_pretrained
 
 log = logging.getLogger("vitctl.train")
 LR_REFERENCE_BATCH = 512  # optim.lr is for this global batch and scales linearly (DeiT, Swin)
@@ -109,8 +109,10 @@ class Trainer:
         self.data = build_data(config, self.mesh.dp_rank, self.mesh.dp_size, env.device)
         self.ops = resolve(config.train.fused, env.device, compiling=config.train.compile)
         self.precision = Precision(config.train.precision, env.device)
-        _seed(config.train.seed)  # the same initial weights on every rank
-        model = self._build_model(load_weights=not checkpoints)
+        # On the meta device: parallelize divides it, then each rank allocates and initialises only its own part.
+        with torch.device("meta"):
+            model = build_model(config.model, self.ops, config.train.seed)
+        pretrained = self._read_pretrained(model) if not checkpoints else None  # a resumed run loads its own
         if self.precision.fp8:  # before parallelize: FSDP2 shards and the masters copy what this swaps in
             convert_to_float8(model, config.train.fp8_recipe, fsdp=self.strategy.fsdp)
         self.flops_per_image = model.flops_per_image()  # of the whole model: a pipeline stage keeps part of it
@@ -121,7 +123,8 @@ class Trainer:
         if self.mesh.pp_rank:
             torch.manual_seed(config.train.seed + self.mesh.dp_rank + 7919 * self.mesh.pp_rank)
         self.par = parallelize(model, self.mesh, self.strategy, self.precision, config.train,
-                               config.parallel.grad_reduce, config.optim.accum_steps)
+                               config.parallel.grad_reduce, config.optim.accum_steps, env.device,
+                               lambda part: self._init_weights(part, pretrained))
         groups = param_groups(self.par.weights, config.optim.weight_decay, config.optim.layer_decay)
         self.optimizer = build_optimizer(groups, config.optim, self.ops, config.optim.lr)
         self.scaler = self.precision.scaler()
@@ -138,13 +141,19 @@ class Trainer:
             self._restore(checkpoints[-1])
         self._schedule()
 
-    def _build_model(self, load_weights: bool) -> nn.Module:
-        c = self.c
-        model = build_model(c.model, self.ops)
-        if c.finetune.from_ckpt and load_weights:
-            load_pretrained(model, Path(c.finetune.from_ckpt), c.finetune.reset_head, c.model.name,
-                            trust=c.finetune.trust_checkpoint, seed=c.train.seed)
-        return model.to(self.env.device)
+    def _read_pretrained(self, model: nn.Module) -> Pretrained | None:
+        """finetune.from_ckpt's weights, checked against the whole model (on the meta device: its names and shapes)."""
+        c = self.c.finetune
+        if not c.from_ckpt:
+            return None
+        return read_pretrained(model, Path(c.from_ckpt), c.reset_head, self.c.model.name, trust=c.trust_checkpoint)
+
+    def _init_weights(self, part: nn.Module, pretrained: Pretrained | None) -> None:
+        """This rank's part of the model, just allocated: initialised from train.seed (the same values on every
+        layout), then the finetuning weights over it. A resumed run's checkpoint overwrites it later (_restore)."""
+        part.init_weights(self.c.train.seed)
+        if pretrained is not None:
+            pretrained.load_into(part, self.c.train.seed)
 
     def _schedule(self) -> None:
         """Steps and the LR schedule in epochs of the current global batch (a resumed run may have another)."""

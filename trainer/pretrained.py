@@ -14,6 +14,7 @@ import logging
 import math
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch.serialization import MAGIC_NUMBER, get_unsafe_globals_in_checkpoint
 from .checkpoint import consolidated, read_meta, resolve_checkpoint
 from .config import ConfigError
 from .integrity import nonfinite, tensors_sha256
-from .models.layers import init_weights, packed_layout
+from .models.layers import copy_whole, init_module, packed_layout
 
 log = logging.getLogger("vitctl.finetune")
 HEAD_PREFIXES = ("head.", "pre_logits.")
@@ -221,10 +222,36 @@ def adapt(state: dict[str, torch.Tensor], model: nn.Module, reset_head: bool | N
     return state, fresh
 
 
-def load_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model_name: str, *, trust: bool = False,
-                    seed: int = 0) -> list[str]:
-    """Load `path` into `model` (a new head seeded from `seed`); raises ConfigError naming the keys when the
-    architectures do not match, or when the source is unusable."""
+@dataclass
+class Pretrained:
+    """Weights read for finetuning, fitted to the model: written over its initialisation by `load_into`."""
+
+    path: Path
+    state: dict[str, torch.Tensor]  # whole tensors, by the model's names
+    fresh: list[str]  # the model's keys left to a new initialisation (a new head)
+
+    @torch.no_grad()
+    def load_into(self, model: nn.Module, seed: int) -> None:
+        """Write the weights into `model`, whole or divided (a pipeline stage keeps some of them, a DTensor its
+        shard), and initialise the fresh keys from streams of their own: seeded like the pretraining run's, the new
+        head would be that run's initial head bit for bit."""
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if name in self.state:
+                copy_whole(tensor, self.state[name])
+        digest = hashlib.sha256(f"{HEAD_SEED_SALT} {seed}".encode()).digest()
+        head_seed = int.from_bytes(digest[:8], "little") >> 1
+        for name, module in model.named_modules():
+            own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+            if own and set(own) <= set(self.fresh):
+                init_module(module, name, head_seed)
+        log.info("loaded %s (%d tensors); initialised afresh: %s", self.path, len(self.state),
+                 ", ".join(self.fresh) or "nothing")
+
+
+def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model_name: str, *,
+                    trust: bool = False) -> Pretrained:
+    """`path`'s weights fitted to `model`, whole (on the meta device: only its names and shapes are read); raises
+    ConfigError naming the keys when the architectures do not match, or when the source is unusable."""
     state, fresh = adapt(read_state_dict(path, trust), model, reset_head)
     target = model.state_dict()
     missing = sorted(set(target) - set(state) - set(fresh))
@@ -240,18 +267,13 @@ def load_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
             details.append("the checkpoint has no classifier head for it: start a new one with "
                            "--set finetune.reset_head=true")
         raise ConfigError(f"finetune.from_ckpt {path} does not fit model {model_name}: " + "; ".join(details))
-    model.load_state_dict(state, strict=False)
-    _init_fresh(model, fresh, seed)
-    log.info("loaded %s (%d tensors); initialised afresh: %s", path, len(state), ", ".join(fresh) or "nothing")
-    return fresh
+    return Pretrained(path, state, fresh)
 
 
-def _init_fresh(model: nn.Module, fresh: list[str], seed: int) -> None:
-    """Initialise the new head from a stream of its own: from the model's, seeded like the pretraining run's, it would
-    be that run's initial head bit for bit."""
-    digest = hashlib.sha256(f"{HEAD_SEED_SALT} {seed}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    for name, module in model.named_modules():
-        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
-        if own and set(own) <= set(fresh):
-            init_weights(module, generator)
+def load_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model_name: str, *, trust: bool = False,
+                    seed: int = 0) -> list[str]:
+    """Load `path` into `model` (a new head seeded from `seed`); returns the keys initialised afresh. Raises
+    ConfigError as `read_pretrained` does."""
+    pretrained = read_pretrained(model, path, reset_head, model_name, trust=trust)
+    pretrained.load_into(model, seed)
+    return pretrained.fresh

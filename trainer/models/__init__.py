@@ -92,11 +92,14 @@ def model_shape(config: ModelConfig) -> ModelShape:
     return ModelShape(config.name, heads, hidden)
 
 
-def build_model(config: ModelConfig, ops: Ops) -> nn.Module:
+def build_model(config: ModelConfig, ops: Ops, seed: int = 0) -> nn.Module:
+    """The model, initialised from `seed` (`init_weights`); under `torch.device("meta")` it holds no memory and no
+    values until `to_empty` and `init_weights`, which the training loop calls after the parallelisms divide it."""
     if error := model_error(config):
         raise ConfigError(error)
     spec = MODELS[config.name]
-    kwargs = dict(spec.kwargs, img_size=config.img_size, num_classes=config.num_classes, drop_path=config.drop_path)
+    kwargs = dict(spec.kwargs, img_size=config.img_size, num_classes=config.num_classes, drop_path=config.drop_path,
+                  seed=seed)
     if spec.family is SwinTransformer:
         kwargs["window"] = config.window_size or default_window(config.img_size)
     elif config.pre_logits:

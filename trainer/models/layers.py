@@ -1,8 +1,15 @@
-"""Layers shared by the model files; each calls its op seam so the implementation can be swapped."""
+"""Layers shared by the model files; each calls its op seam so the implementation can be swapped. Also the
+initialisation they share, drawn tensor by tensor from streams seeded by the tensors' names."""
+
+import hashlib
+import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -43,8 +50,8 @@ class PackedQKV(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.weight, self.bias = nn.Parameter(torch.empty(3, dim, dim)), nn.Parameter(torch.empty(3, dim))
-        init_weights(self)
+        self.weight, self.bias = nn.Parameter(torch.empty(3, dim, dim)), nn.Parameter(torch.zeros(3, dim))
+        trunc_normal_02(self.weight)  # valid on its own, as nn.Linear is; a model draws it again by name (init_module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.flatten(0, 1), self.bias.flatten())
@@ -140,9 +147,52 @@ def _keep_matmuls():
     return create_selective_checkpoint_contexts(policy)
 
 
-def init_weights(module: nn.Module, generator: torch.Generator | None = None) -> None:
-    """timm's initialisation: truncated normal (std 0.02) for linear layers, zero biases."""
+trunc_normal_02 = partial(nn.init.trunc_normal_, std=0.02)  # timm's weights; its bounds, +-2, never bite at std 0.02
+
+
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator of its own for the tensor called `name` (its whole-model name) in a run seeded by `seed`.
+    sha256, not Python's hash(), which is salted per process: every rank must draw the same stream."""
+    digest = hashlib.sha256(f"{seed} {name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+@torch.no_grad()
+def init_tensor(tensor: torch.Tensor, name: str, seed: int, draw: Callable[..., torch.Tensor]) -> None:
+    """Fill `tensor` with `draw(whole, generator=...)` from the stream of `name`: the whole tensor's values are drawn
+    on the CPU and a DTensor (tensor parallel, FSDP) keeps its shard of them, so every layout holds the same weights.
+    A tensor on the meta device has nothing to fill."""
+    if tensor.is_meta:
+        return
+    whole = torch.empty(tensor.shape, device="cpu")  # CPU whatever the default device: the generator's
+    draw(whole, generator=tensor_generator(seed, name))
+    copy_whole(tensor, whole)
+
+
+@torch.no_grad()
+def copy_whole(tensor: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy `whole`, the values of all of `tensor`, into it; a DTensor takes only its shard of them."""
+    if isinstance(tensor, DTensor):  # src_data_rank=None: each rank cuts its shard from its own copy, no broadcast
+        whole = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+    tensor.copy_(whole)
+
+
+@torch.no_grad()
+def init_module(module: nn.Module, name: str, seed: int) -> None:
+    """timm's initialisation of `module`'s own parameters, `name` being its whole-model name: truncated normal (std
+    0.02) for linear and qkv weights, zero biases, LayerNorm's ones and zeros, torch's default for the patch
+    convolution (uniform within 1/sqrt(fan_in), weight and bias)."""
+    prefix = f"{name}." if name else ""
     if isinstance(module, (nn.Linear, PackedQKV)):
-        nn.init.trunc_normal_(module.weight, std=0.02, generator=generator)
+        init_tensor(module.weight, prefix + "weight", seed, trunc_normal_02)
         if module.bias is not None:
-            nn.init.zeros_(module.bias)
+            module.bias.zero_()
+    elif isinstance(module, LayerNorm):
+        module.weight.fill_(1.0)
+        module.bias.zero_()
+    elif isinstance(module, nn.Conv2d):
+        # kaiming_uniform_ with a = sqrt(5) is uniform within 1/sqrt(fan_in), as is the bias: Conv2d.reset_parameters
+        init_tensor(module.weight, prefix + "weight", seed, partial(nn.init.kaiming_uniform_, a=math.sqrt(5)))
+        if module.bias is not None:
+            bound = 1 / math.sqrt(module.in_channels // module.groups * math.prod(module.kernel_size))
+            init_tensor(module.bias, prefix + "bias", seed, partial(nn.init.uniform_, a=-bound, b=bound))

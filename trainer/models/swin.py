@@ -4,7 +4,17 @@ import torch
 from torch import nn
 
 from ..ops import Ops
-from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, PackedQKV, init_weights, patch_projection
+from .layers import (
+    CheckpointableBlock,
+    DropPath,
+    LayerNorm,
+    Mlp,
+    PackedQKV,
+    init_module,
+    init_tensor,
+    patch_projection,
+    trunc_normal_02,
+)
 
 
 def relative_position_index(window: int) -> torch.Tensor:
@@ -28,10 +38,10 @@ def shift_mask(H: int, W: int, window: int, shift: int) -> torch.Tensor:
 class WindowAttention(nn.Module):
     def __init__(self, dim: int, heads: int, window: int, ops: Ops) -> None:
         super().__init__()
-        self.heads, self.scale, self.ops = heads, (dim // heads) ** -0.5, ops
+        self.heads, self.scale, self.window, self.ops = heads, (dim // heads) ** -0.5, window, ops
         self.qkv, self.proj = PackedQKV(dim), nn.Linear(dim, dim)
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window - 1) ** 2, heads))
-        nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.relative_position_bias_table = nn.Parameter(torch.empty((2 * window - 1) ** 2, heads))
+        trunc_normal_02(self.relative_position_bias_table)  # valid on its own; a model draws it again by name
         self.register_buffer("relative_position_index", relative_position_index(window), persistent=False)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -46,7 +56,7 @@ class SwinBlock(CheckpointableBlock):
         super().__init__()
         if resolution <= window:  # the window covers the whole map: nothing to shift
             window, shift = resolution, 0
-        self.window, self.shift, self.ops = window, shift, ops
+        self.resolution, self.window, self.shift, self.ops = resolution, window, shift, ops
         self.norm1, self.attn = LayerNorm(dim, ops), WindowAttention(dim, heads, window, ops)
         self.norm2, self.mlp = LayerNorm(dim, ops), Mlp(dim, 4 * dim, ops)
         self.drop_path = DropPath(drop_path)
@@ -120,13 +130,13 @@ def geometry_error(img_size: int, window: int, depths: tuple[int, ...]) -> str |
 class SwinTransformer(nn.Module):
     def __init__(self, ops: Ops, img_size: int = 224, dim: int = 96, depths: tuple[int, ...] = (2, 2, 6, 2),
                  heads: tuple[int, ...] = (3, 6, 12, 24), window: int = 7, num_classes: int = 1000,
-                 drop_path: float = 0.0) -> None:
+                 drop_path: float = 0.0, seed: int = 0) -> None:
         super().__init__()
         self.img_size, self.window, self.dim, self.depths = img_size, window, dim, depths
         if error := geometry_error(img_size, window, depths):
             raise ValueError(error)
         resolutions = [img_size // 4 // 2**i for i in range(len(depths))]
-        rates = torch.linspace(0, drop_path, sum(depths)).tolist()
+        rates = torch.linspace(0, drop_path, sum(depths), device="cpu").tolist()  # CPU: read under the meta device
         self.patch_embed = PatchEmbed(dim, ops)
         self.layers = nn.ModuleList()
         for i, (depth, n_heads) in enumerate(zip(depths, heads, strict=True)):
@@ -135,7 +145,20 @@ class SwinTransformer(nn.Module):
                                      rates[start:start + depth], i > 0, ops))
         self.norm = LayerNorm(dim * 2 ** (len(depths) - 1), ops)
         self.head = Head(dim * 2 ** (len(depths) - 1), num_classes)
-        self.apply(init_weights)
+        self.init_weights(seed)
+
+    def init_weights(self, seed: int) -> None:
+        """timm's initialisation, each tensor from a stream seeded by `seed` and its name (layers.init_tensor): the
+        same weights whichever blocks and shards this rank holds. The buffers are computed again: after `to_empty`
+        they hold whatever the memory held."""
+        for name, module in self.named_modules():
+            init_module(module, name, seed)
+            if isinstance(module, WindowAttention):
+                init_tensor(module.relative_position_bias_table, f"{name}.relative_position_bias_table", seed,
+                            trunc_normal_02)
+                module.relative_position_index.copy_(relative_position_index(module.window))
+            elif isinstance(module, SwinBlock) and module.attn_mask is not None:
+                module.attn_mask.copy_(shift_mask(module.resolution, module.resolution, module.window, module.shift))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds some of the parts; the others are None (parallel/pipeline_parallel.py).

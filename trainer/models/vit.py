@@ -1,10 +1,22 @@
 """Vision Transformer (Dosovitskiy et al.), parameter names as timm's so timm checkpoints load as they are."""
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ..ops import Ops
-from .layers import CheckpointableBlock, DropPath, LayerNorm, Mlp, PackedQKV, init_weights, patch_projection
+from .layers import (
+    CheckpointableBlock,
+    DropPath,
+    LayerNorm,
+    Mlp,
+    PackedQKV,
+    init_module,
+    init_tensor,
+    patch_projection,
+    trunc_normal_02,
+)
 
 
 class Attention(nn.Module):
@@ -60,22 +72,29 @@ def geometry_error(img_size: int, patch: int) -> str | None:
 class VisionTransformer(nn.Module):
     def __init__(self, ops: Ops, img_size: int = 224, patch: int = 16, dim: int = 768, depth: int = 12,
                  heads: int = 12, mlp_ratio: float = 4.0, num_classes: int = 1000, drop_path: float = 0.0,
-                 pre_logits: bool = False) -> None:
+                 pre_logits: bool = False, seed: int = 0) -> None:
         super().__init__()
         if error := geometry_error(img_size, patch):
             raise ValueError(error)
         self.img_size, self.patch, self.dim = img_size, patch, dim
         self.patch_embed = PatchEmbed(patch, dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + (img_size // patch) ** 2, dim))
-        rates = torch.linspace(0, drop_path, depth).tolist()
+        self.cls_token = nn.Parameter(torch.empty(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.empty(1, 1 + (img_size // patch) ** 2, dim))
+        rates = torch.linspace(0, drop_path, depth, device="cpu").tolist()  # CPU: read under the meta device
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, rate, ops) for rate in rates)
         self.norm = LayerNorm(dim, ops, 1e-6)
         self.pre_logits = PreLogits(dim) if pre_logits else nn.Identity()
         self.head = nn.Linear(dim, num_classes)
-        self.apply(init_weights)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.normal_(self.cls_token, std=1e-6)
+        self.init_weights(seed)
+
+    def init_weights(self, seed: int) -> None:
+        """timm's initialisation, each tensor from a stream seeded by `seed` and its name (layers.init_tensor): the
+        same weights whichever blocks and shards this rank holds."""
+        for name, module in self.named_modules():
+            init_module(module, name, seed)
+        if self.pos_embed is not None:  # the first pipeline stage's
+            init_tensor(self.pos_embed, "pos_embed", seed, trunc_normal_02)
+            init_tensor(self.cls_token, "cls_token", seed, partial(nn.init.normal_, std=1e-6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds some of the parts; the others are None (parallel/pipeline_parallel.py).

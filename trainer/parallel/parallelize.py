@@ -1,7 +1,8 @@
 """Apply the parallelisms to a model, one small function each (torchtitan's `parallelize_*` shape), in this order:
 activation checkpointing per block, the pipeline stages, tensor parallel, compile, then data parallelism (FSDP2 for
-the sharded blocks, one reduction after the backward or DDP for replicated weights). The loop calls what this
-returns and never branches on the strategy."""
+the sharded blocks, one reduction after the backward or DDP for replicated weights). The model comes on the meta
+device: what divides it (the stages, tensor parallel, FSDP2) is applied there, and only then does each rank allocate
+and initialise its own part. The loop calls what this returns and never branches on the strategy."""
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -80,9 +81,12 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
-                grad_reduce: str, accum_steps: int) -> Parallelized:
-    """`model` is fp32 on its device, with the same weights on every rank. Under a pipeline it becomes this rank's
-    stages' part of the model, which holds their parameters; the stages run as modules that share them."""
+                grad_reduce: str, accum_steps: int, device: torch.device,
+                init_weights: Callable[[nn.Module], None]) -> Parallelized:
+    """`model` is fp32 on the meta device. Once divided, this rank's part is allocated on `device` and
+    `init_weights` fills it, with the values the whole model would hold there (models/layers.py's init_tensor).
+    Under a pipeline `model` becomes this rank's stages' part of the model, which holds their parameters; the stages
+    run as modules that share them."""
     apply_checkpointing(model, strategy)
     stage_modules = [model]
     if strategy.pp > 1:
@@ -92,14 +96,29 @@ def parallelize(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Pre
     if strategy.tp > 1:
         apply_tensor_parallel(model, mesh.sub("tp"))
     if strategy.fsdp:
-        par = _shard(model, stage_modules, mesh, strategy, precision, train, accum_steps)
+        _shard(model, stage_modules, mesh, strategy, precision, train)
+    materialize(model, stage_modules, device, init_weights)
+    if strategy.fsdp:
+        par = _sharded(model, stage_modules, mesh, strategy, precision, accum_steps)
     else:
         par = _replicate(model, mesh, strategy, precision, train, grad_reduce, accum_steps)
     if strategy.pp > 1:
-        share_parameters(model, stage_modules)
         par.pipeline = Pipeline(stage_modules, strategy, mesh.pp_rank, mesh.sub("pp").get_group(),
                                 next(par.weights.parameters()).device)
     return par
+
+
+def materialize(model: nn.Module, stage_modules: list[nn.Module], device: torch.device,
+                init_weights: Callable[[nn.Module], None]) -> None:
+    """Allocate the parameters and buffers this rank holds on `device` (uninitialised memory) and fill them. After
+    `to_empty` they are new tensors: what holds parameters (the masters, DDP, the reductions) is built after this.
+    Under a pipeline the stage modules are allocated (FSDP2 roots among them reset their shards as they do) and the
+    model is pointed at their parameters."""
+    for module in stage_modules:
+        module.to_empty(device=device)
+    if stage_modules != [model]:
+        share_parameters(model, stage_modules)
+    init_weights(model)
 
 
 def apply_checkpointing(model: nn.Module, strategy: Strategy) -> None:
@@ -133,21 +152,34 @@ def _reduce_after_backward(grad_reduce: str, mesh: Mesh, strategy: Strategy) -> 
 
 
 def _shard(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Strategy, precision: Precision,
-           train: TrainConfig, accum_steps: int) -> Parallelized:
-    """FSDP2 for the blocks marked fsdp (and the rest when fsdp_rest), under one root per stage module (`roots`: the
-    pipeline schedule reduces each stage's gradients once per step through its root); what stays replicated is
-    reduced over the data-parallel ranks after the backward."""
+           train: TrainConfig) -> None:
+    """FSDP2 for the blocks marked fsdp (and the rest when fsdp_rest), on the meta device (each rank then allocates
+    only its shards), under one root per stage module: the pipeline schedule reduces each stage's gradients once per
+    step through its root."""
     _compile_blocks(model, train)  # per block, as FSDP2 expects: its hooks run between the compiled blocks
+    sharded = [b for b, s in zip(blocks_of(model), strategy.blocks, strict=True) if s.fsdp]
+    apply_fsdp(roots, mesh, precision.fsdp_policy(), sharded, set(_replicated(model, strategy)))
+
+
+def _sharded(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Strategy, precision: Precision,
+             accum_steps: int) -> Parallelized:
+    """The FSDP2 model, materialised; what stays replicated is reduced over the data-parallel ranks after the
+    backward."""
+    replicated = _replicated(model, strategy)
+    reducer = ReduceAfterBackward([(p, p) for p in replicated if p.requires_grad], mesh.dp_group, mesh.dp_size) \
+        if replicated and mesh.dp_size > 1 else None
+    return Parallelized(model, model, model, precision, None, None, reducer, roots, None, accum_steps)
+
+
+def _replicated(model: nn.Module, strategy: Strategy) -> list[nn.Parameter]:
+    """The parameters FSDP2 leaves whole: those of blocks not marked fsdp, and all outside the blocks unless
+    fsdp_rest."""
     blocks = blocks_of(model)
-    sharded = [b for b, s in zip(blocks, strategy.blocks, strict=True) if s.fsdp]
     replicated = [p for b, s in zip(blocks, strategy.blocks, strict=True) if not s.fsdp for p in b.parameters()]
     if not strategy.fsdp_rest:
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         replicated += [p for p in model.parameters() if id(p) not in in_blocks]
-    apply_fsdp(roots, mesh, precision.fsdp_policy(), sharded, set(replicated))
-    reducer = ReduceAfterBackward([(p, p) for p in replicated if p.requires_grad], mesh.dp_group, mesh.dp_size) \
-        if replicated and mesh.dp_size > 1 else None
-    return Parallelized(model, model, model, precision, None, None, reducer, roots, None, accum_steps)
+    return replicated
 
 
 def _compile_blocks(model: nn.Module, train: TrainConfig) -> None:
