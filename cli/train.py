@@ -106,7 +106,7 @@ def print_summary(run_dir: Path) -> None:
     for record in steps[-5:]:
         match = evals.get(record["step"], {})
         table.add_row(str(record["step"]), f"{record['loss']:.4f}", f"{record['images_per_s']:.1f}",
-                      *(f"{match[key]:.2f}" if match else "" for key in keys))
+                      *(f"{match[key]:.2f}" if key in match else "" for key in keys))  # a resumed run may lack EMA
     console.print(table)
     last = wf.checkpoint.list_checkpoints(run_dir)
     if last:

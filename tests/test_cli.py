@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -109,3 +110,17 @@ def test_bench_without_cuda_says_where_to_run_it():
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert "error: vitctl bench train times a training step on a CUDA GPU" in result.stderr
     assert "srun --gpus 1 vitctl bench train" in result.stderr
+
+
+def test_the_summary_of_a_run_resumed_without_its_ema_shows_both_evals(tmp_path, capsys):
+    """A run that kept an EMA and was resumed without one: its last evals lack EMA top-1, and still print."""
+    from vitctl.cli.train import print_summary
+
+    records = [{"step": 1, "loss": 2.5, "images_per_s": 10.0},
+               {"step": 1, "eval_top1": 11.0, "eval_top5": 51.0, "eval_ema_top1": 9.5},
+               {"step": 2, "loss": 2.25, "images_per_s": 10.0},
+               {"step": 2, "eval_top1": 12.0, "eval_top5": 52.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    print_summary(tmp_path)
+    out = capsys.readouterr().out
+    assert "EMA top-1" in out and "9.50" in out and "12.00" in out and "52.00" in out
