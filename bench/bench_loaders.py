@@ -70,10 +70,14 @@ def synthetic_batches(batch: int, size: int) -> Batches:
 
 
 def run(step: Callable | None, batches: Batches, warmup: int, steps: int) -> dict[str, float]:
-    """Throughput over `steps` steps (wall clock, synchronized at the end), the longest step, the data wait; with
-    no step, what the loader alone delivers."""
+    """Seconds to the first batch (the loader's start), then throughput over `steps` steps (wall clock,
+    synchronized at the end), the longest step and the data wait; with no step, what the loader alone delivers."""
     step = step or (lambda images, labels: None)
-    for images, labels in itertools.islice(batches, warmup):
+    begin = time.perf_counter()
+    first = next(batches)
+    first_batch_s = time.perf_counter() - begin
+    print(f"  first batch after {first_batch_s:.1f} s", flush=True)
+    for images, labels in itertools.chain([first], itertools.islice(batches, warmup - 1)):
         step(images, labels)
     torch.cuda.synchronize()
     step_s, wait_s = [], 0.0
@@ -88,7 +92,8 @@ def run(step: Callable | None, batches: Batches, warmup: int, steps: int) -> dic
         last = now
     torch.cuda.synchronize()
     total = time.perf_counter() - start
-    return {"images_per_s": steps * images.shape[0] / total, "longest_step_s": max(step_s),
+    return {"first_batch_s": first_batch_s, "images_per_s": steps * images.shape[0] / total,
+            "longest_step_s": max(step_s),
             "median_step_s": statistics.median(step_s), "data_wait_s_per_step": wait_s / steps}
 
 
@@ -107,6 +112,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every loader, e.g. augment.rand_augment=null (crop and flip only)")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must each be at least 1")
     root, shards = prepare(args.work, args.images)
     config = load_config(args.preset, [*args.overrides, f"data.batch_size={args.batch}"])
     recipe = recipe_of(config)
@@ -136,11 +143,12 @@ def main() -> None:
             continue
         print(f"{name}: {results[name]}", flush=True)
     reference = results.get("synthetic", {}).get("images_per_s")
-    print("\n| loader | img/s | vs synthetic | longest step (s) | median step (s) | data wait per step (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| loader | first batch (s) | img/s | vs synthetic | longest step (s) | median step (s) | "
+          "data wait per step (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         ratio = f"{r['images_per_s'] / reference:.2f}x" if reference else ""
-        print(f"| {name} | {r['images_per_s']:,.0f} | {ratio} | {r['longest_step_s']:.3f} | "
+        print(f"| {name} | {r['first_batch_s']:.1f} | {r['images_per_s']:,.0f} | {ratio} | {r['longest_step_s']:.3f} | "
               f"{r['median_step_s']:.4f} | {r['data_wait_s_per_step']:.4f} |")
 
 
