@@ -3,15 +3,15 @@ loss (the mean of its last logged values) relative to the first run's. For parit
 against `--fused none` on the same seed and data."""
 
 import argparse
-import json
 import statistics
 from pathlib import Path
+
+from vitctl.trainer.metrics import read_metrics
 
 
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> the logged training loss (the last run wins where a resumed run logged a step twice)."""
-    rows = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip())
-    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 
 
 def main() -> None:

@@ -99,6 +99,7 @@ def test_image_builds_on_a_stub_base_into_an_oci_archive_and_an_enroot_squashfs(
     assert "-c /tmp/keep-torch.txt" in install and "webdataset" in install
     assert steps[-1].startswith("vitctl doctor --expect-image")  # the self-test ends the build
     assert built.oci_bytes > 0 and tarfile.is_tarfile(built.outputs.oci_archive)
+    assert sorted(p.name for p in request.out.iterdir()) == ["vitctl-ci-test.oci.tar", "vitctl-ci-test.sqsh"]
 
 
 @needs_tools
@@ -134,8 +135,11 @@ def test_image_build_dry_run_prints_the_commands(tmp_path):
                  f"--build-arg VITCTL_VERSION={vitctl_version()}",
                  "--build-arg APEX_ARCHIVE=containers/vendor/apex-x.tar.gz"]:
         assert part in bud, part
-    assert f"push localhost/vitctl:ci oci-archive:{tmp_path}/img/vitctl-ci.oci.tar:localhost/vitctl:ci" in out
-    assert f'mksquashfs "$rootfs" {tmp_path}/img/vitctl-ci.sqsh -all-root' in out
+    img = tmp_path / "img"  # each output written under a .partial name, renamed once complete
+    assert f"push localhost/vitctl:ci oci-archive:{img}/vitctl-ci.oci.tar.partial:localhost/vitctl:ci" in out
+    assert f"mv {img}/vitctl-ci.oci.tar.partial {img}/vitctl-ci.oci.tar" in lines
+    assert f'mksquashfs "$rootfs" {img}/vitctl-ci.sqsh.partial -all-root' in out
+    assert lines[-1] == f"mv {img}/vitctl-ci.sqsh.partial {img}/vitctl-ci.sqsh"
     assert not (tmp_path / "img").exists()
 
 

@@ -79,8 +79,13 @@ def bud_command(request: ImageRequest, version: str, commit: str | None) -> list
             *(a for key, value in args.items() for a in ("--build-arg", f"{key}={value}")), "."]
 
 
-def push_command(request: ImageRequest) -> list[str]:
-    return [*buildah(request), "push", request.tag, f"oci-archive:{outputs(request).oci_archive}:{request.tag}"]
+def partial(path: Path) -> Path:
+    """Where `path` is written until it is complete: an interrupted build leaves nothing that looks finished."""
+    return path.with_name(path.name + ".partial")
+
+
+def push_command(request: ImageRequest, target: Path) -> list[str]:
+    return [*buildah(request), "push", request.tag, f"oci-archive:{target}:{request.tag}"]
 
 
 def squash_command(rootfs: Path, target: Path) -> list[str]:
@@ -90,14 +95,17 @@ def squash_command(rootfs: Path, target: Path) -> list[str]:
 def plan(request: ImageRequest) -> list[str]:
     """The build as shell lines (`--dry-run`)."""
     staged = [] if not request.apex_archive else [shlex.join(["cp", str(request.apex_archive), str(VENDOR) + "/"])]
-    ctr, tool = "$container", shlex.join(buildah(request))
+    ctr, tool, done = "$container", shlex.join(buildah(request)), outputs(request)
     return [f"cd {shlex.quote(str(REPO))}", *staged, shlex.join(bud_command(request, vitctl_version(), git_commit())),
-            shlex.join(push_command(request)), f"container=$({tool} from --pull-never {shlex.quote(request.tag)})",
+            shlex.join(push_command(request, partial(done.oci_archive))),
+            shlex.join(["mv", str(partial(done.oci_archive)), str(done.oci_archive)]),
+            f"container=$({tool} from --pull-never {shlex.quote(request.tag)})",
             f"rootfs=$({tool} mount {ctr})",
             "# as `enroot import`: /etc/environment (Env), /etc/fstab (Volumes), /etc/rc (labels, workdir, entrypoint, "
             "cmd) and /etc/rc.local from the image's config",
-            shlex.join(squash_command(Path("ROOTFS"), outputs(request).squashfs)).replace("ROOTFS", '"$rootfs"'),
-            f"{tool} umount {ctr}; {tool} rm {ctr}"]
+            shlex.join(squash_command(Path("ROOTFS"), partial(done.squashfs))).replace("ROOTFS", '"$rootfs"'),
+            f"{tool} umount {ctr}; {tool} rm {ctr}",
+            shlex.join(["mv", str(partial(done.squashfs)), str(done.squashfs)])]
 
 
 def enroot_configure(rootfs: Path, config: dict[str, Any]) -> None:
@@ -142,8 +150,9 @@ def export_squashfs(request: ImageRequest, target: Path) -> None:
         rootfs = Path(_run([*tool, "mount", container], "mounting the image").strip())
         inspected = json.loads(_run([*tool, "inspect", "--type", "image", request.tag], "reading the image config"))
         enroot_configure(rootfs, inspected["OCIv1"].get("config") or {})
-        target.unlink(missing_ok=True)
-        _run(squash_command(rootfs, target), "mksquashfs")
+        partial(target).unlink(missing_ok=True)  # mksquashfs would append to a file left by an interrupted build
+        _run(squash_command(rootfs, partial(target)), "mksquashfs")
+        partial(target).replace(target)
     finally:
         subprocess.run([*tool, "umount", container], capture_output=True)
         subprocess.run([*tool, "rm", container], capture_output=True)
@@ -177,8 +186,9 @@ def build(request: ImageRequest, echo: Callable[[str], None]) -> BuiltImage:
         if staged:
             staged.unlink(missing_ok=True)
     echo(f"writing {done.oci_archive}")
-    done.oci_archive.unlink(missing_ok=True)
-    _run(push_command(request), "buildah push (OCI archive)")
+    partial(done.oci_archive).unlink(missing_ok=True)
+    _run(push_command(request, partial(done.oci_archive)), "buildah push (OCI archive)")
+    partial(done.oci_archive).replace(done.oci_archive)
     echo(f"writing {done.squashfs}")
     export_squashfs(request, done.squashfs)
     return BuiltImage(done, time.monotonic() - started, done.oci_archive.stat().st_size, done.squashfs.stat().st_size)

@@ -24,8 +24,8 @@ def image_commit() -> str | None:
 
 def git_commit() -> str | None:
     """The image's commit; else, for vitctl run from a git checkout, its HEAD; else None."""
-    if image_commit():
-        return image_commit()
+    if commit := image_commit():
+        return commit
     try:
         out = subprocess.run(["git", "-C", str(SOURCE), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
                              text=True, timeout=10)
