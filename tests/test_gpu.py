@@ -67,3 +67,38 @@ def test_trains_on_the_gpu_from_dali_with_the_full_recipe(prepared_shards, tmp_p
     assert result["step"] == 3
     result = train(load_config(None, [*overrides, "train.max_steps=6"]), resume=True, use_cuda=True)
     assert result["step"] == 6 and result["eval_samples"] == 20 and math.isfinite(result["loss"])
+
+
+def _jpeg(width: int, height: int, seed: int) -> torch.Tensor:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def test_gpu_decode_never_overwrites_memory_whose_readers_are_still_queued():
+    """pytorch/vision#9606: decode_jpeg on CUDA may be handed a block freed on the caller's stream while kernels
+    queued there still read it, and overwrite it first. Blocks the size of its outputs are freed with reductions
+    of them still queued behind a long kernel; each reduction must still see the values it was queued on."""
+    from vitctl.trainer.data.augment import Recipe
+    from vitctl.trainer.data.images import decode_gpu, sample_rng
+
+    width, height, batch = 500, 375, 8
+    datas = [_jpeg(width, height, seed) for seed in range(batch)]
+    recipe = Recipe(size=224, min_scale=0.08, hflip=True, interpolation="bicubic")
+    wrong = 0
+    for step in range(30):
+        blocks = [torch.full((3, height, width), 1, dtype=torch.uint8, device=CUDA) for _ in range(2 * batch)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)  # the reductions below queue behind this
+        sums = [block.sum(dtype=torch.int64) for block in blocks]
+        del blocks
+        decode_gpu(datas, recipe, True, [sample_rng(0, step, i) for i in range(batch)], CUDA)
+        torch.cuda.synchronize()
+        wrong += sum(int(s) != 3 * height * width for s in sums)
+    assert wrong == 0

@@ -90,6 +90,34 @@ def decode_gpu(datas: list[torch.Tensor], recipe: Recipe, train: bool, rngs: lis
                device: torch.device) -> torch.Tensor:
     """A batch of JPEG byte tensors -> (B, 3, size, size) float32 on `device`, normalised; decoded by nvjpeg. The
     crop and flip only: the loader picks PIL for a recipe with more (Recipe.crop_and_flip_only)."""
+    if device.type != "cuda":
+        return _decode_views(datas, recipe, train, rngs, device)
+    # torchvision's CUDA decode_jpeg writes on a private stream that it does not order after the caller's
+    # (pytorch/vision#9606): it can be handed a freed block whose last readers are still queued, and corrupted
+    # them (eval counts on one H200). On a stream of its own whose earlier work is waited for, every block it can
+    # be handed is idle; the training stream waits for the batch, and the decode overlaps its queued kernels.
+    stream = _decode_stream(device)
+    stream.synchronize()
+    with torch.cuda.stream(stream):
+        images = _decode_views(datas, recipe, train, rngs, device)
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_stream(stream)
+    images.record_stream(consumer)
+    return images
+
+
+_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _decode_stream(device: torch.device) -> torch.cuda.Stream:
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _DECODE_STREAMS:
+        _DECODE_STREAMS[device] = torch.cuda.Stream(device)
+    return _DECODE_STREAMS[device]
+
+
+def _decode_views(datas: list[torch.Tensor], recipe: Recipe, train: bool, rngs: list[np.random.Generator],
+                  device: torch.device) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
