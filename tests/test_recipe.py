@@ -13,7 +13,7 @@ from scipy.ndimage import gaussian_filter
 
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.data import build_data
-from vitctl.trainer.data.augment import KINDS, Recipe, TimmTransforms, _rand_op, draw_erasing, recipe_of
+from vitctl.trainer.data.augment import KINDS, Recipe, TimmTransforms, _rand_op, draw_erasing, erase, recipe_of
 from vitctl.trainer.data.images import crop_box, decode_gpu, decode_pil
 from vitctl.trainer.models import MODELS
 from vitctl.trainer.recipe import RAND_INCREASING_OPS, RAND_OPS, model_eval, parse_rand_augment
@@ -147,19 +147,23 @@ def test_posterize_at_magnitude_10_blacks_the_image_where_stock_timm_now_raises(
             stock(image)
 
 
-def test_later_erased_boxes_cover_earlier_ones_in_dali_s_fill_patch():
-    from vitctl.trainer.data.dali import _erase_inputs
-
-    erasure = draw_erasing(np.random.default_rng(1), 1.0, "rand", 4, 32)
+def test_erase_fills_each_box_from_its_seed_and_later_boxes_cover_earlier_ones():
+    erasure = draw_erasing(np.random.default_rng(1), 1.0, 4, 32)
     assert len(erasure.boxes) >= 2
-    inputs = _erase_inputs(erasure)
-    canvas = np.zeros((3, 32, 32), dtype=np.float32)
-    for (top, left, h, w), fill in zip(erasure.boxes, erasure.fills, strict=True):
-        canvas[:, top:top + h, left:left + w] = fill
-    top, left = -inputs["fill_start"]
-    patch = inputs["fill"]
-    assert np.array_equal(canvas[:, top:top + patch.shape[1], left:left + patch.shape[2]], patch)
-    assert inputs["erase_anchor"].tolist() == [v for b in erasure.boxes for v in b[:2]]
+    boxes = np.zeros((2, 4, 4), dtype=np.int32)  # sample 0 unerased, sample 1 the drawn boxes
+    seeds = np.zeros((2, 4), dtype=np.int64)
+    boxes[1, :len(erasure.boxes)], seeds[1, :len(erasure.seeds)] = erasure.boxes, erasure.seeds
+    images = erase(torch.full((2, 3, 32, 32), 7.0), boxes, seeds, "rand")
+    assert (images[0] == 7).all()
+    expected = torch.full((3, 32, 32), 7.0)
+    for (top, left, h, w), seed in zip(erasure.boxes, erasure.seeds, strict=True):
+        expected[:, top:top + h, left:left + w] = torch.randn(3, 1, 1, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(images[1], expected)
+    pixel = erase(torch.zeros(2, 3, 32, 32), boxes, seeds, "pixel")
+    assert torch.equal(pixel, erase(torch.zeros(2, 3, 32, 32), boxes, seeds, "pixel"))
+    top, left, h, w = erasure.boxes[-1]
+    assert pixel[1, :, top:top + h, left:left + w].std() > 0.5  # noise per pixel, not one colour
+    assert (erase(torch.ones(2, 3, 32, 32), boxes, seeds, "const")[1] == 0).sum() >= 3 * h * w
 
 
 @pytest.mark.parametrize(("rand_augment", "gpu_decode"), [(None, True), ("rand-m9-mstd0.5-inc1", False)])

@@ -197,15 +197,15 @@ def draw_color_jitter(rng: np.random.Generator, strength: float) -> np.ndarray:
 @dataclass(frozen=True)
 class Erasure:
     boxes: list[tuple[int, int, int, int]]  # (top, left, h, w), in the order they were drawn
-    fills: list[np.ndarray]  # (3, h, w) or (3, 1, 1) float32, in normalised units; later boxes cover earlier ones
+    seeds: list[int]  # each box's fill is noise from a generator of this seed (erase)
 
 
-def draw_erasing(rng: np.random.Generator, prob: float, mode: str, max_count: int, size: int) -> Erasure:
-    """timm's RandomErasing on a (3, size, size) normalised image: with `prob`, 1 to max_count boxes of 2% to 1/3 of
-    the area (split between them), aspect in [0.3, 1/0.3], up to 10 tries each."""
-    boxes, fills = [], []
+def draw_erasing(rng: np.random.Generator, prob: float, max_count: int, size: int) -> Erasure:
+    """timm's RandomErasing on a (3, size, size) image: with `prob`, 1 to max_count boxes of 2% to 1/3 of the area
+    (split between them), aspect in [0.3, 1/0.3], up to 10 tries each."""
+    boxes, seeds = [], []
     if rng.random() > prob:
-        return Erasure(boxes, fills)
+        return Erasure(boxes, seeds)
     count = 1 if max_count == 1 else int(rng.integers(1, max_count + 1))
     for _ in range(count):
         for _attempt in range(10):
@@ -213,10 +213,24 @@ def draw_erasing(rng: np.random.Generator, prob: float, mode: str, max_count: in
             aspect = math.exp(rng.uniform(math.log(0.3), math.log(1 / 0.3)))
             h, w = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
             if w < size and h < size:
-                top, left = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
-                shape = (3, h, w) if mode == "pixel" else (3, 1, 1)
-                fill = rng.standard_normal(shape) if mode != "const" else np.zeros(shape)
-                boxes.append((top, left, h, w))
-                fills.append(fill.astype(np.float32))
+                boxes.append((int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1)), h, w))
+                seeds.append(int(rng.integers(2**63)))
                 break
-    return Erasure(boxes, fills)
+    return Erasure(boxes, seeds)
+
+
+def erase(images: torch.Tensor, boxes: np.ndarray, seeds: np.ndarray, mode: str) -> torch.Tensor:
+    """Random erasing of a normalised (B, 3, H, W) batch in place, on its device: sample i's boxes[i] (K, 4) of
+    (top, left, h, w), h = 0 for none, filled in order (later boxes over earlier ones) with zeros (const), one N(0, 1)
+    colour (rand) or N(0, 1) pixels (pixel) from a generator seeded by seeds[i]'s entry: a box's fill depends on its
+    seed alone, so a resumed run erases as the first did."""
+    for i, k in zip(*np.nonzero(boxes[:, :, 2]), strict=True):  # row-major: a sample's boxes in drawn order
+        top, left, h, w = (int(v) for v in boxes[i, k])
+        if mode == "const":
+            fill = torch.zeros((), dtype=images.dtype, device=images.device)
+        else:
+            generator = torch.Generator(images.device).manual_seed(int(seeds[i, k]))
+            fill = torch.randn((3, h, w) if mode == "pixel" else (3, 1, 1), generator=generator,
+                               dtype=images.dtype, device=images.device)
+        images[i, :, top:top + h, left:left + w] = fill
+    return images

@@ -4,13 +4,15 @@ An external source reads each batch's bytes at the index offsets in the order pl
 split by data-parallel rank) and draws all of each sample's randomness from the same per-sample generator as the
 index loader: the crop and mirror (train_view, identical to the index loader's), and, from augment.py's draws with
 timm's distributions, the RandAugment ops with their arguments, the colour-jitter factors, and the erased boxes with
-their fill (the noise too). The pipeline applies them with DALI's operators and no DALI random operator, so a batch
-depends only on (seed, epoch, draw): a resumed run starts at its exact batch (bit for bit, tested on the CPU) without
+their fills' seeds. The pipeline applies the crop, RandAugment and colour jitter with DALI's operators and no DALI
+random operator; the boxes are erased on the output batch by augment.erase (in torch, on its device: in the pipeline,
+the per-sample noise patches cost more than the rest of the recipe together). So a batch depends only on (seed, epoch,
+draw): a resumed run starts at its exact batch (bit for bit, tested on the CPU) without
 replaying the epoch, and one pipeline serves the whole run (no rebuild at an epoch's start).
 
 Pipeline: decode the crop (image_slice) -> resize (bicubic per augment.interpolation) -> flip -> RandAugment (one
 `select` per layer over the op kinds, DALI conditionals) -> colour jitter -> normalise to CHW float (the model's
-mean and std) -> erase the boxes (fn.erase) and add their fill. It differs from timm's PIL ops in: rotate, shear and
+mean and std); then augment.erase. It differs from timm's PIL ops in: rotate, shear and
 translate interpolate bilinearly (warp_affine has no bicubic), equalize follows OpenCV's formula, sharpness filters
 the 1-pixel border too, contrast uses the unrounded grey mean; colour jitter applies brightness, contrast and
 saturation in that order rather than torchvision's random order (they commute but for the clipping between them).
@@ -25,7 +27,7 @@ import torch
 from PIL import Image
 
 from ..recipe import parse_rand_augment
-from .augment import KINDS, Erasure, Recipe, draw_color_jitter, draw_erasing, draw_rand_augment
+from .augment import KINDS, Recipe, draw_color_jitter, draw_erasing, draw_rand_augment, erase
 from .images import sample_rng, train_view
 from .loader import Batch, LoaderSpec, ShardReader
 from .plan import EpochPlan
@@ -41,8 +43,7 @@ def _fields(recipe: Recipe) -> list[tuple[str, str, str]]:
     if recipe.color_jitter:
         fields += [("jitter", "FLOAT", "")]
     if recipe.reprob:
-        fields += [("erase_anchor", "FLOAT", ""), ("erase_shape", "FLOAT", ""), ("fill", "FLOAT", "CHW"),
-                   ("fill_start", "INT32", "")]
+        fields += [("erase_box", "INT32", ""), ("erase_seed", "INT64", "")]
     return fields
 
 
@@ -60,23 +61,14 @@ def sample_inputs(data: bytes, recipe: Recipe, rng: np.random.Generator) -> dict
         out["ra_matrix"] = np.stack([op.matrix if op else np.eye(2, 3) for op in ops]).astype(np.float32)
     if recipe.color_jitter:
         out["jitter"] = draw_color_jitter(rng, recipe.color_jitter)
-    if recipe.reprob:
-        out.update(_erase_inputs(draw_erasing(rng, recipe.reprob, recipe.remode, recipe.recount, recipe.size)))
+    if recipe.reprob:  # a fixed shape, recount boxes, those not drawn of height 0: a batch is one array
+        erasure = draw_erasing(rng, recipe.reprob, recipe.recount, recipe.size)
+        out["erase_box"] = np.zeros((recipe.recount, 4), dtype=np.int32)
+        out["erase_seed"] = np.zeros(recipe.recount, dtype=np.int64)
+        if erasure.boxes:
+            out["erase_box"][:len(erasure.boxes)] = erasure.boxes
+            out["erase_seed"][:len(erasure.seeds)] = erasure.seeds
     return out
-
-
-def _erase_inputs(erasure: Erasure) -> dict[str, np.ndarray]:
-    """fn.erase's boxes, and the fill of all of them on one patch over their bounding box (zero elsewhere, later
-    boxes over earlier ones), placed on the image by padding it out from `fill_start`."""
-    boxes = erasure.boxes or [(0, 0, 0, 0)]
-    top, left = min(b[0] for b in boxes), min(b[1] for b in boxes)
-    bottom, right = max(b[0] + b[2] for b in boxes), max(b[1] + b[3] for b in boxes)
-    patch = np.zeros((3, max(1, bottom - top), max(1, right - left)), dtype=np.float32)
-    for (t, lft, h, w), fill in zip(erasure.boxes, erasure.fills, strict=True):
-        patch[:, t - top:t - top + h, lft - left:lft - left + w] = fill
-    return {"erase_anchor": np.array([b[:2] for b in boxes], dtype=np.float32).reshape(-1),
-            "erase_shape": np.array([b[2:] for b in boxes], dtype=np.float32).reshape(-1),
-            "fill": patch, "fill_start": np.array([-top, -left], dtype=np.int32)}
 
 
 class BatchSource:
@@ -183,13 +175,8 @@ def _train_pipeline(source: BatchSource, batch: int, spec: LoaderSpec, threads: 
             images = fn.saturation(images, saturation=jitter[2])
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
                                           mean=[255 * m for m in recipe.mean], std=[255 * s for s in recipe.std])
-        if recipe.reprob:
-            images = fn.erase(images, anchor=inputs["erase_anchor"], shape=inputs["erase_shape"], axis_names="HW",
-                              fill_value=0)
-            images = images + fn.slice(_on(images, inputs["fill"]), start=inputs["fill_start"],
-                                       shape=[recipe.size, recipe.size], axis_names="HW",
-                                       out_of_bounds_policy="pad", fill_values=0)
-        return images, inputs["label"], inputs["row"]
+        erasing = [inputs["erase_box"], inputs["erase_seed"]] if recipe.reprob else []
+        return images, inputs["label"], inputs["row"], *erasing
 
     return pipe()
 
@@ -202,10 +189,14 @@ class DaliTrainBatches:
         source = BatchSource(self.table, self.plan, self.spec, epoch, sample)
         pipe = _train_pipeline(source, self.plan.batch, self.spec, self.threads)
         pipe.build()
+        recipe, device = self.spec.recipe, self.spec.device
         while True:
-            images, labels, rows = pipe.run()
-            yield (_to_torch(images, self.spec.device), torch.from_numpy(np.array(labels.as_tensor())).to(
-                self.spec.device), torch.from_numpy(np.array(rows.as_tensor())))
+            images, labels, rows, *erasing = pipe.run()
+            images = _to_torch(images, device)
+            if erasing:
+                erase(images, *(np.array(out.as_tensor()) for out in erasing), recipe.remode)
+            yield images, torch.from_numpy(np.array(labels.as_tensor())).to(device), torch.from_numpy(
+                np.array(rows.as_tensor()))
 
 
 def _to_torch(images, device: torch.device) -> torch.Tensor:
