@@ -48,7 +48,7 @@ def write_table(folder: Path, images: list[np.ndarray]) -> SampleTable:
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def dali_device(request) -> str:
-    """Where DALI's pipeline runs: the CPU, or the GPU (nvjpeg decoding, DALI's GPU operators)."""
+    """Where DALI's pipeline runs: the CPU, or the GPU (nvjpeg decoding, the recipe's torch ops on the GPU)."""
     return request.param
 
 
