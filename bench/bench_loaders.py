@@ -1,12 +1,12 @@
 """Training throughput on real-size JPEGs, each loader beside synthetic data in one process on one GPU.
 
 One compiled training step (the preset's model, bf16-pure, fused ops, compile reduce-overhead) is fed by: a batch
-resident on the GPU (synthetic), vitctl's DALI path, vitctl's index loader, and timm's `create_loader` (PIL workers,
-the same recipe) over the same generated JPEGs (500x375, ~110 KB, as ImageNet's). Every loader applies the preset's
-full augmentation recipe. Each row times `--steps` steps after `--warmup`, wall clock from the first timed step to a
-synchronize after the last, so stalls count; it also prints the longest step (an epoch-start stall shows there) and
-the time spent waiting for the next batch. The step has no mixup (it is the same GPU work for every loader).
-"""
+resident on the GPU (synthetic), vitctl's DALI path, vitctl's index loader (data.decode's default, or each of its
+branches), and timm's `create_loader` (PIL workers, the same recipe) over the same generated JPEGs (500x375, ~110 KB,
+as ImageNet's). Every loader applies the preset's full augmentation recipe. Each row times `--steps` steps after
+`--warmup`, wall clock from the first timed step to a synchronize after the last, so stalls count; it also prints the
+longest step (an epoch-start stall shows there) and the time spent waiting for the next batch. The step has no mixup
+(it is the same GPU work for every loader)."""
 
 import argparse
 import itertools
@@ -22,7 +22,7 @@ import torch
 from bench_data import ensure_images
 
 from vitctl.trainer.bench import training_step
-from vitctl.trainer.config import load_config
+from vitctl.trainer.config import LOADER_BRANCHES, load_config
 from vitctl.trainer.data import build_data
 from vitctl.trainer.data.augment import Recipe, recipe_of
 from vitctl.trainer.models import build_model
@@ -106,7 +106,9 @@ def main() -> None:
                                                                 "8,000 images at batch 128: epoch starts are timed)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    parser.add_argument("--loaders", default="synthetic,dali,index,timm")
+    parser.add_argument("--loaders", default="synthetic,dali,index,timm",
+                        help="any of synthetic, dali, index (data.decode's default), index-pil, index-pil-crop, "
+                             "index-nvjpeg (the index loader's branches), timm")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_loaders"))
     parser.add_argument("--no-model", action="store_true", help="time the loaders alone (no training step)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -128,11 +130,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}; {args.preset}: "
           f"{config.model.name} b{args.batch}, {step_line}; "
           f"recipe {recipe}; {args.images} JPEGs; {args.workers} loader workers", flush=True)
-    def ours(source: str) -> Batches:
-        return vitctl_batches(args.preset, args.overrides, shards, source, args.batch, args.workers)
+    def ours(source: str, *overrides: str) -> Batches:
+        return vitctl_batches(args.preset, [*args.overrides, *overrides], shards, source, args.batch, args.workers)
 
     sources = {"synthetic": lambda: synthetic_batches(args.batch, recipe.size), "dali": lambda: ours("dali"),
                "index": lambda: ours("webdataset"),
+               **{f"index-{branch}": lambda branch=branch: ours("webdataset", f"data.decode={branch}")
+                  for branch in LOADER_BRANCHES},
                "timm": lambda: timm_batches(root, recipe, args.batch, args.workers)}
     results = {}
     for name in args.loaders.split(","):

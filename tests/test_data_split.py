@@ -1,6 +1,6 @@
-"""The data split over data-parallel ranks, through both loaders (the index loader and DALI, on the CPU): every
-sample once per epoch, a new order each epoch, and a resumed stream that continues with the same batches (with the
-whole recipe on: RandAugment, colour jitter, random erasing); repeated augmentation's plan."""
+"""The data split over data-parallel ranks, through the loaders (the index loader's three branches and DALI, on the
+CPU): every sample once per epoch, a new order each epoch, and a resumed stream that continues with the same
+batches (with the whole recipe on: RandAugment, colour jitter, random erasing); repeated augmentation's plan."""
 
 import itertools
 
@@ -19,16 +19,17 @@ RANKS, BATCH = 3, 7  # 60 train samples in shards of 16, 16, 16, 12: 2 global ba
 RECIPE = Recipe(32, min_scale=0.35, rand_augment="rand-m9-mstd0.5-inc1", color_jitter=0.4, reprob=0.25)
 
 
-def spec(workers: int = 0) -> LoaderSpec:
-    return LoaderSpec(RECIPE, seed=5, workers=workers, device=torch.device("cpu"), gpu_decode=False)
+def spec(workers: int = 0, branch: str = "pil") -> LoaderSpec:
+    return LoaderSpec(RECIPE, seed=5, workers=workers, device=torch.device("cpu"), branch=branch)
 
 
 def loader(kind: str, table, plan: EpochPlan, workers: int = 0):
+    """index: the index loader's PIL workers; pil-crop, nvjpeg: its GPU branches (here on the CPU); dali: DALI."""
     if kind == "dali":
         from vitctl.trainer.data.dali import DaliTrainBatches
 
         return DaliTrainBatches(table, spec(workers), plan, threads=1)
-    return TrainBatches(table, spec(workers), plan)
+    return TrainBatches(table, spec(workers, "pil" if kind == "index" else kind), plan)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def test_labels_come_from_the_manifest_and_older_folders_read_them_from_the_shar
     assert np.array_equal(older.label, table.label) and np.array_equal(older.offset, table.offset)
 
 
-@pytest.mark.parametrize(("kind", "workers"), [("index", 0), ("index", 2), ("dali", 0), ("dali", 1)])
+@pytest.mark.parametrize(("kind", "workers"), [("index", 0), ("index", 2), ("pil-crop", 2), ("nvjpeg", 2),
+                                                 ("dali", 0), ("dali", 1)])
 def test_every_sample_once_per_epoch_over_three_ranks(table, kind, workers):
     plans = [EpochPlan(len(table), BATCH, rank, RANKS, seed=5) for rank in range(RANKS)]
     streams = [loader(kind, table, plan, workers)(0, 0) for plan in plans]
@@ -65,7 +67,7 @@ def test_every_sample_once_per_epoch_over_three_ranks(table, kind, workers):
     assert orders[0] != orders[1]
 
 
-@pytest.mark.parametrize("kind", ["index", "dali"])
+@pytest.mark.parametrize("kind", ["index", "pil-crop", "nvjpeg", "dali"])
 def test_a_stream_resumed_mid_epoch_gives_the_same_remaining_batches(table, kind):
     plan = EpochPlan(len(table), BATCH, 1, RANKS, seed=5)
     whole = list(itertools.islice(loader(kind, table, plan)(0, 0), 5))  # across the epoch boundary
@@ -161,3 +163,4 @@ def test_a_samples_repeats_are_augmented_differently(table):
     firsts = [next(TrainBatches(table, spec(), plan)(0, 0)) for plan in plans]
     assert len({int(rows[0]) for _, _, rows in firsts}) == 1
     assert not torch.equal(firsts[0][0][0], firsts[1][0][0]) and not torch.equal(firsts[1][0][0], firsts[2][0][0])
+

@@ -86,6 +86,7 @@ def test_gpu_decode_never_overwrites_memory_whose_readers_are_still_queued():
     queued there still read it, and overwrite it first. Blocks the size of its outputs are freed with reductions
     of them still queued behind a long kernel; each reduction must still see the values it was queued on."""
     from vitctl.trainer.data.augment import Recipe
+    from vitctl.trainer.data.draws import draw_sample, stack_draws
     from vitctl.trainer.data.images import decode_gpu, sample_rng
 
     width, height, batch = 500, 375, 8
@@ -98,7 +99,9 @@ def test_gpu_decode_never_overwrites_memory_whose_readers_are_still_queued():
         torch.cuda._sleep(20_000_000)  # the reductions below queue behind this
         sums = [block.sum(dtype=torch.int64) for block in blocks]
         del blocks
-        decode_gpu(datas, recipe, True, [sample_rng(0, step, i) for i in range(batch)], CUDA)
+        draws = stack_draws([draw_sample(d.numpy().tobytes(), recipe, sample_rng(0, step, i))
+                             for i, d in enumerate(datas)])
+        decode_gpu(datas, recipe, CUDA, draws)
         torch.cuda.synchronize()
         wrong += sum(int(s) != 3 * height * width for s in sums)
     assert wrong == 0

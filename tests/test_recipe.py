@@ -14,6 +14,7 @@ from scipy.ndimage import gaussian_filter
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.data import build_data
 from vitctl.trainer.data.augment import Recipe, TimmTransforms, draw_erasing, erase, recipe_of
+from vitctl.trainer.data.draws import draw_sample, stack_draws
 from vitctl.trainer.data.images import crop_box, decode_gpu, decode_pil
 from vitctl.trainer.models import MODELS
 from vitctl.trainer.recipe import model_eval, parse_rand_augment
@@ -95,9 +96,10 @@ def test_the_eval_view_is_timm_s(shape, crop_pct, mode):
 def test_the_nvjpeg_branch_shows_the_same_views_as_pil(train):
     """decode_gpu runs on CPU tensors too: the same crop, flip and eval view as the PIL path, up to resampling."""
     data, recipe = jpeg(smooth_image(48, 64, seed=5)), Recipe(32, eval_crop_pct=0.875)
-    rngs = [np.random.default_rng(seed) for seed in range(2)]
-    gpu = decode_gpu([torch.frombuffer(bytearray(data), dtype=torch.uint8)] * 2, recipe, train, rngs,
-                     torch.device("cpu"))
+    draws = stack_draws([draw_sample(data, recipe, np.random.default_rng(seed)) for seed in range(2)]) if train \
+        else None
+    datas = [torch.frombuffer(bytearray(data), dtype=torch.uint8)] * 2
+    gpu = decode_gpu(datas, recipe, torch.device("cpu"), draws)
     pil = [decode_pil(data, recipe, train, np.random.default_rng(seed), None) for seed in range(2)]
     assert all((g - p).abs().mean() < 0.03 for g, p in zip(gpu, pil, strict=True))  # 0.03: 1.7 grey levels
 
@@ -166,14 +168,23 @@ def test_erase_fills_each_box_from_its_seed_and_later_boxes_cover_earlier_ones()
     assert (erase(torch.ones(2, 3, 32, 32), boxes, seeds, "const")[1] == 0).sum() >= 3 * h * w
 
 
-@pytest.mark.parametrize(("rand_augment", "gpu_decode"), [(None, True), ("rand-m9-mstd0.5-inc1", False)])
-def test_nvjpeg_decodes_for_training_only_a_crop_and_flip_recipe(prepared_shards, rand_augment, gpu_decode):
-    """A recipe with more goes to timm's transforms in the PIL workers; eval views are crops, for nvjpeg. (Nothing
-    touches the GPU until the batches are iterated.)"""
+@pytest.mark.parametrize(("device", "decode", "branch"), [("cuda", None, "pil-crop"), ("cuda", "nvjpeg", "nvjpeg"),
+                                                       ("cpu", "nvjpeg", "pil")])
+def test_the_index_loader_runs_the_recipe_on_a_gpu_and_timm_s_transforms_on_the_cpu(prepared_shards, device, decode,
+                                                                                      branch):
+    """data.decode picks the GPU branch, train and eval alike; the CPU runs the reference. (Nothing touches the GPU
+    until the batches are iterated.)"""
     config = load_config("demo_vit", [f"data.path={prepared_shards}", "data.source=webdataset",
-                                      f"augment.rand_augment={rand_augment or 'null'}", "model.num_classes=5"])
-    data = build_data(config, 0, 1, torch.device("cuda"))
-    assert data.train.spec.gpu_decode is gpu_decode and data.eval.spec.gpu_decode
+                                      "augment.rand_augment=rand-m9-mstd0.5-inc1", "augment.reprob=0.25",
+                                      "model.num_classes=5", *([f"data.decode={decode}"] if decode else [])])
+    data = build_data(config, 0, 1, torch.device(device))
+    assert data.train.spec.branch == data.eval.spec.branch == branch
+    assert (data.train.dataset.transforms is not None) is (branch == "pil")
+
+
+def test_an_unknown_decode_branch_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match="data.decode must be one of pil, pil-crop, nvjpeg, got 'gpu'"):
+        load_config("demo_vit", ["data.decode=gpu"])
 
 
 class _Sign:

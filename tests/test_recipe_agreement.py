@@ -1,8 +1,8 @@
-"""Both training loaders apply the same recipe, judged by statistics over the same images: the index loader (timm's
-transforms, the reference) and DALI, on the CPU and (marked gpu) on the GPU with nvjpeg's decoding. Each check runs N
-draws through each loader (the same crops, their own RandAugment and erasing draws) and compares them; tolerances are
-Z standard errors of what is compared, computed from the draws themselves, so a chance failure has odds of about 1e-4
-per check."""
+"""The GPU paths apply the recipe as the reference does, judged by statistics over the same images: the index
+loader's PIL workers (timm's transforms, the reference) against DALI and against the index loader's pil-crop and
+nvjpeg branches, each on the CPU and (marked gpu) on the GPU. Each check runs N draws through each loader (the same
+crops, their own RandAugment and erasing draws) and compares them; tolerances are Z standard errors of what is
+compared, computed from the draws themselves, so a chance failure has odds of about 1e-4 per check."""
 
 import io
 import itertools
@@ -16,7 +16,7 @@ from PIL import Image
 from scipy import stats
 from test_recipe import smooth_image
 
-from vitctl.trainer.data import dali
+from vitctl.trainer.data import dali, draws
 from vitctl.trainer.data.augment import Recipe
 from vitctl.trainer.data.images import sample_rng, train_view
 from vitctl.trainer.data.loader import LoaderSpec, TrainBatches
@@ -45,16 +45,23 @@ def write_table(folder: Path, images: list[np.ndarray]) -> SampleTable:
                        sizes.astype(np.int32), np.zeros(len(blobs), np.int64))
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
-def dali_device(request) -> str:
-    """Where DALI's pipeline runs: the CPU, or the GPU (nvjpeg decoding, the recipe's torch ops on the GPU)."""
+_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(params=[*[(kind, "cpu") for kind in ("dali", "pil-crop", "nvjpeg")],
+                        *[pytest.param((kind, "cuda"), marks=_ON_GPU) for kind in ("dali", "pil-crop", "nvjpeg")]],
+                ids=lambda p: "-".join(p))
+def gpu_path(request) -> tuple[str, str]:
+    """A GPU path and where it runs: DALI's pipeline, or the index loader's pil-crop or nvjpeg branch, on the CPU, or
+    on the GPU with the recipe's torch ops (and nvjpeg's decode) there."""
     return request.param
 
 
-def run(kind: str, table: SampleTable, recipe: Recipe, device: str = "cpu") -> tuple[torch.Tensor, np.ndarray]:
-    """DRAWS images from one loader, as normalised floats on the CPU, and the (epoch, sample) each was drawn as."""
-    spec = LoaderSpec(recipe, SEED, workers=0, device=torch.device(device), gpu_decode=False)
+def run(kind: str, device: str, table: SampleTable, recipe: Recipe) -> tuple[torch.Tensor, np.ndarray]:
+    """DRAWS images from one loader (index: the reference, timm's transforms), as normalised floats on the CPU, and
+    the (epoch, sample) each was drawn as."""
+    branch = "pil" if kind in ("index", "dali") else kind
+    spec = LoaderSpec(recipe, SEED, workers=0, device=torch.device(device), branch=branch)
     plan = EpochPlan(len(table), BATCH, 0, 1, SEED)
     batches = dali.DaliTrainBatches(table, spec, plan, threads=2) if kind == "dali" else TrainBatches(table, spec, plan)
     images, rows = zip(*((b[0].cpu(), b[2]) for b in itertools.islice(batches(0, 0), DRAWS // BATCH)), strict=True)
@@ -85,7 +92,7 @@ def photos(tmp_path_factory) -> SampleTable:
     return write_table(tmp_path_factory.mktemp("photos"), [smooth_image(40, 48, seed) for seed in range(IMAGES)])
 
 
-def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos, monkeypatch, dali_device):
+def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos, monkeypatch, gpu_path):
     recipe = Recipe(SIZE, rand_augment="rand-m9-mstd0.5-inc1", reprob=0.25)
     drawn = Counter()
 
@@ -94,12 +101,12 @@ def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos
         drawn.update(op.name for op in ops if op)
         return ops
 
-    draw = dali.draw_rand_augment
-    monkeypatch.setattr(dali, "draw_rand_augment", counting)  # workers=0: the external source runs in this process
-    dali_images, dali_keys = run("dali", photos, recipe, dali_device)
+    draw = draws.draw_rand_augment
+    monkeypatch.setattr(draws, "draw_rand_augment", counting)  # workers=0: the draws run in this process
+    gpu_images, _ = run(*gpu_path, photos, recipe)
 
     applied = Counter()
-    spec = LoaderSpec(recipe, SEED, workers=0, device=torch.device("cpu"), gpu_decode=False)
+    spec = LoaderSpec(recipe, SEED, workers=0, device=torch.device("cpu"), branch="pil")
     loader = TrainBatches(photos, spec, EpochPlan(len(photos), BATCH, 0, 1, SEED))
     for op in loader.dataset.transforms.secondary.transforms[0].ops:  # timm's RandAugment: count what it applies
         op.aug_fn = lambda image, *args, _fn=op.aug_fn, _name=op.name, **kw: applied.update([_name]) or _fn(
@@ -109,30 +116,30 @@ def test_the_swin_recipe_gives_the_same_pixel_statistics_and_op_histogram(photos
     for channel in range(3):
         for statistic in ("mean", "std"):
             a = getattr(cpu_images[:, channel].flatten(1), statistic)(1).numpy()
-            b = getattr(dali_images[:, channel].flatten(1), statistic)(1).numpy()
+            b = getattr(gpu_images[:, channel].flatten(1), statistic)(1).numpy()
             assert_close(a, b, f"per-image {statistic} of channel {channel}")
     # Each of 2 layers per image applies its op with p = 0.5: a binomial count of 2 x DRAWS trials, on each side.
-    total_cpu, total_dali, trials = sum(applied.values()), sum(drawn.values()), 2 * DRAWS
-    assert abs(total_cpu - total_dali) <= Z * np.sqrt(2 * trials * 0.25), (total_cpu, total_dali)
-    assert abs(total_dali - trials / 2) <= Z * np.sqrt(trials * 0.25)
+    total_cpu, total_gpu, trials = sum(applied.values()), sum(drawn.values()), 2 * DRAWS
+    assert abs(total_cpu - total_gpu) <= Z * np.sqrt(2 * trials * 0.25), (total_cpu, total_gpu)
+    assert abs(total_gpu - trials / 2) <= Z * np.sqrt(trials * 0.25)
     names = sorted(set(applied) | set(drawn))
     assert len(names) == 15
     _, p, _, _ = stats.chi2_contingency([[applied[n] for n in names], [drawn[n] for n in names]])
     assert p > P_MIN, (applied, drawn)
 
 
-def test_colour_jitter_gives_the_same_pixel_statistics(photos, dali_device):
-    """torchvision's ColorJitter in a random order against DALI's brightness, contrast, saturation in a fixed one."""
+def test_colour_jitter_gives_the_same_pixel_statistics(photos, gpu_path):
+    """torchvision's ColorJitter in a random order against brightness, contrast, saturation in a fixed one."""
     recipe = Recipe(SIZE, color_jitter=0.4)
-    cpu_images, dali_images = run("index", photos, recipe)[0], run("dali", photos, recipe, dali_device)[0]
+    cpu_images, gpu_images = run("index", "cpu", photos, recipe)[0], run(*gpu_path, photos, recipe)[0]
     for channel in range(3):
         for statistic in ("mean", "std"):
             a = getattr(cpu_images[:, channel].flatten(1), statistic)(1).numpy()
-            b = getattr(dali_images[:, channel].flatten(1), statistic)(1).numpy()
+            b = getattr(gpu_images[:, channel].flatten(1), statistic)(1).numpy()
             assert_close(a, b, f"per-image {statistic} of channel {channel}")
 
 
-def test_the_crop_scale_distribution_is_the_same(tmp_path, dali_device):
+def test_the_crop_scale_distribution_is_the_same(tmp_path, gpu_path):
     """Ramps (red along x, green along y) show each output's crop: its width and height from the ramps' span."""
     height, width = 48, 64
     y, x = np.mgrid[0:height, 0:width]
@@ -140,8 +147,8 @@ def test_the_crop_scale_distribution_is_the_same(tmp_path, dali_device):
     table = write_table(tmp_path, [ramp] * IMAGES)
     recipe = Recipe(SIZE, hflip=False)
     scales = {}
-    for kind in ("index", "dali"):
-        images, keys = run(kind, table, recipe, dali_device if kind == "dali" else "cpu")
+    for kind, device in (("index", "cpu"), gpu_path):
+        images, keys = run(kind, device, table, recipe)
         red, green = pixels(images, recipe)[:, 0].numpy(), pixels(images, recipe)[:, 1].numpy()
         span = SIZE / (SIZE - 1) / 255  # from the first to the last output pixel's centre
         crop_w = (red[:, :, -1].mean(1) - red[:, :, 0].mean(1)) * span * (width - 1)
@@ -149,29 +156,30 @@ def test_the_crop_scale_distribution_is_the_same(tmp_path, dali_device):
         scales[kind] = crop_w * crop_h / (width * height)
     truth = np.array([np.prod(train_view(sample_rng(SEED, e, r), width, height, 0.08, False)[0][2:]) / (width * height)
                       for e, r in keys])
-    assert stats.ks_2samp(scales["index"], scales["dali"]).pvalue > P_MIN
-    assert_same_mean(scales["index"], scales["dali"], "crop scale")
-    for kind in ("index", "dali"):  # each output shows the crop its sample drew, to a resampling's blur at the edges
+    gpu = gpu_path[0]
+    assert stats.ks_2samp(scales["index"], scales[gpu]).pvalue > P_MIN
+    assert_same_mean(scales["index"], scales[gpu], "crop scale")
+    for kind in ("index", gpu):  # each output shows the crop its sample drew, to a resampling's blur at the edges
         assert np.abs(scales[kind] - truth).mean() < 0.02, kind
 
 
-def test_random_erasing_erases_as_often_as_much_and_with_the_same_noise(tmp_path, dali_device):
+def test_random_erasing_erases_as_often_as_much_and_with_the_same_noise(tmp_path, gpu_path):
     """Flat images: an erased pixel is one off its image's flat colour; pixel mode fills with N(0, 1) noise."""
     colours = np.random.default_rng(3).integers(30, 220, size=(IMAGES, 3))
     table = write_table(tmp_path, [np.broadcast_to(c, (40, 48, 3)).astype(np.uint8) for c in colours])
     recipe = Recipe(SIZE, reprob=0.25)
     erased, area, noise = {}, {}, {}
-    for kind in ("index", "dali"):
-        images, _ = run(kind, table, recipe, dali_device if kind == "dali" else "cpu")
+    for kind, device in (("index", "cpu"), gpu_path):
+        images, _ = run(kind, device, table, recipe)
         flat = images.flatten(2).median(2).values[:, :, None, None]
         mask = ((images - flat).abs() > 0.05).any(1)  # 0.05 is 3 grey levels; noise falls that close in 1e-4 cases
         fraction = mask.flatten(1).float().mean(1).numpy()
         erased[kind], area[kind] = fraction > 0, fraction[fraction > 0]
         noise[kind] = images.permute(1, 0, 2, 3)[:, mask].flatten().numpy()
-    n, p = DRAWS, 0.25
-    assert abs(erased["index"].mean() - erased["dali"].mean()) <= Z * np.sqrt(2 * p * (1 - p) / n)
-    assert abs(erased["dali"].mean() - p) <= Z * np.sqrt(p * (1 - p) / n)
-    assert_same_mean(area["index"], area["dali"], "erased area")
+    n, p, gpu = DRAWS, 0.25, gpu_path[0]
+    assert abs(erased["index"].mean() - erased[gpu].mean()) <= Z * np.sqrt(2 * p * (1 - p) / n)
+    assert abs(erased[gpu].mean() - p) <= Z * np.sqrt(p * (1 - p) / n)
+    assert_same_mean(area["index"], area[gpu], "erased area")
     for kind, values in noise.items():  # per-pixel N(0, 1); pixels of one box are independent
         n = len(values)
         assert abs(values.mean()) <= Z / np.sqrt(n) and abs(values.std() - 1) <= Z / np.sqrt(2 * n), kind

@@ -38,6 +38,10 @@ class DataConfig:
     path: str | None = None  # shard folder written by `vitctl data shard`
     batch_size: int = 128  # per rank
     workers: int = 4  # loader processes per rank
+    # The index loader's stages on a GPU (on the CPU it is always pil). pil: the workers decode, crop and apply the
+    # recipe with timm's transforms (the reference). pil-crop: the workers decode and crop; the recipe runs in torch
+    # on the GPU. nvjpeg: the workers read and draw; the GPU decodes (torchvision's decode_jpeg), crops and augments.
+    decode: str = "pil-crop"
     train_samples: int = 1_281_167  # synthetic data only: the epoch length it pretends to have
     # Normalisation of train and eval images, as fractions of 255; None: the model family's (recipe.MODEL_EVAL).
     mean: tuple[float, float, float] | None = None
@@ -252,6 +256,9 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     return config
 
 
+LOADER_BRANCHES = ("pil", "pil-crop", "nvjpeg")  # data.decode's values
+
+
 def validate(c: RunConfig) -> None:
     checks = [
         (c.train.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS}, got {c.train.precision!r}"),
@@ -267,6 +274,8 @@ def validate(c: RunConfig) -> None:
          f"train.compile_mode={c.train.compile_mode} needs train.compile=true"),
         (c.data.source in ("auto", "dali", "webdataset", "synthetic"),
          f"data.source must be auto, dali, webdataset or synthetic, got {c.data.source!r}"),
+        (c.data.decode in LOADER_BRANCHES,
+         f"data.decode must be one of {', '.join(LOADER_BRANCHES)}, got {c.data.decode!r}"),
         (c.data.batch_size >= 1, "data.batch_size must be at least 1"),
         (c.data.workers >= 0, "data.workers must be at least 0"),
         (c.model.num_classes >= 2, "model.num_classes must be at least 2"),

@@ -4,7 +4,6 @@ The data layer knows only the rank's data-parallel coordinate and the group's si
 ranks of a tensor- or pipeline-parallel group read the same batches.
 """
 
-import dataclasses
 import importlib.util
 import logging
 from collections.abc import Callable, Iterator
@@ -56,20 +55,15 @@ def build_data(config: RunConfig, dp_rank: int, dp_size: int, device: torch.devi
     source = resolve_source(c.source)
     if source == "webdataset" and c.source == "auto":
         log.info("data: nvidia-dali not installed, reading shards with the index loader")
-    recipe, cuda = recipe_of(config), device.type == "cuda"
-    # nvjpeg's branch crops and flips only: training with more runs timm's transforms in the PIL workers instead.
-    spec = LoaderSpec(recipe, seed, c.workers, device, gpu_decode=cuda and recipe.crop_and_flip_only)
+    branch = c.decode if device.type == "cuda" else "pil"
+    spec = LoaderSpec(recipe_of(config), seed, c.workers, device, branch)
     if source == "dali":
         from .dali import DaliTrainBatches
 
         train = DaliTrainBatches(table, spec, plan, threads=max(1, c.workers))
     else:
-        if cuda and not spec.gpu_decode:
-            log.info("data: the index loader decodes with PIL in %d workers to apply RandAugment, colour jitter and "
-                     "random erasing as timm does; data.source=dali runs them on the GPU", c.workers)
         train = TrainBatches(table, spec, plan)
-    eval_spec = dataclasses.replace(spec, gpu_decode=cuda)
-    return Data(source, train, plan, _eval_batches(folder, eval_spec, batch, dp_rank, dp_size), len(classes))
+    return Data(source, train, plan, _eval_batches(folder, spec, batch, dp_rank, dp_size), len(classes))
 
 
 def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, dp_rank: int, dp_size: int) -> EvalBatches | None:

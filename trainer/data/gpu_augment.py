@@ -1,4 +1,6 @@
-"""RandAugment and colour jitter on a uint8 (B, 3, H, W) batch, in torch, on its device.
+"""The recipe's augmentations after the crop, on a uint8 (B, 3, H, W) batch, in torch, on its device.
+
+augment_batch applies a batch's draws (draws.py) for the GPU paths: RandAugment, colour jitter, normalisation, erasing.
 
 rand_augment applies the ops augment.draw_rand_augment draws as timm's PIL ops do (timm.data.auto_augment, the
 reference), with PIL's arithmetic wherever it decides a grey level: its fixed-point greyscale, its lookup-table
@@ -9,13 +11,28 @@ sums lose a level to truncation on flat ones. A layer groups its samples by op k
 few launches per kind and layer, whatever its size. color_jitter is torchvision's adjust_* on uint8 tensors.
 """
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from .augment import KINDS
+from .augment import KINDS, Recipe, erase, normalize
 
 # PIL's RGB -> L: (299 R + 587 G + 114 B) / 1000 in 16-bit fixed point, rounded (Convert.c's L24)
 _GREY_WEIGHTS = (19595, 38470, 7471)
+
+
+def augment_batch(images: Tensor, drawn: dict[str, np.ndarray], recipe: Recipe) -> Tensor:
+    """Cropped uint8 (B, 3, H, W) -> the recipe's float32 (B, 3, H, W): RandAugment, colour jitter, normalisation and
+    erasing with the batch's draws (draws.stack_draws)."""
+    if recipe.rand_augment:
+        images = rand_augment(images, torch.from_numpy(drawn["ra_kind"]), torch.from_numpy(drawn["ra_param"]),
+                              torch.from_numpy(drawn["ra_matrix"]), recipe.fill, recipe.interpolation)
+    if recipe.color_jitter:
+        images = color_jitter(images, torch.from_numpy(drawn["jitter"]))
+    images = normalize(images.contiguous(), recipe)
+    if recipe.reprob:
+        erase(images, drawn["erase_box"], drawn["erase_seed"], recipe.remode)
+    return images
 
 
 def rand_augment(images: Tensor, kinds: Tensor, params: Tensor, matrices: Tensor, fill: tuple[int, int, int],

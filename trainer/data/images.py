@@ -2,7 +2,8 @@
 
 Each sample's randomness comes from a generator seeded by (seed, epoch, draw), so a batch is the same whichever
 worker builds it and whether or not the run was resumed. The crop box and mirror are drawn first, on the image's
-full size, by every loader alike (train_view); the rest of the recipe follows (augment.py).
+full size, by every loader alike (train_view); the rest of the recipe follows: timm's transforms after PIL's decode
+(augment.py), gpu_augment.py with the sample's draws (draws.py) after nvjpeg's.
 """
 
 import io
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .augment import Recipe, TimmTransforms, normalize_pil
+from .augment import Recipe, TimmTransforms, normalize, normalize_pil
+from .gpu_augment import augment_batch
 
 PIL_RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
 
@@ -79,6 +81,11 @@ def _view(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator) ->
     return view.transpose(Image.FLIP_LEFT_RIGHT) if flip else view
 
 
+def view_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator) -> torch.Tensor:
+    """JPEG bytes -> the (3, size, size) uint8 view, for the recipe's rest on the GPU (gpu_augment.augment_batch)."""
+    return torch.from_numpy(np.asarray(_view(data, recipe, train, rng)).copy()).permute(2, 0, 1)
+
+
 def decode_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator,
                transforms: TimmTransforms | None) -> torch.Tensor:
     """JPEG bytes -> (3, size, size) float32, normalised; in training, the rest of the recipe by timm's transforms."""
@@ -86,12 +93,12 @@ def decode_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generato
     return transforms(view, rng) if train and transforms else normalize_pil(view, recipe)
 
 
-def decode_gpu(datas: list[torch.Tensor], recipe: Recipe, train: bool, rngs: list[np.random.Generator],
-               device: torch.device) -> torch.Tensor:
-    """A batch of JPEG byte tensors -> (B, 3, size, size) float32 on `device`, normalised; decoded by nvjpeg. The
-    crop and flip only: the loader picks PIL for a recipe with more (Recipe.crop_and_flip_only)."""
+def decode_gpu(datas: list[torch.Tensor], recipe: Recipe, device: torch.device,
+               draws: dict[str, np.ndarray] | None) -> torch.Tensor:
+    """A batch of JPEG byte tensors -> (B, 3, size, size) float32 on `device`, decoded by nvjpeg: training views
+    with the batch's draws (draws.py) and the rest of the recipe on the GPU, or eval views (draws None)."""
     if device.type != "cuda":
-        return _decode_views(datas, recipe, train, rngs, device)
+        return _decode_views(datas, recipe, device, draws)
     # torchvision's CUDA decode_jpeg writes on a private stream that it does not order after the caller's
     # (pytorch/vision#9606): it can be handed a freed block whose last readers are still queued, and corrupted
     # them (eval counts on one H200). On a stream of its own whose earlier work is waited for, every block it can
@@ -99,7 +106,7 @@ def decode_gpu(datas: list[torch.Tensor], recipe: Recipe, train: bool, rngs: lis
     stream = _decode_stream(device)
     stream.synchronize()
     with torch.cuda.stream(stream):
-        images = _decode_views(datas, recipe, train, rngs, device)
+        images = _decode_views(datas, recipe, device, draws)
     consumer = torch.cuda.current_stream(device)
     consumer.wait_stream(stream)
     images.record_stream(consumer)
@@ -116,24 +123,25 @@ def _decode_stream(device: torch.device) -> torch.cuda.Stream:
     return _DECODE_STREAMS[device]
 
 
-def _decode_views(datas: list[torch.Tensor], recipe: Recipe, train: bool, rngs: list[np.random.Generator],
-                  device: torch.device) -> torch.Tensor:
+def _decode_views(datas: list[torch.Tensor], recipe: Recipe, device: torch.device,
+                  draws: dict[str, np.ndarray] | None) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
-    out = torch.empty(len(images), 3, recipe.size, recipe.size, dtype=torch.uint8, device=device)
-    for i, (image, rng) in enumerate(zip(images, rngs, strict=True)):
-        view = _train_view_gpu(image, recipe, rng) if train else _eval_view_gpu(image, recipe)
-        out[i] = view.round_().clamp_(0, 255).to(torch.uint8)
-    return normalize(out, recipe)
+    views = torch.empty(len(images), 3, recipe.size, recipe.size, device=device)
+    for i, image in enumerate(images):
+        views[i] = _eval_view_gpu(image, recipe) if draws is None else \
+            _train_view_gpu(image, recipe, draws["anchor"][i], draws["shape"][i], draws["mirror"][i])
+    views = views.round_().clamp_(0, 255).to(torch.uint8)
+    return normalize(views, recipe) if draws is None else augment_batch(views, draws, recipe)
 
 
-def _train_view_gpu(image: torch.Tensor, recipe: Recipe, rng: np.random.Generator) -> torch.Tensor:
-    height, width = image.shape[1:]
-    (left, top, w, h), flip = train_view(rng, width, height, recipe.min_scale, recipe.hflip)
+def _train_view_gpu(image: torch.Tensor, recipe: Recipe, anchor: np.ndarray, shape: np.ndarray,
+                    mirror: np.ndarray) -> torch.Tensor:
+    (left, top), (w, h) = anchor.tolist(), shape.tolist()
     crop = image[None, :, top:top + h, left:left + w].float()
     view = F.interpolate(crop, size=(recipe.size, recipe.size), mode=recipe.interpolation, antialias=True)[0]
-    return view.flip(-1) if flip else view
+    return view.flip(-1) if mirror else view
 
 
 def _eval_view_gpu(image: torch.Tensor, recipe: Recipe) -> torch.Tensor:
@@ -142,10 +150,3 @@ def _eval_view_gpu(image: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     new_w, new_h, left, top = eval_resize(width, height, size, recipe.eval_crop_pct, recipe.eval_crop_mode)
     resized = F.interpolate(image[None].float(), size=(new_h, new_w), mode=recipe.eval_interpolation, antialias=True)
     return resized[0, :, top:top + size, left:left + size]
-
-
-def normalize(images: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> float32 normalised by the recipe's mean and std, on the images' device."""
-    mean = torch.tensor(recipe.mean, device=images.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(recipe.std, device=images.device).view(1, 3, 1, 1) * 255
-    return (images.float() - mean) / std

@@ -13,8 +13,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .augment import Recipe, TimmTransforms
-from .images import decode_gpu, decode_pil, sample_rng
+from .augment import Recipe, TimmTransforms, normalize
+from .draws import draw_sample, stack_draws
+from .gpu_augment import augment_batch
+from .images import decode_gpu, decode_pil, sample_rng, view_pil
 from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
 
@@ -27,7 +29,7 @@ class LoaderSpec:
     seed: int
     workers: int
     device: torch.device
-    gpu_decode: bool  # nvjpeg in the main process instead of PIL in the workers (crop and flip only)
+    branch: str  # config.LOADER_BRANCHES: where decode, crop and the recipe run (DataConfig.decode)
 
 
 class ShardReader:
@@ -50,12 +52,14 @@ class ShardReader:
 
 
 class ShardImages(Dataset):
-    """Items are (epoch, row, draw); returns decoded normalised images, or the raw bytes when decoding on the GPU."""
+    """Items are (epoch, row, draw); returns per branch a normalised float image, a uint8 crop or the JPEG's bytes,
+    with the label, the item and, where the recipe runs in the main process, the sample's draws (None for eval)."""
 
     def __init__(self, table: SampleTable, spec: LoaderSpec, train: bool) -> None:
         self.reader, self.spec, self.train = ShardReader(table), spec, train
         recipe = spec.recipe
-        self.transforms = TimmTransforms(recipe) if train and not recipe.crop_and_flip_only else None
+        timm = train and spec.branch == "pil" and not recipe.crop_and_flip_only
+        self.transforms = TimmTransforms(recipe) if timm else None
 
     def __len__(self) -> int:
         return len(self.reader.table)
@@ -63,16 +67,21 @@ class ShardImages(Dataset):
     def __getitem__(self, item: tuple[int, int, int]):
         epoch, row, draw = item
         data, label = self.reader.read(row), int(self.reader.table.label[row])
-        if self.spec.gpu_decode:
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, item
-        rng = sample_rng(self.spec.seed, epoch, draw)
-        return decode_pil(data, self.spec.recipe, self.train, rng, self.transforms), label, item
+        recipe, branch = self.spec.recipe, self.spec.branch
+        if branch == "pil":
+            rng = sample_rng(self.spec.seed, epoch, draw)
+            return decode_pil(data, recipe, self.train, rng, self.transforms), label, item, None
+        draws = draw_sample(data, recipe, sample_rng(self.spec.seed, epoch, draw)) if self.train else None
+        if branch == "nvjpeg":
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, item, draws
+        # a generator of the same seed: the view draws the crop and mirror first, as draw_sample did
+        return view_pil(data, recipe, self.train, sample_rng(self.spec.seed, epoch, draw)), label, item, draws
 
 
 def _collate(items: list) -> tuple:
-    images, labels, keys = zip(*items, strict=True)
+    images, labels, keys, draws = zip(*items, strict=True)
     images = list(images) if images[0].ndim == 1 else torch.stack(images)
-    return images, torch.tensor(labels), keys
+    return images, torch.tensor(labels), keys, None if draws[0] is None else stack_draws(list(draws))
 
 
 class BatchPlan:
@@ -93,7 +102,7 @@ class TrainBatches:
         self.dataset, self.spec, self.plan = ShardImages(table, spec, True), spec, plan
 
     def __call__(self, epoch: int, sample: int) -> Iterator[Batch]:
-        yield from _run(self.dataset, BatchPlan(self.plan, epoch, sample), self.spec, train=True)
+        yield from _run(self.dataset, BatchPlan(self.plan, epoch, sample), self.spec)
 
 
 class EvalBatches:
@@ -109,21 +118,28 @@ class EvalBatches:
         rows = self.rows
         plan = [[(0, r, r) for r in rows[b * self.batch:(b + 1) * self.batch]] for b in range(self.batches)]
         real = [p for p in plan if p]
-        yield from _run(self.dataset, real, self.spec, train=False)
+        yield from _run(self.dataset, real, self.spec)
         for _ in range(len(plan) - len(real)):
             yield None  # this rank has no samples left, but collectives still need it
 
 
-def _run(dataset: ShardImages, batches, spec: LoaderSpec, train: bool) -> Iterator[Batch]:
+def _run(dataset: ShardImages, batches, spec: LoaderSpec) -> Iterator[Batch]:
     if batches == []:
         return
     # Its own generator: a DataLoader otherwise draws a seed from the global RNG whenever it starts, which would
     # shift the model's random stream (drop path) differently in a resumed run.
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=spec.workers, collate_fn=_collate,
                         pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed))
-    for images, labels, keys in loader:
-        if spec.gpu_decode:
-            rngs = [sample_rng(spec.seed, epoch, draw) for epoch, _, draw in keys]
-            images = decode_gpu(list(images), spec.recipe, train, rngs, spec.device)
+    for images, labels, keys, draws in loader:
         rows = torch.tensor(np.array([row for _, row, _ in keys]))
-        yield images.to(spec.device, non_blocking=True), labels.to(spec.device, non_blocking=True), rows
+        yield _on_device(images, draws, spec), labels.to(spec.device, non_blocking=True), rows
+
+
+def _on_device(images, draws: dict[str, np.ndarray] | None, spec: LoaderSpec) -> torch.Tensor:
+    """A collated batch as normalised images on the device: decoded and augmented there per the branch."""
+    if spec.branch == "nvjpeg":
+        return decode_gpu(images, spec.recipe, spec.device, draws)
+    images = images.to(spec.device, non_blocking=True)
+    if spec.branch == "pil-crop":
+        return normalize(images, spec.recipe) if draws is None else augment_batch(images, draws, spec.recipe)
+    return images
