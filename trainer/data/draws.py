@@ -1,9 +1,9 @@
 """A training sample's random choices as arrays, drawn in a loader worker from the sample's own generator.
 
-The GPU paths (DALI, the index loader's nvjpeg branch) decode and augment whole batches on the GPU, so each sample's
-randomness is drawn beforehand, on the CPU, in the order the PIL path draws it: the crop and mirror (train_view, on
-the size in the JPEG's header), then augment.py's RandAugment ops, colour-jitter factors and erased boxes with their
-fills' seeds. A batch then depends only on (seed, epoch, draw), whichever worker drew it.
+The GPU paths (DALI, the index loader's pil-crop and nvjpeg branches) augment whole batches on the GPU, so each
+sample's randomness is drawn beforehand, on the CPU, in the order the PIL path draws it: the crop and mirror
+(train_view, on the size in the JPEG's header), then augment.py's RandAugment ops, colour-jitter factors and erased
+boxes with their fills' seeds. A batch then depends only on (seed, epoch, draw), whichever worker drew it.
 """
 
 import io

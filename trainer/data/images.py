@@ -3,7 +3,7 @@
 Each sample's randomness comes from a generator seeded by (seed, epoch, draw), so a batch is the same whichever
 worker builds it and whether or not the run was resumed. The crop box and mirror are drawn first, on the image's
 full size, by every loader alike (train_view); the rest of the recipe follows: timm's transforms after PIL's decode
-(augment.py), gpu_augment.py with the sample's draws (draws.py) after nvjpeg's.
+(augment.py), or gpu_augment.py with the sample's draws (draws.py) after nvjpeg's or a PIL worker's crop.
 """
 
 import io
