@@ -1,6 +1,7 @@
 """RandAugment and colour jitter in torch (gpu_augment) against timm's PIL ops and torchvision's tensor ops, op by
 op, on CPU tensors; a batch grouped by op kind gives each sample what it gets alone."""
 
+import io
 import random
 
 import numpy as np
@@ -9,8 +10,9 @@ import torch
 from PIL import Image
 from test_recipe import _Sign, smooth_image
 
-from vitctl.trainer.data.augment import KINDS, _posterize, _rand_op, draw_color_jitter, draw_rand_augment
-from vitctl.trainer.data.gpu_augment import color_jitter, rand_augment
+from vitctl.trainer.data.augment import KINDS, Recipe, _posterize, _rand_op, draw_color_jitter, draw_rand_augment
+from vitctl.trainer.data.draws import draw_sample, stack_draws
+from vitctl.trainer.data.gpu_augment import augment_batch, color_jitter, rand_augment
 from vitctl.trainer.recipe import RAND_INCREASING_OPS, RAND_OPS, parse_rand_augment
 
 FILL = (124, 116, 104)
@@ -25,12 +27,12 @@ def _batch(images: list[np.ndarray]) -> torch.Tensor:
     return torch.stack([torch.from_numpy(image).permute(2, 0, 1) for image in images])
 
 
-def _inputs(ops: list[list]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(ops: list[list]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """rand_augment's kinds, params and matrices for per-sample lists of RandOps (None: skipped, as identity)."""
-    kinds = torch.tensor([[op.kind if op else 0 for op in sample_ops] for sample_ops in ops])
-    params = torch.tensor([[op.param if op else 0.0 for op in sample_ops] for sample_ops in ops])
+    kinds = np.array([[op.kind if op else 0 for op in sample_ops] for sample_ops in ops], dtype=np.int32)
+    params = np.array([[op.param if op else 0.0 for op in sample_ops] for sample_ops in ops], dtype=np.float32)
     matrices = [[op.matrix if op else np.eye(2, 3) for op in sample_ops] for sample_ops in ops]
-    return kinds, params, torch.from_numpy(np.array(matrices, dtype=np.float32))
+    return kinds, params, np.array(matrices, dtype=np.float32)
 
 
 @pytest.mark.parametrize(("interpolation", "resample"), [("bicubic", Image.BICUBIC), ("bilinear", Image.BILINEAR)])
@@ -92,7 +94,7 @@ def test_identity_leaves_the_images_bit_identical_and_the_input_untouched():
     images, ops = _drawn_batch(8, 2)
     kinds, params, matrices = _inputs(ops)
     before = images.clone()
-    assert torch.equal(rand_augment(images, torch.zeros_like(kinds), params, matrices, FILL), images)
+    assert torch.equal(rand_augment(images, np.zeros_like(kinds), params, matrices, FILL), images)
     assert not torch.equal(rand_augment(images, kinds, params, matrices, FILL), images)
     assert torch.equal(images, before)
 
@@ -103,7 +105,7 @@ def test_color_jitter_is_torchvision_s_brightness_contrast_saturation():
     rng = np.random.default_rng(0)
     images = _batch([smooth_image(32, 32, seed=seed) for seed in range(8)])
     images[:2] = torch.from_numpy(rng.integers(0, 256, (2, 3, 32, 32), dtype=np.uint8))  # and a noisy pair
-    factors = torch.from_numpy(np.stack([draw_color_jitter(rng, 0.8) for _ in range(len(images))]))
+    factors = np.stack([draw_color_jitter(rng, 0.8) for _ in range(len(images))])
     out = color_jitter(images, factors)
     for image, (brightness, contrast, saturation), ours in zip(images, factors.tolist(), out, strict=True):
         reference = TF.adjust_saturation(TF.adjust_contrast(TF.adjust_brightness(image, brightness), contrast),
@@ -121,6 +123,26 @@ def test_the_gpu_gives_what_the_cpu_gives():
     gpu = rand_augment(images.cuda(), *inputs, FILL).cpu()
     difference = (cpu.int() - gpu.int()).abs()
     assert difference.max() <= 1 and difference.float().mean() < 0.01
-    factors = torch.from_numpy(np.stack([draw_color_jitter(np.random.default_rng(i), 0.4) for i in range(96)]))
+    factors = np.stack([draw_color_jitter(np.random.default_rng(i), 0.4) for i in range(96)])
     jitter = (color_jitter(images, factors).int() - color_jitter(images.cuda(), factors).cpu().int()).abs()
     assert jitter.max() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_recipe_on_the_gpu_never_waits_for_queued_work():
+    """augment_batch only queues work: a host sync there would hold each batch until the training step before it had
+    finished, serialising the step and the augmentation."""
+    recipe = Recipe(32, rand_augment="rand-m9-mstd0.5-inc1", color_jitter=0.4, reprob=0.25, recount=3)
+    photo = io.BytesIO()
+    Image.fromarray(smooth_image(40, 48, seed=0)).save(photo, format="JPEG")
+    drawn = stack_draws([draw_sample(photo.getvalue(), recipe, np.random.default_rng(i)) for i in range(64)])
+    assert drawn["erase_box"][:, :, 2].any()
+    images = _batch([smooth_image(32, 32, seed=seed) for seed in range(64)]).cuda()
+    expected = augment_batch(images, drawn, recipe)  # first use: CUDA's lazy set-up may sync
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = augment_batch(images, drawn, recipe)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, expected)

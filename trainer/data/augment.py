@@ -65,13 +65,6 @@ def normalize_pil(image: Image.Image, recipe: Recipe) -> torch.Tensor:
     return (pixels - torch.tensor(recipe.mean).view(3, 1, 1)) / torch.tensor(recipe.std).view(3, 1, 1)
 
 
-def normalize(images: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> float32 normalised by the recipe's mean and std, on the images' device."""
-    mean = torch.tensor(recipe.mean, device=images.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(recipe.std, device=images.device).view(1, 3, 1, 1) * 255
-    return (images.float() - mean) / std
-
-
 @contextlib.contextmanager
 def global_rngs_from(rng: np.random.Generator) -> Iterator[None]:
     """Seeds Python's, numpy's and torch's CPU generators from `rng` (timm's ops draw from them), and puts the

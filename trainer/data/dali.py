@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .draws import draw_fields, draw_sample
-from .gpu_augment import augment_batch
+from .gpu_augment import augment_batch, to_device
 from .images import sample_rng
 from .loader import Batch, LoaderSpec, ShardReader
 from .plan import EpochPlan
@@ -112,7 +112,7 @@ class DaliTrainBatches:
             drawn = {name: np.array(out.as_tensor()) for name, out in zip(names, outputs, strict=True)}
             images = _to_torch(images, self.spec.device).permute(0, 3, 1, 2)
             images = augment_batch(images, drawn, self.spec.recipe)
-            yield images, torch.from_numpy(drawn["label"]).to(self.spec.device), torch.from_numpy(drawn["row"])
+            yield images, to_device(drawn["label"], self.spec.device), torch.from_numpy(drawn["row"])
 
 
 def _to_torch(images, device: torch.device) -> torch.Tensor:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .augment import Recipe, TimmTransforms, normalize, normalize_pil
-from .gpu_augment import augment_batch
+from .augment import Recipe, TimmTransforms, normalize_pil
+from .gpu_augment import augment_batch, normalize
 
 PIL_RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
 

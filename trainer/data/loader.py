@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .augment import Recipe, TimmTransforms, normalize
+from .augment import Recipe, TimmTransforms
 from .draws import draw_sample, stack_draws
-from .gpu_augment import augment_batch
+from .gpu_augment import augment_batch, normalize
 from .images import decode_gpu, decode_pil, sample_rng, view_pil
 from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
