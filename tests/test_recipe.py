@@ -15,7 +15,7 @@ from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.data import build_data
 from vitctl.trainer.data.augment import Recipe, TimmTransforms, draw_erasing, erase, recipe_of
 from vitctl.trainer.data.draws import draw_sample, stack_draws
-from vitctl.trainer.data.images import crop_box, decode_gpu, decode_pil
+from vitctl.trainer.data.images import _view, crop_box, decode_gpu, decode_pil, sample_rng
 from vitctl.trainer.models import MODELS
 from vitctl.trainer.recipe import model_eval, parse_rand_augment
 
@@ -102,6 +102,29 @@ def test_the_nvjpeg_branch_shows_the_same_views_as_pil(train):
     gpu = decode_gpu(datas, recipe, torch.device("cpu"), draws)
     pil = [decode_pil(data, recipe, train, np.random.default_rng(seed), None) for seed in range(2)]
     assert all((g - p).abs().mean() < 0.03 for g, p in zip(gpu, pil, strict=True))  # 0.03: 1.7 grey levels
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_the_pil_crop_branch_shows_the_pil_path_s_views_with_its_draws(tmp_path, train):
+    """A pil-crop item, its JPEG opened once: the PIL path's crop and flip of the same seed exactly, and the draws
+    draw_sample gives (or none, for eval)."""
+    from vitctl.trainer.data.loader import LoaderSpec, ShardImages
+    from vitctl.trainer.data.shards import SampleTable
+
+    data, recipe = jpeg(smooth_image(48, 64, seed=5)), Recipe(32, rand_augment="rand-m9-mstd0.5-inc1", reprob=0.5)
+    (tmp_path / "s.tar").write_bytes(data)
+    table = SampleTable([str(tmp_path / "s.tar")], np.zeros(1, np.int32), np.zeros(1, np.int64),
+                        np.array([len(data)], np.int32), np.zeros(1, np.int64))
+    images = ShardImages(table, LoaderSpec(recipe, 7, 0, torch.device("cpu"), "pil-crop"), train)
+    for draw in range(8):
+        view, _, _, draws = images[(3, 0, draw)]
+        expected = np.asarray(_view(data, recipe, train, sample_rng(7, 3, draw)))
+        assert torch.equal(view, torch.from_numpy(expected).permute(2, 0, 1))
+        if train:
+            reference = draw_sample(data, recipe, sample_rng(7, 3, draw))
+            assert all(np.array_equal(draws[k], reference[k]) for k in reference) and draws.keys() == reference.keys()
+        else:
+            assert draws is None
 
 
 def test_a_crop_that_never_fits_falls_back_as_torchvision_s():

@@ -29,11 +29,16 @@ def draw_fields(recipe: Recipe) -> list[tuple[str, type]]:
 
 
 def draw_sample(data: bytes, recipe: Recipe, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Everything random about one training sample of JPEG bytes `data`: anchor (left, top) and shape (w, h) of its
-    crop, mirror, and per the recipe ra_kind, ra_param, ra_matrix (one per layer), jitter, erase_box, erase_seed."""
+    """draw_for_size on the size in the header of JPEG bytes `data`."""
     with Image.open(io.BytesIO(data)) as image:  # reads the header only
-        width, height = image.size
-    (left, top, w, h), flip = train_view(rng, width, height, recipe.min_scale, recipe.hflip)
+        return draw_for_size(image.size, recipe, rng)
+
+
+def draw_for_size(size: tuple[int, int], recipe: Recipe, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Everything random about one training sample of an image of `size` (width, height): anchor (left, top) and
+    shape (w, h) of its crop, mirror, and per the recipe ra_kind, ra_param, ra_matrix (one per layer), jitter,
+    erase_box, erase_seed."""
+    (left, top, w, h), flip = train_view(rng, *size, recipe.min_scale, recipe.hflip)
     out = {"anchor": np.array([left, top], dtype=np.int32), "shape": np.array([w, h], dtype=np.int32),
            "mirror": np.array(flip, dtype=np.int32)}
     if recipe.rand_augment:

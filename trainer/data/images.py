@@ -67,23 +67,48 @@ def eval_box(width: int, height: int, size: int, crop_pct: float, mode: str) -> 
 
 def _view(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator) -> Image.Image:
     """JPEG bytes -> the (size, size) RGB crop, mirrored when drawn so."""
-    size = recipe.size
     with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-        (left, top, w, h), flip = train_view(rng, width, height, recipe.min_scale, recipe.hflip) if train \
-            else (eval_box(width, height, size, recipe.eval_crop_pct, recipe.eval_crop_mode), False)
-        # libjpeg may decode at 1/2, 1/4, 1/8 scale while the box keeps at least `size` pixels each way
-        image.draft("RGB", (math.ceil(width * size / w), math.ceil(height * size / h)))
-        scale_x, scale_y = image.size[0] / width, image.size[1] / height
-        box = (left * scale_x, top * scale_y, (left + w) * scale_x, (top + h) * scale_y)
-        resample = PIL_RESAMPLE[recipe.interpolation if train else recipe.eval_interpolation]
-        view = image.convert("RGB").resize((size, size), resample, box=box)
+        if not train:
+            return _eval_resized(image, recipe)
+        box, flip = train_view(rng, *image.size, recipe.min_scale, recipe.hflip)
+        return _resized(image, box, flip, recipe.size, PIL_RESAMPLE[recipe.interpolation])
+
+
+def _eval_resized(image: Image.Image, recipe: Recipe) -> Image.Image:
+    box = eval_box(*image.size, recipe.size, recipe.eval_crop_pct, recipe.eval_crop_mode)
+    return _resized(image, box, False, recipe.size, PIL_RESAMPLE[recipe.eval_interpolation])
+
+
+def _resized(image: Image.Image, box: tuple[float, float, float, float], flip: bool, size: int,
+             resample: int) -> Image.Image:
+    """An opened JPEG's box (left, top, w, h) resized to (size, size), mirrored if `flip`."""
+    left, top, w, h = box
+    width, height = image.size
+    # libjpeg may decode at 1/2, 1/4, 1/8 scale while the box keeps at least `size` pixels each way
+    image.draft("RGB", (math.ceil(width * size / w), math.ceil(height * size / h)))
+    scale_x, scale_y = image.size[0] / width, image.size[1] / height
+    box = (left * scale_x, top * scale_y, (left + w) * scale_x, (top + h) * scale_y)
+    view = image.convert("RGB").resize((size, size), resample, box=box)
     return view.transpose(Image.FLIP_LEFT_RIGHT) if flip else view
 
 
-def view_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator) -> torch.Tensor:
-    """JPEG bytes -> the (3, size, size) uint8 view, for the recipe's rest on the GPU (gpu_augment.augment_batch)."""
-    return torch.from_numpy(np.asarray(_view(data, recipe, train, rng)).copy()).permute(2, 0, 1)
+def _as_tensor(view: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(view).copy()).permute(2, 0, 1)
+
+
+def eval_view_pil(data: bytes, recipe: Recipe) -> torch.Tensor:
+    """JPEG bytes -> the (3, size, size) uint8 eval view, normalised afterwards on the GPU."""
+    with Image.open(io.BytesIO(data)) as image:
+        return _as_tensor(_eval_resized(image, recipe))
+
+
+def train_view_pil(image: Image.Image, anchor: np.ndarray, shape: np.ndarray, mirror: np.ndarray,
+                   recipe: Recipe) -> torch.Tensor:
+    """An opened JPEG's training view as its draws (draws.py) give it, (3, size, size) uint8, for the recipe's rest
+    on the GPU (gpu_augment.augment_batch)."""
+    (left, top), (w, h) = anchor.tolist(), shape.tolist()
+    view = _resized(image, (left, top, w, h), bool(mirror), recipe.size, PIL_RESAMPLE[recipe.interpolation])
+    return _as_tensor(view)
 
 
 def decode_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generator,

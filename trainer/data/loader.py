@@ -6,17 +6,19 @@ what came before. Batches are (images, labels, rows): images normalised float32,
 split. Items are (epoch, row, draw): the draw keys the sample's random numbers (a repeat of a sample has its own).
 """
 
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from .augment import Recipe, TimmTransforms
-from .draws import draw_sample, stack_draws
+from .draws import draw_for_size, draw_sample, stack_draws
 from .gpu_augment import augment_batch, normalize
-from .images import decode_gpu, decode_pil, sample_rng, view_pil
+from .images import decode_gpu, decode_pil, eval_view_pil, sample_rng, train_view_pil
 from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
 
@@ -71,11 +73,15 @@ class ShardImages(Dataset):
         if branch == "pil":
             rng = sample_rng(self.spec.seed, epoch, draw)
             return decode_pil(data, recipe, self.train, rng, self.transforms), label, item, None
-        draws = draw_sample(data, recipe, sample_rng(self.spec.seed, epoch, draw)) if self.train else None
         if branch == "nvjpeg":
+            draws = draw_sample(data, recipe, sample_rng(self.spec.seed, epoch, draw)) if self.train else None
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, item, draws
-        # a generator of the same seed: the view draws the crop and mirror first, as draw_sample did
-        return view_pil(data, recipe, self.train, sample_rng(self.spec.seed, epoch, draw)), label, item, draws
+        if not self.train:
+            return eval_view_pil(data, recipe), label, item, None
+        with Image.open(io.BytesIO(data)) as image:  # opened once for its size, its draws and its view
+            draws = draw_for_size(image.size, recipe, sample_rng(self.spec.seed, epoch, draw))
+            view = train_view_pil(image, draws["anchor"], draws["shape"], draws["mirror"], recipe)
+        return view, label, item, draws
 
 
 def _collate(items: list) -> tuple:
