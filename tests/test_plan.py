@@ -13,7 +13,15 @@ import torch.multiprocessing as mp
 
 from conftest import ok, vitctl
 from vitctl.trainer.config import ParallelConfig
-from vitctl.trainer.parallel.strategy import CHECKPOINT, BlockStrategy, Strategy, read_plan, strategy_problems
+from vitctl.trainer.parallel.strategy import (
+    CHECKPOINT,
+    INTERLEAVED,
+    BlockStrategy,
+    Strategy,
+    read_plan,
+    strategy_problems,
+)
+from vitctl.trainer.planner import search as search_module
 from vitctl.trainer.planner.cost import Cluster, Setting, predict
 from vitctl.trainer.planner.profile import (
     COLLECTIVES,
@@ -28,7 +36,7 @@ from vitctl.trainer.planner.profile import (
     profile_blocks,
     profile_collectives,
 )
-from vitctl.trainer.planner.search import CHOICES, Option, cheapest_under, plan_stage, search
+from vitctl.trainer.planner.search import CHOICES, Option, Pipeline, cheapest_under, plan_rank, search
 
 LAYOUT = model_layout("vit_mini", 32)  # 4 blocks of 4 heads
 CLUSTER, BATCH = Cluster(nodes=1, gpus=4), 32
@@ -147,7 +155,7 @@ def test_stage_search_equals_brute_force_over_sharding_and_checkpointing(budget_
     mode that fit."""
     profile, budget = hand_made_profile(latency_s=0.0), budget_gib * GIB
     setting = Setting(CLUSTER, tp=1, pp=1, microbatches=1, microbatch=BATCH // CLUSTER.world)
-    blocks = plan_stage(LAYOUT, profile, setting, range(len(LAYOUT.blocks)), 0, False, budget)
+    blocks = plan_rank(LAYOUT, profile, setting, Pipeline("1f1b", 1), ((0, range(len(LAYOUT.blocks))),), False, budget)
     planned = predict(Strategy(blocks=blocks), LAYOUT, profile, CLUSTER, BATCH)
     every = [predict(Strategy(blocks=choices), LAYOUT, profile, CLUSTER, BATCH)
              for choices in itertools.product(CHOICES, repeat=len(LAYOUT.blocks))]
@@ -165,6 +173,44 @@ def test_interleaving_shrinks_the_predicted_bubble():
     assert [s.blocks for s in interleaved.stages] == [range(i, i + 1) for i in range(4)]
     assert interleaved.step_s < plain.step_s
     assert interleaved.peak_bytes > 0
+
+
+@pytest.mark.parametrize("budget_gib", [1.5, 3, 6])
+def test_rank_search_equals_brute_force_over_an_interleaved_pipeline(budget_gib):
+    """pp2 with two one-block stages per rank: each rank's plan over its two stages, put together, is the fastest of
+    all 6^4 choices that fit under interleaved 1F1B (none, when none fits)."""
+    profile, budget = hand_made_profile(), budget_gib * GIB
+    setting, pipeline = Setting(CLUSTER, tp=1, pp=2, microbatches=2, microbatch=8), Pipeline(INTERLEAVED, 2)
+    interleaved = lambda blocks: predict(Strategy(pp=2, microbatches=2, schedule=INTERLEAVED, virtual_stages=2,  # noqa: E731
+                                                  blocks=blocks), LAYOUT, profile, CLUSTER, BATCH)
+    fitting = [p.step_s for p in map(interleaved, itertools.product(CHOICES, repeat=len(LAYOUT.blocks)))
+               if p.peak_bytes <= budget]
+    ranks = [plan_rank(LAYOUT, profile, setting, pipeline, ((r, range(r, r + 1)), (r + 2, range(r + 2, r + 3))),
+                       False, budget) for r in (0, 1)]
+    if not fitting:
+        assert None in ranks
+        return
+    planned = interleaved((ranks[0][0], ranks[1][0], ranks[0][1], ranks[1][1]))
+    assert planned.peak_bytes <= budget and planned.step_s == pytest.approx(min(fitting))
+
+
+def test_search_interleaves_where_the_bubble_costs_most(tmp_path, monkeypatch):
+    """On 2 GPUs whose memory forces a pipeline, two stages per rank halve the bubble: the search picks interleaved
+    1F1B, faster than the best plan of 1F1B alone, and the plan loads and passes the checks."""
+    profile, cluster = hand_made_profile(), Cluster(nodes=1, gpus=2)
+    ddp = next(u for u in search(LAYOUT, profile, cluster, BATCH, 80 * GIB).uniform if u.name == "DDP")
+    budget = 0.3 * ddp.prediction.peak_bytes
+    best = search(LAYOUT, profile, cluster, BATCH, budget).best
+    assert best.strategy.schedule == INTERLEAVED and best.strategy.virtual_stages == 2
+    assert best.prediction.peak_bytes <= budget
+    monkeypatch.setattr(search_module, "PIPELINES", (("1f1b", 1),))
+    plain = search(LAYOUT, profile, cluster, BATCH, budget).best
+    assert plain.strategy.schedule == "1f1b" and best.prediction.step_s < plain.prediction.step_s
+    path = tmp_path / "plan.json"
+    path.write_text(best.strategy.to_json("vit_mini", cluster.world))
+    loaded = read_plan(path, ParallelConfig(), len(LAYOUT.blocks))
+    assert loaded == best.strategy
+    assert strategy_problems(loaded, LAYOUT.shape(), cluster.world, BATCH) == []
 
 
 def test_plans_load_and_pass_the_checks(tmp_path):

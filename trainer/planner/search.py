@@ -1,6 +1,7 @@
-"""Galvatron's search: for each tensor-parallel degree, pipeline degree, micro-batch count and division of the blocks
-into stages, dynamic programming over each stage's blocks picks per block {FSDP or replicated} x {checkpoint none,
-selective, full} for the least time whose memory fits the budget; the fastest of these is the plan."""
+"""Galvatron's search: for each tensor-parallel degree, pipeline degree and schedule (1F1B, or interleaved 1F1B with
+two stages per rank), micro-batch count and division of the blocks into stages, dynamic programming over each
+pipeline rank's blocks picks per block {FSDP or replicated} x {checkpoint none, selective, full} for the least time
+whose memory fits the budget; the fastest of these is the plan."""
 
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -8,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..parallel.strategy import CHECKPOINT, BlockStrategy, Strategy, strategy_problems
+from ..parallel.strategy import CHECKPOINT, INTERLEAVED, BlockStrategy, Strategy, strategy_problems
 from .cost import (
     FSDP_BUFFER_BYTES,
     Cluster,
@@ -25,7 +26,21 @@ from .profile import ModelLayout, Profile
 
 MEMORY_STEPS = 4096  # the budget's resolution in the dynamic programme; each block's memory is rounded up to it
 CHOICES = tuple(BlockStrategy(fsdp, mode) for fsdp in (False, True) for mode in CHECKPOINT)
-SCHEDULE = "1f1b"  # holds fewer micro-batches than GPipe for the same bubble (interleaved: not searched yet)
+SCHEDULE = "1f1b"  # holds fewer micro-batches than GPipe for the same bubble
+# Pipelines searched: (schedule, stages per rank). Interleaving with two stages per rank halves the bubble for twice
+# the transfers; more stages per rank add transfers for less and less bubble.
+PIPELINES = ((SCHEDULE, 1), (INTERLEAVED, 2))
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    schedule: str
+    virtual_stages: int
+
+    @property
+    def bubble(self) -> float:
+        """Factor of (pp - 1) micro-batches of the slowest rank that the schedule idles for."""
+        return 1 / self.virtual_stages
 
 
 @dataclass(frozen=True)
@@ -79,11 +94,11 @@ def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch
     predictions, and the least memory any searched strategy needs."""
     stage_cache: dict[tuple, tuple[BlockStrategy, ...] | None] = {}
     best = least = None
-    for setting, stages in configurations(layout, profile, cluster, global_batch):
-        base = Strategy(tp=setting.tp, pp=setting.pp, microbatches=setting.microbatches, schedule=SCHEDULE,
-                        stages=stages if setting.pipelined else ())
+    for setting, pipeline, stages in configurations(layout, profile, cluster, global_batch):
+        base = Strategy(tp=setting.tp, pp=setting.pp, microbatches=setting.microbatches, schedule=pipeline.schedule,
+                        virtual_stages=pipeline.virtual_stages, stages=stages if setting.pipelined else ())
         for fsdp_rest in (False, True) if setting.dp > 1 else (False,):
-            blocks = _plan_stages(layout, profile, setting, stages, fsdp_rest, budget_bytes, stage_cache)
+            blocks = _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budget_bytes, stage_cache)
             if blocks is not None and (any(b.fsdp for b in blocks) or not fsdp_rest):  # no FSDP for the rest alone
                 planned = _evaluate("searched", replace(base, blocks=blocks, fsdp_rest=fsdp_rest), layout, profile,
                                     cluster, global_batch, budget_bytes)
@@ -98,8 +113,9 @@ def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch
 
 
 def configurations(layout: ModelLayout, profile: Profile, cluster: Cluster,
-                   global_batch: int) -> Iterator[tuple[Setting, tuple[int, ...]]]:
-    """Every (tp, pp, micro-batches) the job allows, with each candidate division of the blocks into stages."""
+                   global_batch: int) -> Iterator[tuple[Setting, Pipeline, tuple[int, ...]]]:
+    """Every (tp, pp, micro-batches) and pipeline schedule the job allows, with each candidate division of the blocks
+    into stages."""
     for tp in tp_degrees(layout, profile, cluster):
         for pp in (p for p in _divisors(cluster.world // tp) if p <= len(layout.blocks)):
             dp = cluster.world // (tp * pp)
@@ -107,8 +123,16 @@ def configurations(layout: ModelLayout, profile: Profile, cluster: Cluster,
                 continue
             for m in microbatch_counts(pp, global_batch // dp):
                 setting = Setting(cluster, tp, pp, m, global_batch // dp // m)
-                for stages in divisions(layout, profile, setting):
-                    yield setting, stages
+                for pipeline in pipelines(pp, len(layout.blocks)):
+                    for stages in divisions(layout, profile, setting, pipeline):
+                        yield setting, pipeline, stages
+
+
+def pipelines(pp: int, n_blocks: int) -> list[Pipeline]:
+    """The schedules a pipeline of pp ranks can run over n_blocks blocks (one pipeline, of one stage, without)."""
+    if pp == 1:
+        return [Pipeline(SCHEDULE, 1)]
+    return [Pipeline(schedule, v) for schedule, v in PIPELINES if pp * v <= n_blocks]
 
 
 def tp_degrees(layout: ModelLayout, profile: Profile, cluster: Cluster) -> list[int]:
@@ -125,20 +149,20 @@ def microbatch_counts(pp: int, per_rank_batch: int) -> list[int]:
     return [m for m in (pp << i for i in range(4)) if per_rank_batch % m == 0]
 
 
-def divisions(layout: ModelLayout, profile: Profile, setting: Setting) -> list[tuple[int, ...]]:
+def divisions(layout: ModelLayout, profile: Profile, setting: Setting, pipeline: Pipeline) -> list[tuple[int, ...]]:
     """Blocks per stage: as even as possible, balanced by time, and balanced by the least memory each can take
     (which weighs the first stages' extra micro-batches in flight)."""
-    n, pp = len(layout.blocks), setting.pp
+    n, pp, v = len(layout.blocks), setting.pp, pipeline.virtual_stages
     if pp == 1:
         return [(n,)]
     quick = _with_parts(layout, profile, setting, BlockStrategy())
     small = _with_parts(layout, profile, setting, BlockStrategy(setting.dp > 1, "full"))
     time = _prefix([c.micro_s for c in quick])
     state, activation = _prefix([c.state_bytes for c in small]), _prefix([c.activation_bytes for c in small])
-    held = [in_flight(SCHEDULE, pp, setting.microbatches, s) for s in range(pp)]
+    held = [in_flight(pipeline.schedule, pp, setting.microbatches, s, v) for s in range(pp * v)]
     memory = lambda s, a, b: state[b] - state[a] + held[s] * (activation[b] - activation[a])  # noqa: E731
-    candidates = [Strategy(pp=pp).stage_blocks(n), min_max_division(n, pp, lambda s, a, b: time[b] - time[a]),
-                  min_max_division(n, pp, memory)]
+    candidates = [Strategy(pp=pp, virtual_stages=v).stage_blocks(n),
+                  min_max_division(n, pp * v, lambda s, a, b: time[b] - time[a]), min_max_division(n, pp * v, memory)]
     return list(dict.fromkeys(candidates))
 
 
@@ -170,41 +194,52 @@ def _with_parts(layout: ModelLayout, profile: Profile, setting: Setting, choice:
     return costs
 
 
-def _plan_stages(layout: ModelLayout, profile: Profile, setting: Setting, stages: tuple[int, ...], fsdp_rest: bool,
-                 budget: float, cache: dict) -> tuple[BlockStrategy, ...] | None:
-    blocks: list[BlockStrategy] = []
-    start = 0
-    for stage, count in enumerate(stages):
-        key = (setting, stage, start, count, fsdp_rest)
+def _plan_ranks(layout: ModelLayout, profile: Profile, setting: Setting, pipeline: Pipeline, stages: tuple[int, ...],
+                fsdp_rest: bool, budget: float, cache: dict) -> tuple[BlockStrategy, ...] | None:
+    """Each pipeline rank's plan (rank r runs stages r, r + pp, ...), the blocks' choices in block order."""
+    starts = _prefix(stages)
+    ranges = [range(int(starts[s]), int(starts[s + 1])) for s in range(len(stages))]
+    choices: dict[int, BlockStrategy] = {}
+    for rank in range(setting.pp):
+        own = tuple((s, ranges[s]) for s in range(rank, len(stages), setting.pp))
+        key = (setting, pipeline, own, fsdp_rest)
         if key not in cache:
-            cache[key] = plan_stage(layout, profile, setting, range(start, start + count), stage, fsdp_rest, budget)
+            cache[key] = plan_rank(layout, profile, setting, pipeline, own, fsdp_rest, budget)
         if cache[key] is None:
             return None
-        blocks += cache[key]
-        start += count
-    return tuple(blocks)
+        choices.update(zip((b for _, blocks in own for b in blocks), cache[key], strict=True))
+    return tuple(choices[b] for b in range(len(layout.blocks)))
 
 
-def plan_stage(layout: ModelLayout, profile: Profile, setting: Setting, blocks: range, stage: int, fsdp_rest: bool,
-               budget: float) -> tuple[BlockStrategy, ...] | None:
-    """The fastest choice per block of one stage within `budget` bytes, or None. Its blocks' weighted time, (m + pp
-    - 1) per micro-batch plus once per step, is minimised; the memory outside the per-block sums (the largest
-    transient, FSDP's gather buffers) is reserved up front at its largest, so the plan never exceeds the budget."""
-    parts, _, transfer_bytes = stage_fixed(profile, layout, setting, blocks, stage == setting.pp - 1, fsdp_rest)
-    held = in_flight(SCHEDULE, setting.pp, setting.microbatches, stage)
-    every = [block_costs(profile, setting, layout, blocks, (choice,) * len(layout.blocks)) for choice in CHOICES]
-    table = [list(row) for row in zip(*every, strict=True)]  # per block, per choice
-    weight, unit = setting.microbatches + setting.pp - 1, budget / MEMORY_STEPS
-    transient = max(c.transient_bytes for c in [*parts, *(c for row in table for c in row)])
-    fixed = sum(c.state_bytes + held * c.activation_bytes for c in parts) + transient + transfer_bytes
+def plan_rank(layout: ModelLayout, profile: Profile, setting: Setting, pipeline: Pipeline,
+              stages: Sequence[tuple[int, range]], fsdp_rest: bool, budget: float) -> tuple[BlockStrategy, ...] | None:
+    """The fastest choice per block of one pipeline rank's stages (stage index, its blocks) within `budget` bytes, or
+    None. Their blocks' weighted time, (m + bubble) per micro-batch plus once per step, is minimised; the memory
+    outside the per-block sums (each stage's largest transient and FSDP's gather buffers, summed over the rank's
+    stages as predict sums them) is reserved up front at its largest, so the plan never exceeds the budget."""
+    n_stages, v = setting.pp * pipeline.virtual_stages, pipeline.virtual_stages
+    per_stage = []  # (held, parts, table: per block, per choice) of each stage
+    fixed = 0.0
+    for stage, blocks in stages:
+        parts, _, transfer_bytes = stage_fixed(profile, layout, setting, blocks, stage == n_stages - 1, fsdp_rest)
+        held = in_flight(pipeline.schedule, setting.pp, setting.microbatches, stage, v)
+        every = [block_costs(profile, setting, layout, blocks, (choice,) * len(layout.blocks)) for choice in CHOICES]
+        table = [list(row) for row in zip(*every, strict=True)]
+        transient = max(c.transient_bytes for c in [*parts, *(c for row in table for c in row)])
+        fixed += sum(c.state_bytes + held * c.activation_bytes for c in parts) + transient + transfer_bytes
+        per_stage.append((held, parts, table))
+    weight = setting.microbatches + (setting.pp - 1) * pipeline.bubble
+    unit = budget / MEMORY_STEPS
     best: tuple[float, tuple[BlockStrategy, ...]] | None = None
     for allow_fsdp in (False, True) if setting.dp > 1 else (False,):
         allowed = [j for j, choice in enumerate(CHOICES) if allow_fsdp or not choice.fsdp]
-        gathered = max(c.gathered_params for c in [*parts, *(row[j] for row in table for j in allowed)])
+        buffers = sum(FSDP_BUFFER_BYTES * max(c.gathered_params for c in [*parts, *(row[j] for row in table
+                                                                                      for j in allowed)])
+                      for _, parts, table in per_stage)
         options = [[Option(weight * row[j].micro_s + row[j].step_s,
                            math.ceil((row[j].state_bytes + held * row[j].activation_bytes) / unit)) for j in allowed]
-                   for row in table]
-        found = cheapest_under(options, math.floor((budget - fixed - FSDP_BUFFER_BYTES * gathered) / unit))
+                   for held, _, table in per_stage for row in table]
+        found = cheapest_under(options, math.floor((budget - fixed - buffers) / unit))
         if found is not None and (best is None or found[0] < best[0]):
             best = found[0], tuple(CHOICES[allowed[j]] for j in found[1])
     return None if best is None else best[1]
