@@ -14,6 +14,7 @@ a batch's work is queued behind the training step before it, not run after it.
 """
 
 import functools
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +22,8 @@ import torch
 from torch import Tensor
 
 from .augment import KINDS, Recipe, erase
+
+log = logging.getLogger("vitctl.data")
 
 # PIL's RGB -> L: (299 R + 587 G + 114 B) / 1000 in 16-bit fixed point, rounded (Convert.c's L24)
 _GREY_WEIGHTS = (19595, 38470, 7471)
@@ -213,8 +216,6 @@ def _sharpness(images: Tensor, factor: Tensor) -> Tensor:
     return _pil_blend(smooth, images, factor)
 
 
-
-
 # ---------------------------------------------------------------- warp
 
 
@@ -267,4 +268,6 @@ _COMPILED = ("warp", "sharpness")
 @functools.cache
 def _compiled(kind: str) -> Callable[..., Tensor]:
     """The op compiled once for any group size of two or more (a group of one would be compiled again, for itself)."""
+    log.info("data: compiling RandAugment's %s for the GPU (once per process: 1-14 s, less from inductor's cache)",
+             kind)
     return torch.compile(_OPS[kind], dynamic=True, fullgraph=True)
