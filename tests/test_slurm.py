@@ -47,6 +47,12 @@ def submit(shards: Path, out: Path, *extra: object) -> str:
     return registry.load_records()[-1].job_id
 
 
+def accounted(job_id: str) -> bool:
+    listed = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobIDRaw"], capture_output=True,
+                            text=True).stdout
+    return job_id in listed.split()
+
+
 def logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
@@ -219,6 +225,10 @@ def test_one_run_folder_takes_one_live_job(prepared_shards, tmp_path):
 @pytest.mark.slow
 def test_a_damaged_registry_gets_its_slurm_jobs_back_from_sacct(prepared_shards, tmp_path):
     job = submit(prepared_shards, tmp_path / "run", "--steps", 2)
+    # slurmctld hands a new job to the accounting daemon a moment after sbatch returns; recovery is from accounting
+    deadline = time.monotonic() + 60
+    while not accounted(job) and time.monotonic() < deadline:
+        time.sleep(0.5)
     registry.registry_path().write_text("[\n {\n  \"job_id\": ")
     registry.backup_path().unlink()
     listed = subprocess.run([Path(sys.executable).parent / "vitctl", "status", job], capture_output=True, text=True,
