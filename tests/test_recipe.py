@@ -118,7 +118,7 @@ def test_the_pil_crop_branch_shows_the_pil_path_s_views_with_its_draws(tmp_path,
     images = ShardImages(table, LoaderSpec(recipe, 7, 0, torch.device("cpu"), "pil-crop"), train)
     for draw in range(8):
         view, _, _, draws = images[(3, 0, draw)]
-        expected = np.asarray(_view(data, recipe, train, sample_rng(7, 3, draw)))
+        expected = np.array(_view(data, recipe, train, sample_rng(7, 3, draw)))
         assert torch.equal(view, torch.from_numpy(expected).permute(2, 0, 1))
         if train:
             reference = draw_sample(data, recipe, sample_rng(7, 3, draw))
