@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from .augment import Recipe
 from .draws import draw_fields, draw_sample
 from .gpu_augment import augment_batch, to_device
 from .images import sample_rng
@@ -30,16 +31,16 @@ from .shards import SampleTable
 _DALI_TYPES = {np.uint8: "UINT8", np.int32: "INT32", np.int64: "INT64", np.float32: "FLOAT"}
 
 
-def _fields(spec: LoaderSpec) -> list[tuple[str, type]]:
-    """The external source's outputs: (name, numpy dtype)."""
-    return [("jpeg", np.uint8), *draw_fields(spec.recipe), ("label", np.int64), ("row", np.int64)]
+def _fields(recipe: Recipe) -> list[tuple[str, type]]:
+    """The external source's outputs for this recipe: (name, numpy dtype)."""
+    return [("jpeg", np.uint8), *draw_fields(recipe), ("label", np.int64), ("row", np.int64)]
 
 
 CROP_INPUTS = ("jpeg", "anchor", "shape", "mirror")  # what the pipeline consumes; the rest passes through it
 
 
-def _passed_through(spec: LoaderSpec) -> list[str]:
-    return [name for name, _ in _fields(spec) if name not in CROP_INPUTS]
+def _passed_through(recipe: Recipe) -> list[str]:
+    return [name for name, _ in _fields(recipe) if name not in CROP_INPUTS]
 
 
 class BatchSource:
@@ -48,7 +49,7 @@ class BatchSource:
 
     def __init__(self, table: SampleTable, plan: EpochPlan, spec: LoaderSpec, epoch: int, sample: int) -> None:
         self.reader, self.plan, self.spec, self.start = ShardReader(table), plan, spec, (epoch, sample)
-        self.fields = [name for name, _ in _fields(spec)]
+        self.fields = [name for name, _ in _fields(spec.recipe)]
         self.orders: dict[int, np.ndarray] = {}
 
     def __call__(self, info) -> tuple[list[np.ndarray], ...]:
@@ -78,7 +79,7 @@ def _train_pipeline(source: BatchSource, batch: int, spec: LoaderSpec, threads: 
     from nvidia.dali import fn, pipeline_def, types
 
     recipe, device_id, workers = spec.recipe, _device_id(spec.device), spec.workers
-    fields = _fields(spec)
+    fields = _fields(recipe)
     interp = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC}[recipe.interpolation]
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, py_num_workers=max(1, workers),
@@ -93,7 +94,7 @@ def _train_pipeline(source: BatchSource, batch: int, spec: LoaderSpec, threads: 
                                          normalized_anchor=False, normalized_shape=False)
         images = fn.resize(images, resize_x=recipe.size, resize_y=recipe.size, interp_type=interp)
         images = fn.flip(images, horizontal=inputs["mirror"])
-        return images, *(inputs[name] for name in _passed_through(spec))
+        return images, *(inputs[name] for name in _passed_through(recipe))
 
     return pipe()
 
@@ -106,7 +107,7 @@ class DaliTrainBatches:
         source = BatchSource(self.table, self.plan, self.spec, epoch, sample)
         pipe = _train_pipeline(source, self.plan.batch, self.spec, self.threads)
         pipe.build()
-        names = _passed_through(self.spec)
+        names = _passed_through(self.spec.recipe)
         while True:
             images, *outputs = pipe.run()
             drawn = {name: np.array(out.as_tensor()) for name, out in zip(names, outputs, strict=True)}

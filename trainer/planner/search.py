@@ -3,6 +3,7 @@ two stages per rank), micro-batch count and division of the blocks into stages, 
 pipeline rank's blocks picks per block {FSDP or replicated} x {checkpoint none, selective, full} for the least time
 whose memory fits the budget; the fastest of these is the plan."""
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -197,8 +198,8 @@ def _with_parts(layout: ModelLayout, profile: Profile, setting: Setting, choice:
 def _plan_ranks(layout: ModelLayout, profile: Profile, setting: Setting, pipeline: Pipeline, stages: tuple[int, ...],
                 fsdp_rest: bool, budget: float, cache: dict) -> tuple[BlockStrategy, ...] | None:
     """Each pipeline rank's plan (rank r runs stages r, r + pp, ...), the blocks' choices in block order."""
-    starts = _prefix(stages)
-    ranges = [range(int(starts[s]), int(starts[s + 1])) for s in range(len(stages))]
+    starts = [0, *itertools.accumulate(stages)]
+    ranges = [range(starts[s], starts[s + 1]) for s in range(len(stages))]
     choices: dict[int, BlockStrategy] = {}
     for rank in range(setting.pp):
         own = tuple((s, ranges[s]) for s in range(rank, len(stages), setting.pp))
