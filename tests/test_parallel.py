@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import CLASSES, ok
 from vitctl.trainer import checkpoint as ckpt
@@ -87,6 +88,31 @@ def test_mesh_shape(parallel, world, dims):
 def test_a_shard_degree_that_does_not_divide_the_ranks_is_refused():
     with pytest.raises(ConfigError, match="parallel.dp_shard=3 does not divide the 4 data-parallel ranks"):
         parallel_dims(strategy_from_config(ParallelConfig(fsdp=True, dp_shard=3), 4), 4)
+
+
+@pytest.mark.parametrize(("mode", "gathered", "block_input"), [
+    ("bf16", torch.bfloat16, torch.float32), ("bf16-pure", torch.bfloat16, torch.bfloat16),
+    ("fp32", torch.float32, torch.float32)])
+def test_fsdp_gathers_what_the_matmuls_run_in_and_reduces_in_fp32(mode, gathered, block_input):
+    """Under bf16 autocast FSDP2 gathers bf16 weights (half an fp32 gather) but leaves the residual stream in fp32
+    as without FSDP; bf16-pure casts the inputs too; the sharded weights and their gradients stay fp32."""
+    from torch.distributed.fsdp import fully_shard
+
+    from vitctl.trainer.precision import Precision
+
+    precision = Precision(mode, torch.device("cpu"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layer = fully_shard(nn.Linear(8, 8), mesh=init_device_mesh("cpu", (1,)), mp_policy=precision.fsdp_policy())
+        seen = {}
+        layer.register_forward_pre_hook(lambda module, args: seen.update(input=args[0].dtype,
+                                                                          weight=module.weight.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
+            layer(torch.randn(4, 8)).float().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert (seen["weight"], seen["input"]) == (gathered, block_input)
+    assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
 
 
 RESHARD = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",

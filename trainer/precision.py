@@ -37,11 +37,14 @@ class Precision:
         return torch.amp.GradScaler(self.device.type) if self.mode == "fp16" else None
 
     def fsdp_policy(self):
-        """FSDP2 keeps fp32 sharded weights; bf16-pure gathers them as bf16. Gradients reduce in fp32 either way
-        (and FSDP2 accumulates unsynchronised micro-batches in the reduce dtype)."""
+        """FSDP2 keeps fp32 sharded weights and gathers them as bf16 where the matmuls run in bf16 (bf16 autocast,
+        bf16-pure): half the bytes of an fp32 gather. Under autocast the inputs stay as they come (the residual
+        stream in fp32, as without FSDP). Gradients reduce in fp32 in every mode (and FSDP2 accumulates
+        unsynchronised micro-batches in the reduce dtype)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.pure else None, reduce_dtype=torch.float32)
+        gathered = torch.bfloat16 if self.pure or self.mode == "bf16" else None
+        return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32, cast_forward_inputs=self.pure)
 
 
 class MasterWeights:
