@@ -5,15 +5,17 @@ Per block and micro-batch: its measured forward and backward (recomputation incl
 mode on one tensor-parallel rank's share, plus 4 all-reduces of its bf16 output within the tensor-parallel group
 (6 when fully checkpointed, the forward runs twice). An FSDP block all-gathers its bf16 weights before the forward
 and again before the backward and reduce-scatters its fp32 gradients beside its compute, which runs slower by the
-measured overlap slowdown meanwhile; FSDP's own work around the block is measured on one rank. Replicated weights
+measured overlap slowdown meanwhile; its compute, FSDP's own work around it and its memory are measured under FSDP2
+on one rank in the same checkpoint mode (checkpointing and FSDP's hooks do not simply add up). Replicated weights
 are all-reduced in fp32 once per step after the backward. A pipeline of pp stages and m micro-batches takes
 (m + pp - 1) times its slowest stage's micro-batch; interleaved, with v stages per rank, (m + (pp - 1) / v) times its
 slowest rank's (the sum of its v stages'), the bubble (pp - 1) / (v m) of the step.
 """
 
+import itertools
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ConfigError
 from ..parallel.strategy import INTERLEAVED, BlockStrategy, Strategy
@@ -75,6 +77,7 @@ class Cost:
     transient_bytes: float  # above its activations while its backward runs
     gathered_params: int  # FSDP: parameters all-gathered for its compute; 0 when replicated
     replicated: bool  # its gradients join the stage's all-reduce after the backward
+    grad_bytes: float = 0.0  # of state_bytes: its fp32 gradients, which the backward allocates and the step frees
 
 
 @dataclass(frozen=True)
@@ -136,27 +139,20 @@ def overlapped(compute_s: float, comm_s: float, slowdown: float) -> float:
     return max(compute_s, comm_s) + (slowdown - 1) * min(compute_s, comm_s)
 
 
-@dataclass(frozen=True)
-class FsdpWork:
-    """What FSDP2 adds around a block per micro-batch, measured on one rank (where its collectives move nothing):
-    its hooks and the copies into and out of its collectives' buffers, and the bf16 casts of its inputs it keeps."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    retained_bytes: float = 0.0
-
-
 def phase_seconds(measured: Measured, batch: int) -> tuple[float, float]:
-    """Forward and backward seconds at `batch`: the device's or, when launching is slower (eager), the host's."""
+    """Forward and backward seconds at `batch`: the device's or, when launching is slower (eager), the host's. The
+    host launches the same kernels at any batch: its line is never taken below its least measurement (a noisy pair
+    of measurements would otherwise extrapolate to almost no host time at a larger batch)."""
     fit = lambda values: at_batch(measured.batch, values, batch)  # noqa: E731
-    return (max(fit(measured.forward_s), fit(measured.forward_host_s)),
-            max(fit(measured.backward_s), fit(measured.backward_host_s)))
+    host = lambda values: max(fit(values), min(values))  # noqa: E731
+    return (max(fit(measured.forward_s), host(measured.forward_host_s)),
+            max(fit(measured.backward_s), host(measured.backward_host_s)))
 
 
 def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, measured: Measured,
-                 tp_s: float = 0.0, work: FsdpWork | None = None) -> Cost:
-    """The cost of a module of `params` (local) parameters, measured as `measured`, held replicated or by FSDP
-    (`work`: what FSDP adds around it, where measured)."""
+                 tp_s: float = 0.0) -> Cost:
+    """The cost of a module of `params` (local) parameters, measured as `measured` (a block: as it is held,
+    replicated or under FSDP), held replicated or by FSDP."""
     forward, backward = phase_seconds(measured, setting.microbatch)
     retained = at_batch(measured.batch, measured.retained_bytes, setting.microbatch)
     transient = max(0.0, at_batch(measured.batch, measured.peak_bytes, setting.microbatch) - retained)
@@ -165,9 +161,7 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
         reduce = collective_s(profile, "all_reduce", dp, crosses, GRAD_BYTES * params, latency=False)
         state = (STATE_BYTES + (REDUCE_BYTES if dp > 1 else 0)) * params
         return Cost(forward + backward + tp_s, reduce + profile.optimizer_s_per_param * params, state, retained,
-                    transient, 0, True)
-    work = work or FsdpWork()
-    forward, backward, retained = forward + work.forward_s, backward + work.backward_s, retained + work.retained_bytes
+                    transient, 0, True, GRAD_BYTES * params)
     gather = collective_s(profile, "all_gather", dp, crosses, GATHERED_BYTES * params)
     scatter = collective_s(profile, "reduce_scatter", dp, crosses, GRAD_BYTES * params)
     slowdown = link(profile, "all_gather", dp, crosses)[1] if dp > 1 else 1.0
@@ -177,26 +171,25 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
         return Cost(micro, scatter + optimizer, (STATE_BYTES / dp + PIPELINE_FSDP_BYTES) * params, retained,
                     transient, params, False)
     micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather + scatter, slowdown) + tp_s
-    return Cost(micro, optimizer, STATE_BYTES / dp * params, retained, transient, params, False)
-
-
-def fsdp_work(profile: Profile, setting: Setting, shape: BlockShape) -> FsdpWork:
-    """A block's time and retained memory under FSDP on one rank, over its plain ones."""
-    sharded, plain = (profile.block(shape.key, setting.tp, "none", fsdp).measured for fsdp in (True, False))
-    (sharded_forward, sharded_backward), (forward, backward) = (phase_seconds(m, setting.microbatch)
-                                                                for m in (sharded, plain))
-    kept = at_batch(sharded.batch, sharded.retained_bytes, setting.microbatch) - \
-        at_batch(plain.batch, plain.retained_bytes, setting.microbatch)
-    return FsdpWork(max(0.0, sharded_forward - forward), max(0.0, sharded_backward - backward), max(0.0, kept))
+    return Cost(micro, optimizer, STATE_BYTES / dp * params, retained, transient, params, False,
+                GRAD_BYTES / dp * params)
 
 
 def block_cost(profile: Profile, setting: Setting, shape: BlockShape, choice: BlockStrategy) -> Cost:
-    block = profile.block(shape.key, setting.tp, choice.checkpoint)
+    block = profile.block(shape.key, setting.tp, choice.checkpoint, choice.fsdp)
+    measured = _without_gathered(block.measured, block.params) if choice.fsdp else block.measured
     all_reduces = 6 if choice.checkpoint == "full" else 4  # 2 in the forward, 2 in the backward, 2 if rerun
     tp_s = all_reduces * collective_s(profile, "all_reduce", setting.tp, False,
                                       TP_BYTES * setting.microbatch * shape.tokens * shape.dim)
-    work = fsdp_work(profile, setting, shape) if choice.fsdp else None
-    return weights_cost(profile, setting, block.params, choice.fsdp, block.measured, tp_s, work)
+    return weights_cost(profile, setting, block.params, choice.fsdp, measured, tp_s)
+
+
+def _without_gathered(measured: Measured, params: int) -> Measured:
+    """An FSDP block's memory as on several ranks: measured on one, FSDP2 keeps the gathered bf16 weights after the
+    forward; on more it frees them until the backward gathers them again (FSDP_BUFFER_BYTES counts the gathers)."""
+    gathered = GATHERED_BYTES * params
+    return replace(measured, retained_bytes=tuple(max(0, b - gathered) for b in measured.retained_bytes),
+                   peak_bytes=tuple(max(0, b - gathered) for b in measured.peak_bytes))
 
 
 def block_costs(profile: Profile, setting: Setting, layout: ModelLayout, blocks: range,
@@ -254,16 +247,35 @@ def stage_fixed(profile: Profile, layout: ModelLayout, setting: Setting, blocks:
     return parts, 2 * send, 2 * boundary  # forward: activation out; backward: its gradient back
 
 
-def stage_prediction(profile: Profile, setting: Setting, costs: Sequence[Cost], transfer_s: float,
-                     transfer_bytes: float, held: int, blocks: range) -> StagePrediction:
-    """A stage from its blocks' and parts' costs, holding `held` micro-batches' activations at once."""
+def stage_prediction(profile: Profile, setting: Setting, blocks_cost: Sequence[Cost], parts: Sequence[Cost],
+                     transfer_s: float, transfer_bytes: float, held: int, blocks: range) -> StagePrediction:
+    """A stage from its blocks' (in forward order) and parts' costs, holding `held` micro-batches' activations at
+    once."""
+    costs = [*blocks_cost, *parts]
     latency = link(profile, "all_reduce", setting.dp, setting.dp_crosses_nodes)[0].latency_s \
         if setting.dp > 1 and any(c.replicated for c in costs) else 0.0  # one all-reduce for all replicated weights
     gathered = max((c.gathered_params for c in costs), default=0)
-    peak = (sum(c.state_bytes for c in costs) + held * sum(c.activation_bytes for c in costs)
-            + max((c.transient_bytes for c in costs), default=0.0) + FSDP_BUFFER_BYTES * gathered + transfer_bytes)
+    peak = held_bytes(blocks_cost, parts, held, setting.pipelined) + FSDP_BUFFER_BYTES * gathered + transfer_bytes
     return StagePrediction(blocks, sum(c.micro_s for c in costs) + transfer_s, sum(c.step_s for c in costs) + latency,
                            peak)
+
+
+def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, pipelined: bool) -> float:
+    """The most a stage holds at once besides FSDP's gather buffers and the transfers. Without a pipeline the
+    backward walks from the last block to the first, allocating each block's gradients as it frees its activations,
+    so that the two never peak together; a pipeline holds other micro-batches' activations beside the gradients
+    (accumulated over micro-batches), so it counts both whole."""
+    every = [*blocks, *parts]
+    state = sum(c.state_bytes for c in every)
+    if pipelined or not blocks:
+        return state + held * sum(c.activation_bytes for c in every) + max((c.transient_bytes for c in every),
+                                                                           default=0.0)
+    fixed = state - sum(c.grad_bytes for c in blocks) + held * sum(c.activation_bytes for c in parts)
+    produced = list(itertools.accumulate(c.grad_bytes for c in reversed(blocks)))[::-1]  # of blocks i.. (backward)
+    kept = list(itertools.accumulate(c.activation_bytes for c in blocks))  # of blocks ..i, not yet freed
+    walk = max(produced[i] + held * kept[i] + c.transient_bytes for i, c in enumerate(blocks))
+    first = held * kept[-1] + max((c.transient_bytes for c in parts), default=0.0)  # the head's backward
+    return fixed + max(walk, first)
 
 
 def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: Cluster,
@@ -278,9 +290,9 @@ def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: 
         blocks = range(start, start + count)
         parts, transfer_s, transfer_bytes = stage_fixed(profile, layout, setting, blocks,
                                                         stage == strategy.n_stages - 1, strategy.fsdp_rest)
-        costs = block_costs(profile, setting, layout, blocks, strategy.blocks) + parts
+        costs = block_costs(profile, setting, layout, blocks, strategy.blocks)
         held = in_flight(strategy.schedule, strategy.pp, strategy.microbatches, stage, strategy.virtual_stages)
-        stages.append(stage_prediction(profile, setting, costs, transfer_s, transfer_bytes, held, blocks))
+        stages.append(stage_prediction(profile, setting, costs, parts, transfer_s, transfer_bytes, held, blocks))
         start += count
     ranks = [stages[rank::strategy.pp] for rank in range(strategy.pp)]
     micro_s = max(sum(s.micro_s for s in own) for own in ranks)

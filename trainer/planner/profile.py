@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -32,8 +32,9 @@ from ..models import MODELS, blocks_of, build_model, default_window, model_error
 from ..models.swin import SwinTransformer
 from ..ops import Ops, resolve
 from ..parallel.strategy import CHECKPOINT, ModelShape
+from ..precision import Precision
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: FSDP measured in every checkpoint mode, under the trainer's policy
 SHIPPED = Path(__file__).parent / "profiles"
 WARMUP, ITERS = 2, 7
 HOST_AHEAD_S = 0.02  # spin the GPU this long before a timed call: longer than any block takes to launch
@@ -118,7 +119,7 @@ class BlockProfile:
     shape: str  # BlockShape.key
     tp: int  # measured on one tensor-parallel rank's share: heads / tp and MLP hidden units / tp
     checkpoint: str
-    fsdp: bool  # measured under FSDP2 on one rank (checkpoint "none" only): the extra time is FSDP's own work
+    fsdp: bool  # measured under FSDP2 on one rank, as the trainer shards it: FSDP's own work and memory included
     params: int  # that share's parameters
     measured: Measured
 
@@ -168,7 +169,7 @@ class Profile:
     def has_tp(self, layout: ModelLayout, tp: int) -> bool:
         """Whether every block shape of `layout` was measured at degree `tp`, in each checkpoint mode and FSDP."""
         measured = {(b.shape, b.tp, b.checkpoint, b.fsdp) for b in self.blocks}
-        return all({(s.key, tp, mode, False) for mode in CHECKPOINT} | {(s.key, tp, "none", True)} <= measured
+        return all({(s.key, tp, mode, fsdp) for mode in CHECKPOINT for fsdp in (False, True)} <= measured
                    for s in layout.blocks)
 
     def to_json(self) -> str:
@@ -177,8 +178,8 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> "Profile":
         raw = json.loads(text)
-        if raw.pop("version", None) != PROFILE_VERSION:
-            raise ValueError(f"not a version-{PROFILE_VERSION} profile")
+        if (version := raw.pop("version", None)) != PROFILE_VERSION:
+            raise ValueError(f"profile version {version}, this vitctl reads version {PROFILE_VERSION}")
         return cls(**{**raw, "blocks": tuple(BlockProfile(**{**b, "measured": _measured(b["measured"])})
                                              for b in raw["blocks"]),
                       "parts": tuple(PartProfile(**{**p, "measured": _measured(p["measured"])}) for p in raw["parts"]),
@@ -221,13 +222,14 @@ def profile_blocks(model_name: str, img_size: int, batch: int, device: torch.dev
                    tp_degrees: Sequence[int] = (1, 2, 4, 8),
                    checkpoints: Sequence[str] = CHECKPOINT) -> tuple[BlockProfile, ...]:
     """Time and memory of one tensor-parallel rank's share of each distinct block, per degree and checkpoint mode,
-    at `batch` and a quarter of it (bf16 autocast on a GPU, fp32 on a CPU); and each share under FSDP2 on a
-    one-rank mesh, whose extra time is FSDP's own work (hooks, copies in and out of its collectives' buffers).
-    Runs FSDP2 in a process group of its own: call it with none initialised."""
+    at `batch` and a quarter of it (bf16 autocast on a GPU, fp32 on a CPU), held replicated and under FSDP2 on a
+    one-rank mesh with the trainer's mixed-precision policy (FSDP's hooks, buffer copies and casts included). Runs
+    FSDP2 in a process group of its own: call it with none initialised."""
     model, layout = _build(model_name, img_size, device), model_layout(model_name, img_size)
     first = {}
     for shape, block in zip(layout.blocks, blocks_of(model), strict=True):
         first.setdefault(shape.key, (shape, block))
+    policy = Precision("bf16" if device.type == "cuda" else "fp32", device).fsdp_policy()
     profiles = []
     with _one_rank_mesh(device) as mesh:
         for key, (shape, block) in first.items():
@@ -235,13 +237,12 @@ def profile_blocks(model_name: str, img_size: int, batch: int, device: torch.dev
             for tp in (t for t in tp_degrees if shape.heads % t == 0 and shape.hidden % t == 0):
                 local = _tp_share(copy.deepcopy(block), tp).train()
                 params = _count(local)
-                for mode in checkpoints:
-                    local.checkpoint = mode
-                    profiles.append(BlockProfile(key, tp, mode, False, params, _measure(local, make, batch, device)))
-                local.checkpoint = "none"
-                sharded = fully_shard(local, mesh=mesh, mp_policy=MixedPrecisionPolicy(
-                    param_dtype=torch.bfloat16 if device.type == "cuda" else None, reduce_dtype=torch.float32))
-                profiles.append(BlockProfile(key, tp, "none", True, params, _measure(sharded, make, batch, device)))
+                for fsdp in (False, True):
+                    if fsdp:
+                        local = fully_shard(local, mesh=mesh, mp_policy=policy)
+                    for mode in checkpoints:
+                        local.checkpoint = mode
+                        profiles.append(BlockProfile(key, tp, mode, fsdp, params, _measure(local, make, batch, device)))
     return tuple(profiles)
 
 

@@ -31,6 +31,10 @@ SCHEDULE = "1f1b"  # holds fewer micro-batches than GPipe for the same bubble
 # Pipelines searched: (schedule, stages per rank). Interleaving with two stages per rank halves the bubble for twice
 # the transfers; more stages per rank add transfers for less and less bubble.
 PIPELINES = ((SCHEDULE, 1), (INTERLEAVED, 2))
+# The dynamic programme adds up every block's gradients and activations, which a backward without a pipeline never
+# holds together (cost.held_bytes): it runs again over these multiples of the budget, each plan kept only where its
+# predicted peak fits the budget itself.
+SLACK = (1.0, 1.15, 1.3, 1.5)
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,9 @@ def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch
     for setting, pipeline, stages in configurations(layout, profile, cluster, global_batch):
         base = Strategy(tp=setting.tp, pp=setting.pp, microbatches=setting.microbatches, schedule=pipeline.schedule,
                         virtual_stages=pipeline.virtual_stages, stages=stages if setting.pipelined else ())
-        for fsdp_rest in (False, True) if setting.dp > 1 else (False,):
-            blocks = _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budget_bytes, stage_cache)
+        for fsdp_rest, slack in itertools.product((False, True) if setting.dp > 1 else (False,), SLACK):
+            blocks = _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budget_bytes * slack,
+                                 stage_cache)
             if blocks is not None and (any(b.fsdp for b in blocks) or not fsdp_rest):  # no FSDP for the rest alone
                 planned = _evaluate("searched", replace(base, blocks=blocks, fsdp_rest=fsdp_rest), layout, profile,
                                     cluster, global_batch, budget_bytes)
@@ -203,7 +208,7 @@ def _plan_ranks(layout: ModelLayout, profile: Profile, setting: Setting, pipelin
     choices: dict[int, BlockStrategy] = {}
     for rank in range(setting.pp):
         own = tuple((s, ranges[s]) for s in range(rank, len(stages), setting.pp))
-        key = (setting, pipeline, own, fsdp_rest)
+        key = (setting, pipeline, own, fsdp_rest, budget)
         if key not in cache:
             cache[key] = plan_rank(layout, profile, setting, pipeline, own, fsdp_rest, budget)
         if cache[key] is None:
