@@ -1,6 +1,7 @@
 """Hybrid parallelism on 4 CPU gloo ranks: every layout (data parallel, FSDP, tensor parallel, pipeline, interleaved
 pipeline, and a layerwise plan mixing them) trains as one process does, in fp32, step for step; a checkpoint saved
-under one layout resumes under another; bad strategies are refused before launch."""
+under one layout resumes under another; bad strategies are refused before launch. On two GPUs (`gpu`): the layouts
+in bf16 with the CUDA ops agree with one GPU to bf16's precision."""
 
 import json
 
@@ -14,10 +15,10 @@ from vitctl.trainer.models import model_shape
 from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy, strategy_problems
 
 STEPS = 10
-COMMON = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",
-          "--set", "augment.cutmix=0", "--set", "data.workers=0", "--set", "train.log_every=1",
-          "--set", "train.checkpoint_every=5", "--set", "train.epochs=20", "--set", "train.eval_every_epochs=100",
-          "--executor", "local", "--gpus", 0]
+SETTINGS = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",
+            "--set", "augment.cutmix=0", "--set", "data.workers=0", "--set", "train.log_every=1",
+            "--set", "train.checkpoint_every=5", "--set", "train.epochs=20", "--set", "train.eval_every_epochs=100"]
+COMMON = [*SETTINGS, "--executor", "local", "--gpus", 0]
 GLOBAL_BATCH = 24
 
 
@@ -133,6 +134,54 @@ def test_a_layerwise_plan_trains_as_one_process_and_resumes_under_another_layout
     train(prepared_shards, out, model, 4, 2, STEPS, "--resume", "--plan", plan_file)
     assert_same_run(reference[model], out)
     assert json.loads((ckpt.list_checkpoints(out)[-1] / "meta.json").read_text())["layout"] == "pp2·fsdp2"
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+BF16_GPU = ["--executor", "local", "--set", "train.precision=bf16", "--set", "train.fused=all",
+            "--set", "train.compile=false"]
+GPU_LAYOUTS = {  # name: (data-parallel degree, --set overrides) on 2 GPUs
+    "dp2": (2, ["parallel.grad_reduce=after_backward"]),
+    "fsdp2": (2, ["parallel.fsdp=true"]),
+    "tp2": (1, ["parallel.tp=2"]),
+    "pp2": (1, ["parallel.pp=2", "parallel.microbatches=2"]),
+    "pp2v2": (1, [*INTERLEAVED, "parallel.microbatches=2"]),
+}
+GPU_CASES = [("vit_mini", layout) for layout in GPU_LAYOUTS] + [("swin_mini", "tp2"), ("swin_mini", "pp2")]
+BF16_LOSS_RTOL, BF16_WEIGHT_ATOL = 5e-3, 4e-3  # about 3x the most seen on two H200s (1.6e-3, 1.1e-3)
+
+
+def train_on_gpus(shards, out, model: str, gpus: int, dp: int, *extra: object) -> None:
+    config = "demo_vit" if model.startswith("vit") else "demo_swin"
+    ok("train", "--config", config, "--set", f"model.name={model}", "--data", shards, "--out", out, "--gpus", gpus,
+       "--batch", GLOBAL_BATCH // dp, "--steps", STEPS, *SETTINGS, *BF16_GPU, *extra)
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(prepared_shards, tmp_path_factory):
+    runs = {}
+    for model in ("vit_mini", "swin_mini"):
+        runs[model] = tmp_path_factory.mktemp("gpu_reference") / model
+        train_on_gpus(prepared_shards, runs[model], model, 1, 1)
+    return runs
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+@pytest.mark.parametrize(("model", "layout"), GPU_CASES)
+def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shards, gpu_reference, tmp_path, model,
+                                                                  layout):
+    """bf16 autocast with the fused CUDA ops on two GPUs (NCCL) against one GPU: the layouts sum in other orders
+    (tensor-parallel partial sums in bf16, reductions over ranks), so they agree to bf16's precision, not bitwise."""
+    dp, overrides = GPU_LAYOUTS[layout]
+    train_on_gpus(prepared_shards, tmp_path / layout, model, 2, dp, *sets(*overrides))
+    ours, reference = tmp_path / layout, gpu_reference[model]
+    weights_a, weights_b = (ckpt.consolidated(ckpt.list_checkpoints(run)[-1], "model") for run in (reference, ours))
+    worst = max((weights_a[k].float() - weights_b[k].float()).abs().max().item() for k in weights_a)
+    loss_gap = max(abs(a - b) / a for a, b in zip(losses(reference), losses(ours), strict=True))
+    print(f"{model} {layout}: losses within {loss_gap:.2e} relative, weights within {worst:.2e}")
+    torch.testing.assert_close(losses(ours), losses(reference), rtol=BF16_LOSS_RTOL, atol=0)
+    torch.testing.assert_close(last_eval(ours)[0], last_eval(reference)[0], rtol=BF16_LOSS_RTOL, atol=0)
+    assert worst <= BF16_WEIGHT_ATOL
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
