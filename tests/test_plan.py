@@ -325,3 +325,21 @@ def test_cli_without_a_profile_on_a_cpu_says_how_to_get_one(tmp_path, monkeypatc
                     "--out", tmp_path / "plan.json")
     assert result.exit_code == 1
     assert "no profile" in result.stderr and "--profile-only" in result.stderr and "--profile" in result.stderr
+
+
+def test_across_nodes_the_search_shards_within_a_node(tmp_path):
+    """2 nodes x 4 GPUs, ten times slower between nodes: HSDP (FSDP within each node, replicated across) moves a
+    quarter of the gradients between nodes that FSDP over all 8 ranks or DDP would, so it is predicted fastest though
+    it holds twice FSDP's weights; the search shards within a node, and its plan loads and passes the checks."""
+    profile, cluster, batch = hand_made_profile(), Cluster(nodes=2, gpus=4), 64
+    rows = {u.name: u for u in search(LAYOUT, profile, cluster, batch, 80 * GIB).uniform}
+    hsdp, fsdp = rows["HSDP"], rows["FSDP"]
+    assert hsdp.strategy.layout(8) == "dp2·fsdp4" and fsdp.strategy.layout(8) == "fsdp8"
+    assert hsdp.prediction.step_s < min(fsdp.prediction.step_s, rows["DDP"].prediction.step_s)
+    assert hsdp.prediction.peak_bytes > fsdp.prediction.peak_bytes
+    best = search(LAYOUT, profile, cluster, batch, 0.5 * rows["DDP"].prediction.peak_bytes).best
+    assert best.strategy.dp_shard == 4 and best.strategy.fsdp
+    path = tmp_path / "plan.json"
+    path.write_text(best.strategy.to_json("vit_mini", cluster.world))
+    loaded = read_plan(path, ParallelConfig(), len(LAYOUT.blocks))
+    assert loaded == best.strategy and strategy_problems(loaded, LAYOUT.shape(), 8, batch // 8) == []

@@ -44,11 +44,13 @@ class Strategy:
         return self.pp * self.virtual_stages
 
     def layout(self, world_size: int) -> str:
-        """Short form for tables and `vitctl status`, e.g. `pp2·tp2·fsdp4` (`pp2v2`: 2 stages per pipeline rank)."""
+        """Short form for tables and `vitctl status`, e.g. `pp2·tp2·fsdp4` (`pp2v2`: 2 stages per pipeline rank;
+        `dp2·fsdp8`: HSDP, shards of 8 ranks replicated twice)."""
         dp = world_size // (self.tp * self.pp)
         pipeline = f"pp{self.pp}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        shard = (dp if self.dp_shard == -1 else self.dp_shard) if self.fsdp else 1
         parts = [pipeline if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
-                 (f"fsdp{dp}" if self.fsdp else f"dp{dp}") if dp > 1 else ""]
+                 f"dp{dp // shard}" if dp // shard > 1 else "", f"fsdp{shard}" if self.fsdp and shard > 1 else ""]
         return "·".join(p for p in parts if p) or "1 rank"
 
     def stage_blocks(self, n_blocks: int) -> tuple[int, ...]:

@@ -52,6 +52,7 @@ class Setting:
     pp: int
     microbatches: int
     microbatch: int  # samples per micro-batch
+    dp_shard: int = -1  # ranks an FSDP block shards over (-1: all data-parallel ranks), replicated over the rest
 
     @property
     def dp(self) -> int:
@@ -60,6 +61,14 @@ class Setting:
     @property
     def dp_crosses_nodes(self) -> bool:  # a data-parallel group is dp ranks tp apart: dp * tp consecutive ranks
         return self.dp * self.tp > self.cluster.gpus
+
+    @property
+    def shard(self) -> int:
+        return self.dp if self.dp_shard == -1 else self.dp_shard
+
+    @property
+    def shard_crosses_nodes(self) -> bool:  # the shard ranks are the innermost data-parallel ones
+        return self.shard * self.tp > self.cluster.gpus
 
     @property
     def pipelined(self) -> bool:
@@ -162,17 +171,20 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
         state = (STATE_BYTES + (REDUCE_BYTES if dp > 1 else 0)) * params
         return Cost(forward + backward + tp_s, reduce + profile.optimizer_s_per_param * params, state, retained,
                     transient, 0, True, GRAD_BYTES * params)
-    gather = collective_s(profile, "all_gather", dp, crosses, GATHERED_BYTES * params)
-    scatter = collective_s(profile, "reduce_scatter", dp, crosses, GRAD_BYTES * params)
-    slowdown = link(profile, "all_gather", dp, crosses)[1] if dp > 1 else 1.0
-    optimizer = profile.optimizer_s_per_param * params / dp
+    shard, inner = setting.shard, setting.shard_crosses_nodes
+    gather = collective_s(profile, "all_gather", shard, inner, GATHERED_BYTES * params)
+    # HSDP: each rank's reduced shard is then all-reduced over the replicas (across nodes when the shards are not)
+    scatter = collective_s(profile, "reduce_scatter", shard, inner, GRAD_BYTES * params) + \
+        collective_s(profile, "all_reduce", dp // shard, crosses, GRAD_BYTES * params / shard)
+    slowdown = link(profile, "all_gather", shard, inner)[1] if shard > 1 else 1.0
+    optimizer = profile.optimizer_s_per_param * params / shard
     if setting.pipelined:  # the reduce-scatter waits for the last micro-batch (see PIPELINE_FSDP_BYTES)
         micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather, slowdown) + tp_s
-        return Cost(micro, scatter + optimizer, (STATE_BYTES / dp + PIPELINE_FSDP_BYTES) * params, retained,
+        return Cost(micro, scatter + optimizer, (STATE_BYTES / shard + PIPELINE_FSDP_BYTES) * params, retained,
                     transient, params, False)
     micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather + scatter, slowdown) + tp_s
-    return Cost(micro, optimizer, STATE_BYTES / dp * params, retained, transient, params, False,
-                GRAD_BYTES / dp * params)
+    return Cost(micro, optimizer, STATE_BYTES / shard * params, retained, transient, params, False,
+                GRAD_BYTES / shard * params)
 
 
 def block_cost(profile: Profile, setting: Setting, shape: BlockShape, choice: BlockStrategy) -> Cost:
@@ -284,7 +296,7 @@ def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: 
     one after another and holds all their memory (their transients summed: an upper bound)."""
     dp = cluster.world // (strategy.tp * strategy.pp)
     setting = Setting(cluster, strategy.tp, strategy.pp, strategy.microbatches,
-                      global_batch // dp // strategy.microbatches)
+                      global_batch // dp // strategy.microbatches, strategy.dp_shard)
     stages, start = [], 0
     for stage, count in enumerate(strategy.stage_blocks(len(layout.blocks))):
         blocks = range(start, start + count)

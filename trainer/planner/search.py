@@ -66,7 +66,7 @@ class Planned:
 @dataclass(frozen=True)
 class SearchResult:
     best: Planned | None  # None: no strategy fits the budget
-    uniform: tuple[Planned, ...]  # DDP, FSDP, FSDP + full checkpointing, TP + FSDP, PP
+    uniform: tuple[Planned, ...]  # DDP, FSDP, FSDP + full checkpointing, HSDP, TP + FSDP, PP
     least: Planned | None  # the strategy needing the least memory of all searched
 
 
@@ -100,8 +100,9 @@ def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch
     stage_cache: dict[tuple, tuple[BlockStrategy, ...] | None] = {}
     best = least = None
     for setting, pipeline, stages in configurations(layout, profile, cluster, global_batch):
-        base = Strategy(tp=setting.tp, pp=setting.pp, microbatches=setting.microbatches, schedule=pipeline.schedule,
-                        virtual_stages=pipeline.virtual_stages, stages=stages if setting.pipelined else ())
+        base = Strategy(tp=setting.tp, pp=setting.pp, dp_shard=setting.dp_shard, microbatches=setting.microbatches,
+                        schedule=pipeline.schedule, virtual_stages=pipeline.virtual_stages,
+                        stages=stages if setting.pipelined else ())
         for fsdp_rest, slack in itertools.product((False, True) if setting.dp > 1 else (False,), SLACK):
             blocks = _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budget_bytes * slack,
                                  stage_cache)
@@ -127,11 +128,19 @@ def configurations(layout: ModelLayout, profile: Profile, cluster: Cluster,
             dp = cluster.world // (tp * pp)
             if global_batch % dp:
                 continue
-            for m in microbatch_counts(pp, global_batch // dp):
-                setting = Setting(cluster, tp, pp, m, global_batch // dp // m)
+            counts = microbatch_counts(pp, global_batch // dp)
+            for m, shard in itertools.product(counts, shard_degrees(cluster, tp, dp)):
+                setting = Setting(cluster, tp, pp, m, global_batch // dp // m, shard)
                 for pipeline in pipelines(pp, len(layout.blocks)):
                     for stages in divisions(layout, profile, setting, pipeline):
                         yield setting, pipeline, stages
+
+
+def shard_degrees(cluster: Cluster, tp: int, dp: int) -> list[int]:
+    """FSDP over every data-parallel rank (-1), and, where those span nodes, HSDP: shards within a node (its GPUs
+    over tp), replicated across nodes."""
+    node = cluster.gpus // tp
+    return [-1] + ([node] if dp * tp > cluster.gpus and node > 1 and dp % node == 0 else [])
 
 
 def pipelines(pp: int, n_blocks: int) -> list[Pipeline]:
@@ -253,12 +262,15 @@ def plan_rank(layout: ModelLayout, profile: Profile, setting: Setting, pipeline:
 
 def uniform(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch: int,
             budget: float) -> tuple[Planned, ...]:
-    """The one-setting-for-all strategies, predicted: DDP, FSDP, FSDP + full checkpointing, TP (the most within a
-    node) + FSDP, and a pipeline over each node's GPUs (the micro-batch count that does best)."""
+    """The one-setting-for-all strategies, predicted: DDP, FSDP, FSDP + full checkpointing, HSDP (on several nodes:
+    shards within a node), TP (the most within a node) + FSDP, and a pipeline over each node's GPUs (the micro-batch
+    count that does best)."""
     every = lambda fsdp, checkpoint: (BlockStrategy(fsdp, checkpoint),) * len(layout.blocks)  # noqa: E731
     rows = [("DDP", Strategy(blocks=every(False, "none"))),
             ("FSDP", Strategy(blocks=every(True, "none"), fsdp_rest=True)),
             ("FSDP + full checkpointing", Strategy(blocks=every(True, "full"), fsdp_rest=True))]
+    if (hsdp := shard_degrees(cluster, 1, cluster.world)[-1]) != -1:
+        rows.append(("HSDP", Strategy(dp_shard=hsdp, blocks=every(True, "none"), fsdp_rest=True)))
     if (tp := max(tp_degrees(layout, profile, cluster), default=1)) > 1:
         rows.append((f"TP{tp} + FSDP", Strategy(tp=tp, blocks=every(True, "none"), fsdp_rest=True)))
     planned = [_evaluate(name, s, layout, profile, cluster, global_batch, budget) for name, s in rows]
