@@ -196,14 +196,16 @@ def _collective_from_dict(c: dict[str, Any]) -> CollectiveProfile:
                                 "fits": {op: LinkFit(**f) for op, f in c["fits"].items()}})
 
 
-def read_profile(path: Path) -> Profile:
+def read_profile(path: Path, model: str, img_size: int) -> Profile:
+    """The profile at `path`; a ConfigError saying how to measure one of `model` at `img_size` where it is not."""
+    measure = f"`vitctl plan --profile-only --model {model} --img-size {img_size}` on a GPU node"
     try:
         return Profile.from_json(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--profile {path} does not exist; write one with `vitctl plan --profile-only`") from None
+        raise ConfigError(f"profile {path} does not exist; measure one with {measure}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--profile {path} is not a profile ({e}); measure it again with "
-                          f"`vitctl plan --profile-only`") from None
+        raise ConfigError(f"profile {path} is not a profile this vitctl reads ({e}); measure it again with "
+                          f"{measure} (it replaces the cached one) and pass that file with --profile") from None
 
 
 def device_name(device: torch.device) -> str:
