@@ -68,6 +68,9 @@ INTERLEAVED = ["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.
 LAYOUTS = {  # name: (data-parallel degree, --set overrides)
     "dp4": (4, ["parallel.grad_reduce=after_backward"]),
     "fsdp4": (4, ["parallel.fsdp=true"]),
+    # no pipeline, each rank's batch of 6 in micro-batches whose gradients accumulate before the reduction
+    "dp4-m3": (4, ["parallel.grad_reduce=after_backward", "parallel.microbatches=3"]),
+    "fsdp4-m2": (4, ["parallel.fsdp=true", "parallel.microbatches=2"]),
     "tp2-dp2": (2, ["parallel.tp=2"]),
     "pp2-dp2": (2, ["parallel.pp=2", "parallel.microbatches=2"]),
     "pp2-tp2": (1, ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4", "parallel.schedule=gpipe"]),
@@ -188,6 +191,7 @@ def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shard
     (["parallel.tp=3"], "parallel.tp=3 x parallel.pp=1 = 3 does not divide the 4 ranks"),
     (["parallel.tp=4"], "parallel.tp=4 must divide every block's attention heads and MLP width; vit_micro has 3"),
     (["parallel.pp=2", "parallel.microbatches=5"], "data.batch_size 6 does not divide into parallel.microbatches=5"),
+    (["parallel.microbatches=4"], "data.batch_size 6 does not divide into parallel.microbatches=4"),
     (["parallel.pp=2", "parallel.microbatches=1"], "the 1f1b schedule needs at least parallel.pp=2 micro-batches"),
     (["parallel.pp=2", "parallel.stages=[1,1]", "parallel.microbatches=2"],
      "parallel.stages [1, 1] must give 2 stages of at least one block each, 4 blocks in all"),
@@ -222,8 +226,7 @@ VIT_MINI = model_shape(ModelConfig(name="vit_mini"))  # 4 blocks
     (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=2, stages=(2, 2)),
      "parallel.stages [2, 2] must give 4 stages (parallel.pp=2 x parallel.virtual_stages=2) of at least one block "
      "each, 4 blocks in all"),
-    (Strategy(virtual_stages=2), "parallel.microbatches, parallel.stages and parallel.virtual_stages need "
-                                 "parallel.pp > 1 (accumulation: optim.accum_steps)"),
+    (Strategy(virtual_stages=2), "parallel.stages and parallel.virtual_stages need parallel.pp > 1"),
     (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=0, microbatches=2),
      "parallel.tp, parallel.pp, parallel.microbatches and parallel.virtual_stages must each be at least 1"),
 ])

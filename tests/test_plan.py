@@ -160,7 +160,7 @@ def _summed_peak(profile, setting: Setting, choices: tuple[BlockStrategy, ...]) 
     blocks = range(len(LAYOUT.blocks))
     costs = block_costs(profile, setting, LAYOUT, blocks, choices)
     parts, _, _ = stage_fixed(profile, LAYOUT, setting, blocks, True, False)
-    return held_bytes(costs, parts, 1, pipelined=True) + \
+    return held_bytes(costs, parts, 1, accumulates=True) + \
         FSDP_BUFFER_BYTES * max(c.gathered_params for c in [*costs, *parts])
 
 
@@ -191,6 +191,20 @@ def test_the_predicted_peak_never_holds_all_gradients_and_activations_at_once():
     assert summed - min(gradients, activations) <= peak < summed
     best = search(LAYOUT, profile, CLUSTER, BATCH, (peak + summed) / 2).best
     assert best.strategy == Strategy(blocks=ddp)
+
+
+@pytest.mark.parametrize("share", [0.2, 0.3, 0.5])
+def test_short_memory_splits_the_batch_into_accumulated_micro_batches(share):
+    """One GPU, a fraction of DDP's memory: the plan is the fastest of every checkpoint choice x micro-batch count
+    (1, 2, 4, 8 slices of the batch, gradients accumulated) that fits, and it splits the batch."""
+    profile, cluster, batch = hand_made_profile(latency_s=0.0), Cluster(1, 1), 32
+    budget = share * predict(Strategy(blocks=(BlockStrategy(),) * 4), LAYOUT, profile, cluster, batch).peak_bytes
+    best = search(LAYOUT, profile, cluster, batch, budget).best
+    predictions = [predict(Strategy(microbatches=m, blocks=tuple(BlockStrategy(False, c) for c in modes)), LAYOUT,
+                           profile, cluster, batch) for m in (1, 2, 4, 8)
+                   for modes in itertools.product(CHECKPOINT, repeat=len(LAYOUT.blocks))]
+    assert best.strategy.microbatches > 1 and best.prediction.peak_bytes <= budget
+    assert best.prediction.step_s == pytest.approx(min(p.step_s for p in predictions if p.peak_bytes <= budget))
 
 
 def test_interleaving_shrinks_the_predicted_bubble():

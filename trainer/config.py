@@ -116,7 +116,8 @@ class ParallelConfig:
     grad_reduce: str = "auto"
     tp: int = 1  # tensor-parallel degree: each block's heads and MLP split over this many ranks of a node
     pp: int = 1  # pipeline ranks, each running virtual_stages stages (one, but under interleaved_1f1b)
-    microbatches: int = 1  # with pp: micro-batches per step, each data.batch_size / microbatches samples
+    microbatches: int = 1  # per step, each data.batch_size / microbatches samples: through the pipeline, or
+    # without one, run in turn with their gradients accumulated (less activation memory, the same batch)
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b
     virtual_stages: int = 1  # with interleaved_1f1b: stages per pipeline rank (rank r runs stages r, r + pp, ...)
     stages: list[int] = field(default_factory=list)  # blocks per stage, pp x virtual_stages; empty: even

@@ -122,8 +122,10 @@ class Trainer:
         _seed(config.train.seed + self.mesh.dp_rank)
         if self.mesh.pp_rank:
             torch.manual_seed(config.train.seed + self.mesh.dp_rank + 7919 * self.mesh.pp_rank)
+        # Without a pipeline, parallel.microbatches splits each batch; its gradients accumulate like accum_steps'.
+        self.chunks = self.strategy.microbatches if self.strategy.pp == 1 else 1
         self.par = parallelize(model, self.mesh, self.strategy, self.precision, config.train,
-                               config.parallel.grad_reduce, config.optim.accum_steps, env.device,
+                               config.parallel.grad_reduce, config.optim.accum_steps * self.chunks, env.device,
                                lambda part: self._init_weights(part, pretrained))
         groups = param_groups(self.par.weights, config.optim.weight_decay, config.optim.layer_decay)
         self.optimizer = build_optimizer(groups, config.optim, self.ops, config.optim.lr)
@@ -238,10 +240,10 @@ class Trainer:
     # ---------------------------------------------------------------- steps
 
     def train_step(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """One optimizer step over accum_steps batches: (mean loss, gradient norm or None, seconds waiting for
-        data). The loss and norm stay on the device: nothing here waits for the GPU."""
-        accum, total, waited = self.c.optim.accum_steps, None, 0.0
-        for micro in range(accum):
+        """One optimizer step over accum_steps batches, each in `chunks` micro-batches: (mean loss, gradient norm or
+        None, seconds waiting for data). The loss and norm stay on the device: nothing here waits for the GPU."""
+        micros, total, waited = self.c.optim.accum_steps * self.chunks, None, 0.0
+        for batch in range(self.c.optim.accum_steps):
             start = time.perf_counter()
             images, labels, _ = next(batches)
             waited += time.perf_counter() - start
@@ -249,11 +251,13 @@ class Trainer:
                 images, labels = self.mixup(images, labels)
             if self.par.input_dtype is not None:
                 images = images.to(self.par.input_dtype)
-            self._graph_step_begin()
-            loss = self.par.forward_backward(images, labels, lambda logits, y: self.loss_fn(logits.float(), y) / accum,
-                                             self._backward, sync=micro == accum - 1)
-            # Summed at once: under CUDA graphs `loss` is a graph output that the next replay overwrites.
-            total = loss.clone() if total is None else total.add_(loss)
+            for chunk, (x, y) in enumerate(zip(images.chunk(self.chunks), labels.chunk(self.chunks), strict=True)):
+                micro = batch * self.chunks + chunk
+                self._graph_step_begin()
+                loss = self.par.forward_backward(x, y, lambda logits, t: self.loss_fn(logits.float(), t) / micros,
+                                                 self._backward, sync=micro == micros - 1)
+                # Summed at once: under CUDA graphs `loss` is a graph output that the next replay overwrites.
+                total = loss.clone() if total is None else total.add_(loss)
         norm = self._optimizer_step()
         self.optimizer.zero_grad()  # set_to_none is the default; apex's FusedAdam takes no argument
         if self.ema:

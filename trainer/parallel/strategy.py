@@ -27,7 +27,7 @@ class Strategy:
     tp: int = 1  # tensor-parallel degree (heads and MLP hidden units split), inside a node
     pp: int = 1  # ranks of a pipeline, each running virtual_stages of its stages
     dp_shard: int = -1  # ranks an FSDP block's weights are sharded over (-1: every data-parallel rank)
-    microbatches: int = 1  # per step and pipeline, each a slice of the rank's batch
+    microbatches: int = 1  # per step and pipeline (without one: gradients accumulated), each a slice of the batch
     schedule: str = "1f1b"
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b): rank r runs stages r, r + pp, r + 2pp...
     stages: tuple[int, ...] = ()  # blocks per stage, n_stages entries; () = as even as possible
@@ -144,10 +144,11 @@ def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_siz
 
 
 def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]:
-    if s.pp == 1:
-        return [] if s.microbatches == 1 and not s.stages and s.virtual_stages == 1 else \
-            ["parallel.microbatches, parallel.stages and parallel.virtual_stages need parallel.pp > 1 (accumulation: "
-             "optim.accum_steps)"]
+    divides = [] if batch_size % s.microbatches == 0 else \
+        [f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}"]
+    if s.pp == 1:  # micro-batches without a pipeline: the batch split, the gradients accumulated
+        return divides + ([] if not s.stages and s.virtual_stages == 1 else
+                          ["parallel.stages and parallel.virtual_stages need parallel.pp > 1"])
     count = s.n_stages
     described = f"{count} stages (parallel.pp={s.pp} x parallel.virtual_stages={s.virtual_stages})" \
         if s.virtual_stages > 1 else f"{count} stages"
@@ -158,9 +159,7 @@ def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]
     if s.stages and (len(s.stages) != count or sum(s.stages) != n_blocks or min(s.stages) < 1):
         problems.append(f"parallel.stages {list(s.stages)} must give {described} of at least one block each, "
                         f"{n_blocks} blocks in all")
-    if batch_size % s.microbatches:
-        problems.append(f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}")
-    return problems
+    return problems + divides
 
 
 def _schedule_problems(s: Strategy) -> list[str]:

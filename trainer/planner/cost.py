@@ -74,6 +74,11 @@ class Setting:
     def pipelined(self) -> bool:
         return self.pp > 1
 
+    @property
+    def accumulates(self) -> bool:
+        """Gradients live across micro-batches: a pipeline's, or micro-batches run in turn without one."""
+        return self.microbatches > 1
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -178,10 +183,12 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
         collective_s(profile, "all_reduce", dp // shard, crosses, GRAD_BYTES * params / shard)
     slowdown = link(profile, "all_gather", shard, inner)[1] if shard > 1 else 1.0
     optimizer = profile.optimizer_s_per_param * params / shard
-    if setting.pipelined:  # the reduce-scatter waits for the last micro-batch (see PIPELINE_FSDP_BYTES)
+    if setting.accumulates:  # the reduce-scatter waits for the last micro-batch; until then the unreduced gradient
+        # is held (fp32), and a pipeline keeps the gathered weights too (PIPELINE_FSDP_BYTES)
+        held = PIPELINE_FSDP_BYTES if setting.pipelined else GRAD_BYTES
         micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather, slowdown) + tp_s
-        return Cost(micro, scatter + optimizer, (STATE_BYTES / shard + PIPELINE_FSDP_BYTES) * params, retained,
-                    transient, params, False)
+        return Cost(micro, scatter + optimizer, (STATE_BYTES / shard + held) * params, retained, transient, params,
+                    False)
     micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather + scatter, slowdown) + tp_s
     return Cost(micro, optimizer, STATE_BYTES / shard * params, retained, transient, params, False,
                 GRAD_BYTES / shard * params)
@@ -267,19 +274,19 @@ def stage_prediction(profile: Profile, setting: Setting, blocks_cost: Sequence[C
     latency = link(profile, "all_reduce", setting.dp, setting.dp_crosses_nodes)[0].latency_s \
         if setting.dp > 1 and any(c.replicated for c in costs) else 0.0  # one all-reduce for all replicated weights
     gathered = max((c.gathered_params for c in costs), default=0)
-    peak = held_bytes(blocks_cost, parts, held, setting.pipelined) + FSDP_BUFFER_BYTES * gathered + transfer_bytes
+    peak = held_bytes(blocks_cost, parts, held, setting.accumulates) + FSDP_BUFFER_BYTES * gathered + transfer_bytes
     return StagePrediction(blocks, sum(c.micro_s for c in costs) + transfer_s, sum(c.step_s for c in costs) + latency,
                            peak)
 
 
-def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, pipelined: bool) -> float:
-    """The most a stage holds at once besides FSDP's gather buffers and the transfers. Without a pipeline the
-    backward walks from the last block to the first, allocating each block's gradients as it frees its activations,
-    so that the two never peak together; a pipeline holds other micro-batches' activations beside the gradients
-    (accumulated over micro-batches), so it counts both whole."""
+def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, accumulates: bool) -> float:
+    """The most a stage holds at once besides FSDP's gather buffers and the transfers. With one micro-batch per step
+    the backward walks from the last block to the first, allocating each block's gradients as it frees its
+    activations, so that the two never peak together; with more, a micro-batch's activations live beside the
+    gradients accumulated from the ones before, so it counts both whole."""
     every = [*blocks, *parts]
     state = sum(c.state_bytes for c in every)
-    if pipelined or not blocks:
+    if accumulates or not blocks:
         return state + held * sum(c.activation_bytes for c in every) + max((c.transient_bytes for c in every),
                                                                            default=0.0)
     fixed = state - sum(c.grad_bytes for c in blocks) + held * sum(c.activation_bytes for c in parts)

@@ -158,9 +158,8 @@ def tp_degrees(layout: ModelLayout, profile: Profile, cluster: Cluster) -> list[
 
 
 def microbatch_counts(pp: int, per_rank_batch: int) -> list[int]:
-    """1 without a pipeline; else pp, 2pp, 4pp and 8pp micro-batches, those that divide the rank's batch."""
-    if pp == 1:
-        return [1]
+    """pp, 2pp, 4pp and 8pp micro-batches (without a pipeline 1, 2, 4 and 8, run in turn with their gradients
+    accumulated), those that divide the rank's batch."""
     return [m for m in (pp << i for i in range(4)) if per_rank_batch % m == 0]
 
 
