@@ -4,10 +4,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner, Result
 
 from vitctl.cli.main import cli
 from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 5, 12, 4
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import CLASSES, ok, vitctl
+from conftest import CLASSES, TWO_GPUS, ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ModelConfig
 from vitctl.trainer.models import model_shape
@@ -139,7 +139,6 @@ def test_a_layerwise_plan_trains_as_one_process_and_resumes_under_another_layout
     assert json.loads((ckpt.list_checkpoints(out)[-1] / "meta.json").read_text())["layout"] == "pp2·fsdp2"
 
 
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 BF16_GPU = ["--executor", "local", "--set", "train.precision=bf16", "--set", "train.fused=all",
             "--set", "train.compile=false"]
 GPU_LAYOUTS = {  # name: (data-parallel degree, --set overrides) on 2 GPUs

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import CLASSES, ok
+from conftest import CLASSES, TWO_GPUS, ok
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, ParallelConfig
 from vitctl.trainer.parallel import ParallelDims, build_mesh, parallel_dims
@@ -23,7 +23,6 @@ from vitctl.trainer.parallel.strategy import strategy_from_config
 from vitctl.trainer.precision import MasterWeights
 
 WORLD = 2
-TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
 def _bf16_replicated_rank(rank: int, init: str, results: dict, backend: str, reduce: str) -> None:

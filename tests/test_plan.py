@@ -170,7 +170,8 @@ def test_stage_search_equals_brute_force_over_sharding_and_checkpointing(budget_
     mode whose summed memory fits; its predicted peak, which counts the backward's order, fits too."""
     profile, budget = hand_made_profile(latency_s=0.0), budget_gib * GIB
     setting = Setting(CLUSTER, tp=1, pp=1, microbatches=1, microbatch=BATCH // CLUSTER.world)
-    blocks = plan_rank(LAYOUT, profile, setting, Pipeline("1f1b", 1), ((0, range(len(LAYOUT.blocks))),), False, budget)
+    [blocks] = plan_rank(LAYOUT, profile, setting, Pipeline("1f1b", 1), ((0, range(len(LAYOUT.blocks))),), False,
+                         [budget])
     planned = predict(Strategy(blocks=blocks), LAYOUT, profile, CLUSTER, BATCH)
     fitting = [predict(Strategy(blocks=choices), LAYOUT, profile, CLUSTER, BATCH).step_s
                for choices in itertools.product(CHOICES, repeat=len(LAYOUT.blocks))
@@ -230,7 +231,7 @@ def test_rank_search_equals_brute_force_over_an_interleaved_pipeline(budget_gib)
     fitting = [p.step_s for p in map(interleaved, itertools.product(CHOICES, repeat=len(LAYOUT.blocks)))
                if p.peak_bytes <= budget]
     ranks = [plan_rank(LAYOUT, profile, setting, pipeline, ((r, range(r, r + 1)), (r + 2, range(r + 2, r + 3))),
-                       False, budget) for r in (0, 1)]
+                       False, [budget])[0] for r in (0, 1)]
     if not fitting:
         assert None in ranks
         return

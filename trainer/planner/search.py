@@ -103,10 +103,11 @@ def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch
         base = Strategy(tp=setting.tp, pp=setting.pp, dp_shard=setting.dp_shard, microbatches=setting.microbatches,
                         schedule=pipeline.schedule, virtual_stages=pipeline.virtual_stages,
                         stages=stages if setting.pipelined else ())
-        for fsdp_rest, slack in itertools.product((False, True) if setting.dp > 1 else (False,), SLACK):
-            blocks = _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budget_bytes * slack,
-                                 stage_cache)
-            if blocks is not None and (any(b.fsdp for b in blocks) or not fsdp_rest):  # no FSDP for the rest alone
+        budgets = tuple(budget_bytes * slack for slack in SLACK)
+        for fsdp_rest in (False, True) if setting.dp > 1 else (False,):
+            for blocks in _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budgets, stage_cache):
+                if blocks is None or (fsdp_rest and not any(b.fsdp for b in blocks)):  # no FSDP for the rest alone
+                    continue
                 planned = _evaluate("searched", replace(base, blocks=blocks, fsdp_rest=fsdp_rest), layout, profile,
                                     cluster, global_batch, budget_bytes)
                 if planned.fits and (best is None or planned.prediction.step_s < best.prediction.step_s):
@@ -209,28 +210,33 @@ def _with_parts(layout: ModelLayout, profile: Profile, setting: Setting, choice:
 
 
 def _plan_ranks(layout: ModelLayout, profile: Profile, setting: Setting, pipeline: Pipeline, stages: tuple[int, ...],
-                fsdp_rest: bool, budget: float, cache: dict) -> tuple[BlockStrategy, ...] | None:
-    """Each pipeline rank's plan (rank r runs stages r, r + pp, ...), the blocks' choices in block order."""
+                fsdp_rest: bool, budgets: tuple[float, ...], cache: dict) -> list[tuple[BlockStrategy, ...] | None]:
+    """Per budget, each pipeline rank's plan (rank r runs stages r, r + pp, ...) put together, the blocks' choices
+    in block order; None where some rank has none."""
     starts = [0, *itertools.accumulate(stages)]
     ranges = [range(starts[s], starts[s + 1]) for s in range(len(stages))]
-    choices: dict[int, BlockStrategy] = {}
+    plans: list[dict[int, BlockStrategy] | None] = [{} for _ in budgets]
     for rank in range(setting.pp):
         own = tuple((s, ranges[s]) for s in range(rank, len(stages), setting.pp))
-        key = (setting, pipeline, own, fsdp_rest, budget)
+        key = (setting, pipeline, own, fsdp_rest, budgets)
         if key not in cache:
-            cache[key] = plan_rank(layout, profile, setting, pipeline, own, fsdp_rest, budget)
-        if cache[key] is None:
-            return None
-        choices.update(zip((b for _, blocks in own for b in blocks), cache[key], strict=True))
-    return tuple(choices[b] for b in range(len(layout.blocks)))
+            cache[key] = plan_rank(layout, profile, setting, pipeline, own, fsdp_rest, budgets)
+        for i, found in enumerate(cache[key]):
+            if found is None or plans[i] is None:
+                plans[i] = None
+            else:
+                plans[i].update(zip((b for _, blocks in own for b in blocks), found, strict=True))
+    return [None if p is None else tuple(p[b] for b in range(len(layout.blocks))) for p in plans]
 
 
 def plan_rank(layout: ModelLayout, profile: Profile, setting: Setting, pipeline: Pipeline,
-              stages: Sequence[tuple[int, range]], fsdp_rest: bool, budget: float) -> tuple[BlockStrategy, ...] | None:
-    """The fastest choice per block of one pipeline rank's stages (stage index, its blocks) within `budget` bytes, or
-    None. Their blocks' weighted time, (m + bubble) per micro-batch plus once per step, is minimised; the memory
-    outside the per-block sums (each stage's largest transient and FSDP's gather buffers, summed over the rank's
-    stages as predict sums them) is reserved up front at its largest, so the plan never exceeds the budget."""
+              stages: Sequence[tuple[int, range]], fsdp_rest: bool,
+              budgets: Sequence[float]) -> list[tuple[BlockStrategy, ...] | None]:
+    """Per budget (bytes), the fastest choice per block of one pipeline rank's stages (stage index, its blocks)
+    within it, or None. Their blocks' weighted time, (m + bubble) per micro-batch plus once per step, is minimised;
+    the memory outside the per-block sums (each stage's largest transient and FSDP's gather buffers, summed over the
+    rank's stages as predict sums them) is reserved up front at its largest, so the plan never exceeds the budget.
+    The blocks' costs are computed once for all the budgets."""
     n_stages, v = setting.pp * pipeline.virtual_stages, pipeline.virtual_stages
     per_stage = []  # (held, parts, table: per block, per choice) of each stage
     fixed = 0.0
@@ -243,9 +249,16 @@ def plan_rank(layout: ModelLayout, profile: Profile, setting: Setting, pipeline:
         fixed += sum(c.state_bytes + held * c.activation_bytes for c in parts) + transient + transfer_bytes
         per_stage.append((held, parts, table))
     weight = setting.microbatches + (setting.pp - 1) * pipeline.bubble
+    return [_cheapest_choices(per_stage, fixed, weight, budget, setting.dp > 1) for budget in budgets]
+
+
+def _cheapest_choices(per_stage: list, fixed: float, weight: float, budget: float,
+                      sharded: bool) -> tuple[BlockStrategy, ...] | None:
+    """plan_rank's dynamic programme under one budget: with replicated weights only, and (`sharded`) with FSDP too,
+    whose gather buffers are then reserved."""
     unit = budget / MEMORY_STEPS
     best: tuple[float, tuple[BlockStrategy, ...]] | None = None
-    for allow_fsdp in (False, True) if setting.dp > 1 else (False,):
+    for allow_fsdp in (False, True) if sharded else (False,):
         allowed = [j for j, choice in enumerate(CHOICES) if allow_fsdp or not choice.fsdp]
         buffers = sum(FSDP_BUFFER_BYTES * max(c.gathered_params for c in [*parts, *(row[j] for row in table
                                                                                       for j in allowed)])
