@@ -11,6 +11,7 @@ longest step (an epoch-start stall shows there) and the time spent waiting for t
 import argparse
 import itertools
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,11 +37,14 @@ def prepare(work: Path, images: int) -> tuple[Path, Path]:
     """JPEGs under work/jpeg/train/<wnid>/, and vitctl's shards and index files of them under work/shards."""
     root, shards = work / "jpeg", work / "shards"
     ensure_images(root, images)
-    if not (shards / "manifest.json").is_file():
+    made_from = shards / "images.json"  # the JPEGs' marker when these shards were made: a regeneration remakes them
+    if not made_from.is_file() or made_from.read_text() != (root / "complete.json").read_text():
+        shutil.rmtree(shards, ignore_errors=True)
         cli = [sys.executable, "-m", "vitctl.cli", "data"]
         subprocess.run([*cli, "shard", str(root), "--out", str(shards), "--split", "train", "--maxsize", "100MB"],
                        check=True)
         subprocess.run([*cli, "index", str(shards)], check=True)
+        made_from.write_text((root / "complete.json").read_text())
     return root, shards
 
 

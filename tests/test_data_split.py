@@ -3,6 +3,7 @@ CPU): every sample once per epoch, a new order each epoch, and a resumed stream 
 batches (with the whole recipe on: RandAugment, colour jitter, random erasing); repeated augmentation's plan."""
 
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from vitctl.trainer.data.augment import Recipe
 from vitctl.trainer.data.loader import EvalBatches, LoaderSpec, TrainBatches
 from vitctl.trainer.data.plan import EpochPlan, eval_rows
-from vitctl.trainer.data.shards import read_table, split_shards
+from vitctl.trainer.data.shards import SampleTable, read_table, split_shards
 
 RANKS, BATCH = 3, 7  # 60 train samples in shards of 16, 16, 16, 12: 2 global batches of 21 per epoch, 18 left out
 
@@ -76,6 +77,22 @@ def test_a_stream_resumed_mid_epoch_gives_the_same_remaining_batches(table, kind
     for (a_images, a_labels, a_rows), (b_images, b_labels, b_rows) in zip(whole[1:], resumed, strict=True):
         assert torch.equal(a_rows, b_rows) and torch.equal(a_labels, b_labels)
         assert torch.equal(a_images, b_images)  # the same augmentations: they depend on (seed, epoch, draw)
+
+
+def test_what_dali_sends_each_worker_stays_small_however_many_samples(table):
+    """A spawned worker's payload over a pipe's 64 KiB makes every worker's start wait for the one before."""
+    from vitctl.trainer.data.dali import BatchSource, TableFile
+
+    many = SampleTable(table.paths, *(np.tile(a, 2000) for a in (table.shard, table.offset, table.size, table.label)))
+    source = BatchSource(TableFile(many), EpochPlan(len(many), BATCH, 0, 1, seed=5), spec(2), 0, 0)
+    payload = pickle.dumps(source)
+    assert len(many) == 120_000 and len(payload) < 16 * 1024
+    worker = pickle.loads(payload)
+    for name in ("shard", "offset", "size", "label"):
+        assert np.array_equal(getattr(worker.reader.table, name), getattr(many, name))
+    assert worker.reader.table.paths == many.paths
+    rows = (0, 59, 119_999)
+    assert [worker.reader.read(row) for row in rows] == [source.reader.read(row) for row in rows]
 
 
 def test_resharded_stream_continues_the_same_permutation():
