@@ -90,7 +90,7 @@ class BatchSource:
         vars(self).update(state)
         self.reader = ShardReader(self.table.table)
 
-    def __call__(self, info) -> tuple[list[np.ndarray], ...]:
+    def __call__(self, info) -> tuple[list[np.ndarray] | np.ndarray, ...]:
         epoch, sample = self.plan.locate(*self.start, info.iteration)
         if epoch not in self.orders:
             self.orders = {epoch: self.plan.order(epoch)}  # the batches of a worker come in order of iteration
@@ -103,7 +103,10 @@ class BatchSource:
             inputs["label"] = np.array(self.reader.table.label[row], dtype=np.int64)
             inputs["row"] = np.array(row, dtype=np.int64)
             samples.append(inputs)
-        return tuple([s[name] for s in samples] for name in self.fields)
+        # One array per field but the JPEGs' (the only ragged one): the main process unpacks 10 arrays a batch from
+        # the workers' shared memory instead of 1,280 (8.7 -> 1.9 ms a batch of 128 on a 2-core VM).
+        return tuple([s[name] for s in samples] if name == "jpeg" else np.stack([s[name] for s in samples])
+                     for name in self.fields)
 
 
 def _device_id(device: torch.device) -> int | None:
