@@ -48,8 +48,8 @@ def micro_model(name: str, device: torch.device = CPU):
 
 
 def test_config_takes_fp8_and_names_the_recipes():
-    assert load_config(None, ["train.precision=fp8"]).train.fp8_recipe == "tensorwise"
-    assert load_config(None, ["train.precision=fp8", "train.fp8_recipe=rowwise"]).train.fp8_recipe == "rowwise"
+    assert load_config(None, ["train.precision=fp8"]).train.fp8_recipe == "rowwise"
+    assert load_config(None, ["train.precision=fp8", "train.fp8_recipe=tensorwise"]).train.fp8_recipe == "tensorwise"
     with pytest.raises(ConfigError, match="train.fp8_recipe must be one of tensorwise, rowwise, got 'blockwise'"):
         load_config(None, ["train.fp8_recipe=blockwise"])
 
