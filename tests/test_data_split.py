@@ -2,8 +2,10 @@
 CPU): every sample once per epoch, a new order each epoch, and a resumed stream that continues with the same
 batches (with the whole recipe on: RandAugment, colour jitter, random erasing); repeated augmentation's plan."""
 
+import gc
 import itertools
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,6 +95,13 @@ def test_what_dali_sends_each_worker_stays_small_however_many_samples(table):
     assert worker.reader.table.paths == many.paths
     rows = (0, 59, 119_999)
     assert [worker.reader.read(row) for row in rows] == [source.reader.read(row) for row in rows]
+    path = Path(source.table.path)
+    del worker
+    gc.collect()
+    assert path.is_file()  # a worker's copy leaves the file to the process that wrote it
+    del source
+    gc.collect()
+    assert not path.exists()
 
 
 def test_resharded_stream_continues_the_same_permutation():

@@ -19,6 +19,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ class TableFile:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, paths=np.array(table.paths), shard=table.shard, offset=table.offset, size=table.size,
                          label=table.label)
-            weakref.finalize(self, os.remove, path)  # in the process that wrote it, not in the workers
+            weakref.finalize(self, Path(path).unlink, missing_ok=True)  # where it was written, not in the workers
         self.path = path
 
     def __reduce__(self):
