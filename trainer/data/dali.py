@@ -104,8 +104,9 @@ class BatchSource:
             inputs["label"] = np.array(self.reader.table.label[row], dtype=np.int64)
             inputs["row"] = np.array(row, dtype=np.int64)
             samples.append(inputs)
-        # One array per field but the JPEGs' (the only ragged one): the main process unpacks 10 arrays a batch from
-        # the workers' shared memory instead of 1,280 (8.7 -> 1.9 ms a batch of 128 on a 2-core VM).
+        # One array per field but the JPEGs' (the only ragged one): the training process unpacks 10 arrays a batch
+        # from the workers' shared memory instead of 1,280 (the loader alone with Swin-B's recipe: 3,685 -> 8,093
+        # img/s on one H200).
         return tuple([s[name] for s in samples] if name == "jpeg" else np.stack([s[name] for s in samples])
                      for name in self.fields)
 
