@@ -85,7 +85,7 @@ class BatchSource:
         self.orders: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict:
-        return {**vars(self), "reader": None}
+        return {**vars(self), "reader": None, "orders": {}}  # an epoch's order is as large as the table
 
     def __setstate__(self, state: dict) -> None:
         vars(self).update(state)
