@@ -344,6 +344,16 @@ def test_cli_refuses_a_profile_of_an_older_format_with_the_command_that_replaces
     assert not out.exists()
 
 
+def test_cli_refuses_a_profile_of_another_model_or_size(tmp_path):
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json().replace('"img_size": 32', '"img_size": 64'))
+    result = vitctl(*_plan_args(profile_path, out, 80))
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert "measured vit_mini at 64 px, not vit_mini at 32 px" in result.stderr
+    assert "`vitctl plan --profile-only --model vit_mini --img-size 32`" in result.stderr
+    assert not out.exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the missing profile is measured")
 def test_cli_without_a_profile_on_a_cpu_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -197,15 +197,19 @@ def _collective_from_dict(c: dict[str, Any]) -> CollectiveProfile:
 
 
 def read_profile(path: Path, model: str, img_size: int) -> Profile:
-    """The profile at `path`; a ConfigError saying how to measure one of `model` at `img_size` where it is not."""
+    """The profile of `model` at `img_size` at `path`; a ConfigError saying how to measure one where it is not."""
     measure = f"`vitctl plan --profile-only --model {model} --img-size {img_size}` on a GPU node"
     try:
-        return Profile.from_json(path.read_text())
+        profile = Profile.from_json(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"profile {path} does not exist; measure one with {measure}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"profile {path} is not a profile this vitctl reads ({e}); measure it again with "
                           f"{measure} (it replaces the cached one) and pass that file with --profile") from None
+    if (profile.model, profile.img_size) != (model, img_size):
+        raise ConfigError(f"profile {path} measured {profile.model} at {profile.img_size} px, not {model} at "
+                          f"{img_size} px; measure that with {measure}")
+    return profile
 
 
 def device_name(device: torch.device) -> str:
