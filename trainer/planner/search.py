@@ -97,15 +97,16 @@ def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch
            budget_bytes: float) -> SearchResult:
     """The fastest strategy whose predicted peak memory per GPU is within `budget_bytes`, the uniform strategies'
     predictions, and the least memory any searched strategy needs."""
-    stage_cache: dict[tuple, tuple[BlockStrategy, ...] | None] = {}
+    stage_cache: dict[tuple, list[tuple[BlockStrategy, ...] | None]] = {}
+    budgets = tuple(budget_bytes * slack for slack in SLACK)
     best = least = None
     for setting, pipeline, stages in configurations(layout, profile, cluster, global_batch):
         base = Strategy(tp=setting.tp, pp=setting.pp, dp_shard=setting.dp_shard, microbatches=setting.microbatches,
                         schedule=pipeline.schedule, virtual_stages=pipeline.virtual_stages,
                         stages=stages if setting.pipelined else ())
-        budgets = tuple(budget_bytes * slack for slack in SLACK)
         for fsdp_rest in (False, True) if setting.dp > 1 else (False,):
-            for blocks in _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budgets, stage_cache):
+            plans = _plan_ranks(layout, profile, setting, pipeline, stages, fsdp_rest, budgets, stage_cache)
+            for blocks in dict.fromkeys(plans):  # budgets that lead to the same plan: predicted once
                 if blocks is None or (fsdp_rest and not any(b.fsdp for b in blocks)):  # no FSDP for the rest alone
                     continue
                 planned = _evaluate("searched", replace(base, blocks=blocks, fsdp_rest=fsdp_rest), layout, profile,
