@@ -6,9 +6,11 @@ branches), and timm's `create_loader` (PIL workers, the same recipe) over the sa
 as ImageNet's). Every loader applies the preset's full augmentation recipe. Each row times `--steps` steps after
 `--warmup`, wall clock from the first timed step to a synchronize after the last, so stalls count; it also prints the
 longest step (an epoch-start stall shows there) and the time spent waiting for the next batch. The step has no mixup
-(it is the same GPU work for every loader)."""
+(it is the same GPU work for every loader). Every row runs on the trainer's CUDA stream (parallel.own_stream);
+--against-default-stream also times each on CUDA's legacy default stream."""
 
 import argparse
+import contextlib
 import itertools
 import os
 import shutil
@@ -28,6 +30,7 @@ from vitctl.trainer.data import build_data
 from vitctl.trainer.data.augment import Recipe, recipe_of
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
+from vitctl.trainer.parallel import own_stream
 from vitctl.trainer.precision import Precision
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -115,6 +118,9 @@ def main() -> None:
                              "index-nvjpeg (the index loader's branches), timm")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_loaders"))
     parser.add_argument("--no-model", action="store_true", help="time the loaders alone (no training step)")
+    parser.add_argument("--against-default-stream", action="store_true",
+                        help="time each loader twice on the trainer's stream and twice on CUDA's legacy default "
+                             "stream, alternately")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every loader, e.g. augment.rand_augment=null (crop and flip only)")
     args = parser.parse_args()
@@ -142,20 +148,28 @@ def main() -> None:
                **{f"index-{branch}": lambda branch=branch: ours("webdataset", f"data.decode={branch}")
                   for branch in LOADER_BRANCHES},
                "timm": lambda: timm_batches(root, recipe, args.batch, args.workers)}
+    # own_stream: the stream the trainer runs on
+    streams = [("", own_stream)]
+    if args.against_default_stream:
+        streams = [(f", {label} stream, round {i}", stream) for i in (1, 2)
+                   for label, stream in (("trainer's", own_stream), ("default", lambda _: contextlib.nullcontext()))]
     results = {}
     for name in args.loaders.split(","):
         try:
-            results[name] = run(step, sources[name](), args.warmup, args.steps)
+            batches = sources[name]()
+            for suffix, stream in streams:
+                with stream(device):
+                    results[name + suffix] = run(step, batches, args.warmup, args.steps)
+                print(f"{name + suffix}: {results[name + suffix]}", flush=True)
         except Exception as error:  # a loader that fails still leaves the others' rows
             print(f"{name}: failed: {type(error).__name__}: {error}", flush=True)
-            continue
-        print(f"{name}: {results[name]}", flush=True)
-    reference = results.get("synthetic", {}).get("images_per_s")
+    reference = {suffix: results.get("synthetic" + suffix, {}).get("images_per_s") for suffix, _ in streams}
     print("\n| loader | first batch (s) | img/s | vs synthetic | longest step (s) | median step (s) | "
           "data wait per step (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        ratio = f"{r['images_per_s'] / reference:.2f}x" if reference else ""
+        same = next(ref for suffix, ref in reference.items() if name.endswith(suffix))
+        ratio = f"{r['images_per_s'] / same:.2f}x" if same else ""
         print(f"| {name} | {r['first_batch_s']:.1f} | {r['images_per_s']:,.0f} | {ratio} | {r['longest_step_s']:.3f} | "
               f"{r['median_step_s']:.4f} | {r['data_wait_s_per_step']:.4f} |")
 

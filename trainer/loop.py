@@ -34,7 +34,7 @@ from .metrics import MetricsWriter, mfu
 from .models import build_model
 from .ops import resolve
 from .optim import build_optimizer, lr_at, param_groups, set_lr
-from .parallel import DistEnv, StopVote, build_mesh, init_distributed, parallel_dims, parallelize, shutdown
+from .parallel import DistEnv, StopVote, build_mesh, init_distributed, own_stream, parallel_dims, parallelize, shutdown
 from .precision import Precision, clip_gradients
 from .preflight import preflight
 from .pretrained import Pretrained, read_pretrained
@@ -460,7 +460,8 @@ def train(config: RunConfig | dict, resume: bool = False, use_cuda: bool | None 
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"%(asctime)s [rank {env.rank}] %(name)s: %(message)s")
     try:
-        with runlock.holding(Path(config.train.out_dir)) if env.is_main else contextlib.nullcontext():
+        with runlock.holding(Path(config.train.out_dir)) if env.is_main else contextlib.nullcontext(), \
+                own_stream(env.device):
             return Trainer(config, env, resume).run(should_stop)
     finally:
         shutdown()

@@ -1,5 +1,6 @@
 """torch.distributed set-up from the launcher's environment."""
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,17 @@ def init_distributed(use_cuda: bool) -> DistEnv:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 device_id=device if use_cuda else None)
     return DistEnv(rank, world, local_rank, device)
+
+
+def own_stream(device: torch.device) -> contextlib.AbstractContextManager:
+    """Run on a CUDA stream of torch's pool rather than the legacy default stream (on the CPU: no stream).
+
+    Measured, not explained: on one H200 DALI's batches fed the compiled step 3-4% faster on a pool stream (Swin-B
+    b128 2,798 against 2,686 img/s, ViT-B b256 3,532 against 3,421; synthetic data alike on both; a GPU sleep in place
+    of the step alike on both). docs/performance.md has the command."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device))
 
 
 def shutdown() -> None:
