@@ -8,7 +8,8 @@ from collections import defaultdict
 import torch
 
 from vitctl.trainer.bench import TIMM_STRONGEST, step_times, timm_model, training_step
-from vitctl.trainer.config import ModelConfig
+from vitctl.trainer.config import FP8_RECIPES, ModelConfig
+from vitctl.trainer.fp8 import convert_to_float8
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
 from vitctl.trainer.precision import Precision
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--fused", action="append", help="one row per --fused setting (default: all)")
+    parser.add_argument("--fp8", action="append", choices=FP8_RECIPES, default=[],
+                        help="also a row per float8 recipe (bf16-pure's step on the float8 model, fused all)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--mode", action="append", help="torch.compile modes for our rows (default: the default)")
     parser.add_argument("--timm-mode", action="append",
@@ -73,6 +76,14 @@ def main() -> None:
             model = build_model(ModelConfig(name=args.model, drop_path=0.0), ops).to(device).train()
             step = training_step(model, Precision(args.precision, device), args.compile, optimizer, mode)
             rows.append((f"vitctl {args.precision} fused {fused} {mode}", *profile(step, images, labels, args.steps)))
+            del model, step
+    for recipe in args.fp8:
+        for mode in args.mode or ["default"]:
+            model = build_model(ModelConfig(name=args.model, drop_path=0.0), resolve("all", device, compiling=True))
+            model = model.to(device).train()
+            convert_to_float8(model, recipe, fsdp=False)
+            step = training_step(model, Precision("bf16-pure", device), True, optimizer, mode)
+            rows.append((f"vitctl fp8 {recipe} {mode}", *profile(step, images, labels, args.steps)))
             del model, step
     for mode in args.timm_mode or []:
         model = timm_model(args.model, 224, fused_attn=True).to(device).train()
