@@ -39,8 +39,8 @@ def own_stream(device: torch.device) -> contextlib.AbstractContextManager:
     """Run on a CUDA stream of torch's pool rather than the legacy default stream (on the CPU: no stream).
 
     Measured, not explained: on one H200 DALI's batches fed the compiled step 3-4% faster on a pool stream (Swin-B
-    b128 2,798 against 2,686 img/s, ViT-B b256 3,532 against 3,421; synthetic data alike on both; a GPU sleep in place
-    of the step alike on both). docs/performance.md has the command."""
+    b128 2,832 against 2,720 img/s, ViT-B b256 3,559 against 3,445; synthetic data alike on both, and a GPU sleep in
+    place of the step). docs/performance.md has the command."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     return torch.cuda.stream(torch.cuda.Stream(device))
