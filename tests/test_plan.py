@@ -333,23 +333,17 @@ def test_cli_fails_clearly_when_nothing_fits(tmp_path):
     assert not out.exists()
 
 
-def test_cli_refuses_a_profile_of_an_older_format_with_the_command_that_replaces_it(tmp_path):
-    """Version 1 profiles measured FSDP without checkpointing only: read, they would mislead the search."""
+@pytest.mark.parametrize(("edit", "reason"), [
+    # version 1 profiles measured FSDP without checkpointing only: read, they would mislead the search
+    (('"version": 2', '"version": 1'), "profile version 1, this vitctl reads version 2"),
+    (('"img_size": 32', '"img_size": 64'), "measured vit_mini at 64 px, not vit_mini at 32 px"),
+], ids=["older format", "another size"])
+def test_cli_refuses_a_profile_it_cannot_use_with_the_command_that_replaces_it(tmp_path, edit, reason):
     profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
-    profile_path.write_text(hand_made_profile().to_json().replace('"version": 2', '"version": 1'))
+    profile_path.write_text(hand_made_profile().to_json().replace(*edit))
     result = vitctl(*_plan_args(profile_path, out, 80))
     assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
-    assert "profile version 1, this vitctl reads version 2" in result.stderr
-    assert "`vitctl plan --profile-only --model vit_mini --img-size 32`" in result.stderr
-    assert not out.exists()
-
-
-def test_cli_refuses_a_profile_of_another_model_or_size(tmp_path):
-    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
-    profile_path.write_text(hand_made_profile().to_json().replace('"img_size": 32', '"img_size": 64'))
-    result = vitctl(*_plan_args(profile_path, out, 80))
-    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
-    assert "measured vit_mini at 64 px, not vit_mini at 32 px" in result.stderr
+    assert reason in result.stderr
     assert "`vitctl plan --profile-only --model vit_mini --img-size 32`" in result.stderr
     assert not out.exists()
 
