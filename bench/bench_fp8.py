@@ -1,5 +1,5 @@
 """float8 training speed on one GPU, in one process: per model, timm's strongest setting, ours in bf16-pure and ours
-in fp8 with each torchao recipe, all compiled (ours with every fused op); images/s, peak memory and the ratios to
+in fp8 with each recipe, all compiled (ours with every fused op); images/s, peak memory and the ratios to
 timm and to our bf16-pure. Each row is the training step of `vitctl bench train` (trainer/bench.py): synthetic batch
 resident on the GPU, warm-up steps, then the median of steps timed back to back with CUDA events."""
 
@@ -26,7 +26,7 @@ IMG_SIZE = 224
 class Row:
     model: str
     batch: int
-    label: str  # timm | bf16-pure | fp8 tensorwise | fp8 rowwise
+    label: str  # timm | bf16-pure | fp8 <recipe>
     result: BenchResult
 
 
@@ -56,7 +56,7 @@ def rows_of(name: str, args: argparse.Namespace) -> list[Row]:
     runs = [("timm", lambda: timm(name, batch, flops, args)),
             ("bf16-pure", lambda: ours(name, batch, flops, None, args))]
     runs += [(f"fp8 {recipe}", lambda recipe=recipe: ours(name, batch, flops, recipe, args))
-             for recipe in FP8_RECIPES]
+             for recipe in args.recipes.split(",")]
     rows = []
     for label, run in runs:
         start = time.perf_counter()
@@ -92,12 +92,15 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(BATCHES)}")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead",
                         help="for every row; reduce-overhead (CUDA graphs) keeps Swin's many kernels GPU-bound")
+    parser.add_argument("--recipes", default=",".join(FP8_RECIPES), help="comma-separated fp8 recipes")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args()
     models = args.models.split(",")
     if unknown := [m for m in models if m not in BATCHES]:
         parser.error(f"--models: {', '.join(unknown)} not among {', '.join(BATCHES)}")
+    if unknown := set(args.recipes.split(",")) - set(FP8_RECIPES):
+        parser.error(f"--recipes: {', '.join(sorted(unknown))} not among {', '.join(FP8_RECIPES)}")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {torchao.__version__}, "
           f"compile mode {args.compile_mode}, {args.warmup} warm-up + median of {args.steps} steps", flush=True)

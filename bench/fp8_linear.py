@@ -1,6 +1,6 @@
 """Where float8 pays: one linear layer's forward + backward at ViT-B's and Swin-B's shapes, compiled, bf16 against
-torchao's float8 recipes. Prints the median ms per step and the ratio to bf16, so the whole-model figures of
-bench_fp8.py can be read against what the matmuls alone gain."""
+each float8 recipe (torchao's, and fused_rowwise's linear). Prints the median ms per step and the ratio to bf16, so
+the whole-model figures of bench_fp8.py can be read against what the matmuls alone gain."""
 
 import argparse
 import copy
@@ -11,6 +11,7 @@ from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from vitctl.trainer.config import FP8_RECIPES
+from vitctl.trainer.fp8 import FUSED_ROWWISE, FusedRowwiseLinear
 
 # (name, rows = batch x tokens, in, out): ViT-B/16 b256 (197 tokens) and Swin-B b128 stage 3 (196 tokens)
 SHAPES = [("vit_b16 qkv", 256 * 197, 768, 2304), ("vit_b16 fc1", 256 * 197, 768, 3072),
@@ -22,6 +23,15 @@ def step_ms(layer: nn.Module, x: torch.Tensor, steps: int) -> float:
     """Median wall ms of forward + backward of a compiled `layer`, timed with CUDA events."""
     torch._dynamo.reset()  # each layer its own graph: the shared lambda would hit the recompile limit and run eager
     return time_ms(torch.compile(lambda: layer(x).sum().backward()), warmup=5, repeats=steps)[1]
+
+
+def float8_layer(layer: nn.Linear, recipe: str) -> nn.Module:
+    if recipe == FUSED_ROWWISE:
+        fused = copy.deepcopy(layer)
+        fused.__class__ = FusedRowwiseLinear
+        return fused
+    return convert_to_float8_training(nn.Sequential(copy.deepcopy(layer)),
+                                      config=Float8LinearConfig.from_recipe_name(recipe))
 
 
 def main() -> None:
@@ -37,9 +47,7 @@ def main() -> None:
         bf16 = step_ms(layer, x, args.steps)
         cells = []
         for recipe in FP8_RECIPES:
-            float8 = convert_to_float8_training(nn.Sequential(copy.deepcopy(layer)),
-                                                config=Float8LinearConfig.from_recipe_name(recipe))
-            ms = step_ms(float8, x, args.steps)
+            ms = step_ms(float8_layer(layer, recipe), x, args.steps)
             cells.append(f"{ms:.3f} ({bf16 / ms:.2f}x)")
         print(f"| {name} | {rows} x {fan_in} -> {fan_out} | {bf16:.3f} | " + " | ".join(cells) + " |", flush=True)
 

@@ -17,6 +17,7 @@ from vitctl.trainer.precision import Precision
 # First match wins: our window kernels before the generic attention names.
 KINDS = (
     ("vitctl window kernels", ("window_attention", "window_softmax", "window_partition", "window_merge")),
+    ("vitctl float8 casts (Triton)", ("quantize_rows",)),
     ("attention (flash / mem-eff / cuDNN)", ("flash", "fmha", "sdpa", "attention", "mha", "cudnn::fusion")),
     ("convolution", ("conv", "fprop", "implicit", "nchwtonhwc")),
     ("matmul (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "cublas")),

@@ -11,11 +11,20 @@ import torch
 import torch.nn.functional as F
 
 from vitctl.trainer import preflight as preflight_module
-from vitctl.trainer.config import ConfigError, ModelConfig, load_config
-from vitctl.trainer.fp8 import Float8Mlp, Float8PackedQKV, convert_to_float8, float8_config, fp8_problems
+from vitctl.trainer.config import FP8_RECIPES, ConfigError, ModelConfig, load_config
+from vitctl.trainer.fp8 import (
+    Float8Mlp,
+    Float8PackedQKV,
+    FusedRowwiseLinear,
+    FusedRowwiseMlp,
+    FusedRowwisePackedQKV,
+    convert_to_float8,
+    float8_config,
+    fp8_problems,
+)
 from vitctl.trainer.loop import train
 from vitctl.trainer.models import blocks_of, build_model
-from vitctl.trainer.models.layers import Mlp, PackedQKV, timm_layout
+from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.models.vit import VisionTransformer
 from vitctl.trainer.ops import resolve
 from vitctl.trainer.precision import Precision
@@ -48,9 +57,9 @@ def micro_model(name: str, device: torch.device = CPU):
 
 
 def test_config_takes_fp8_and_names_the_recipes():
-    assert load_config(None, ["train.precision=fp8"]).train.fp8_recipe == "rowwise"
+    assert load_config(None, ["train.precision=fp8"]).train.fp8_recipe == "fused_rowwise"
     assert load_config(None, ["train.precision=fp8", "train.fp8_recipe=tensorwise"]).train.fp8_recipe == "tensorwise"
-    with pytest.raises(ConfigError, match="train.fp8_recipe must be one of tensorwise, rowwise, got 'blockwise'"):
+    with pytest.raises(ConfigError, match="train.fp8_recipe must be one of tensorwise, rowwise, .*, got 'blockwise'"):
         load_config(None, ["train.fp8_recipe=blockwise"])
 
 
@@ -67,11 +76,13 @@ def test_a_batch_that_is_not_a_multiple_of_16_is_refused(tmp_path):
             "multiple of 16, not 40; e.g. --batch 48") in problems
 
 
-def test_a_missing_torchao_is_named_with_its_install(tmp_path, monkeypatch):
+def test_a_missing_torchao_is_named_with_its_install_where_a_torchao_recipe_needs_it(tmp_path, monkeypatch):
     for module in ("torchao", "torchao.float8"):
         monkeypatch.setitem(sys.modules, module, None)  # `import torchao.float8` raises ImportError
-    problems = fp8_problems(run_config(tmp_path, "train.precision=fp8"), CPU)
+    problems = fp8_problems(run_config(tmp_path, "train.precision=fp8", "train.fp8_recipe=rowwise"), CPU)
     assert any("train.precision=fp8 needs torchao" in p and "pip install 'vitctl[fp8]'" in p for p in problems)
+    problems = fp8_problems(run_config(tmp_path, "train.precision=fp8", "train.fp8_recipe=fused_rowwise"), CPU)
+    assert problems and not any("torchao" in p for p in problems)  # only the CPU is refused: ours needs no torchao
     with pytest.raises(ConfigError, match=r"pip install 'vitctl\[fp8\]'"):
         convert_to_float8(micro_model("vit_micro"), "tensorwise", fsdp=False)
 
@@ -102,23 +113,37 @@ def test_the_swap_takes_exactly_the_blocks_matmuls(name):
                    if n.startswith(("head", "patch_embed")) or "downsample" in n)
 
 
-def test_layers_whose_sizes_are_not_multiples_of_16_stay_as_they_are():
-    float8_linear = float8_linear_module().Float8Linear
-    model = VisionTransformer(resolve("none", CPU), img_size=32, patch=8, dim=40, depth=1, heads=2, num_classes=10)
-    convert_to_float8(model, "tensorwise", fsdp=False)
-    block = model.blocks[0]
-    assert type(block.mlp) is Mlp and type(block.attn.qkv) is PackedQKV
-    assert not any(isinstance(m, float8_linear) for m in model.modules())
-
-
 @pytest.mark.parametrize("name", MICRO)
-def test_the_state_dict_keeps_its_keys_shapes_and_dtypes(name):
-    float8_linear_module()
+def test_the_fused_rowwise_swap_takes_exactly_the_blocks_matmuls(name):
+    model = micro_model(name)
+    block_names = {n for n, m in model.named_modules() if any(m is b for b in blocks_of(model))}
+    convert_to_float8(model, "fused_rowwise", fsdp=False)
+    swapped = {n: type(m) for n, m in model.named_modules() if type(m).__module__ == "vitctl.trainer.fp8"}
+    assert swapped == {**{f"{b}.attn.proj": FusedRowwiseLinear for b in block_names},
+                       **{f"{b}.attn.qkv": FusedRowwisePackedQKV for b in block_names},
+                       **{f"{b}.mlp": FusedRowwiseMlp for b in block_names}}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "fused_rowwise"])
+def test_layers_whose_sizes_are_not_multiples_of_16_stay_as_they_are(recipe):
+    if recipe != "fused_rowwise":
+        float8_linear_module()
+    model = VisionTransformer(resolve("none", CPU), img_size=32, patch=8, dim=40, depth=1, heads=2, num_classes=10)
+    types = [type(m) for m in model.modules()]
+    convert_to_float8(model, recipe, fsdp=False)
+    assert [type(m) for m in model.modules()] == types
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "fused_rowwise"])
+@pytest.mark.parametrize("name", MICRO)
+def test_the_state_dict_keeps_its_keys_shapes_and_dtypes(name, recipe):
+    if recipe != "fused_rowwise":
+        float8_linear_module()
     torch.manual_seed(0)
     model = micro_model(name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.random.get_rng_state()
-    convert_to_float8(model, "rowwise", fsdp=False)
+    convert_to_float8(model, recipe, fsdp=False)
     assert torch.equal(rng, torch.random.get_rng_state())  # the swap draws nothing: every rank's stream stays
     after = model.state_dict()
     assert {k: (v.shape, v.dtype) for k, v in after.items()} == {k: (v.shape, v.dtype) for k, v in before.items()}
@@ -133,12 +158,13 @@ def test_fsdp_gathers_float8_weights_for_the_tensorwise_recipe_only():
     assert not float8_config("tensorwise", fsdp=False).enable_fsdp_float8_all_gather
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 @pytest.mark.parametrize("name", MICRO)
 def test_the_float8_model_computes_what_the_bf16_model_does(name, recipe):
     """torch runs float8 matmuls on the CPU too (slowly): the swapped model's output and gradients are the bf16
     model's within float8's rounding."""
-    float8_linear_module()
+    if recipe != "fused_rowwise":
+        float8_linear_module()
     torch.manual_seed(0)
     reference = micro_model(name).bfloat16()
     model = copy.deepcopy(reference)
@@ -169,12 +195,43 @@ def test_fp8_trains_checkpoints_and_resumes_into_either_precision(tmp_path, monk
     assert all(math.isfinite(r["loss"]) for r in (first, again, other))
 
 
+def test_fsdp2_runs_the_fused_rowwise_model_as_it_runs_alone(tmp_path):
+    """One gloo rank: FSDP2 per block (bf16-pure's policy) hands our float8 layers its gathered weights, and the
+    output and the sharded gradients are those of the model without FSDP."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    alone = micro_model("vit_micro").bfloat16()
+    convert_to_float8(alone, "fused_rowwise", fsdp=False)
+    sharded = copy.deepcopy(alone).float()
+    images = torch.randn(16, 3, 32, 32)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        mesh, policy = init_device_mesh("cpu", (1,)), Precision("fp8", CPU).fsdp_policy()
+        for block in blocks_of(sharded):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(sharded, mesh=mesh, mp_policy=policy)
+        out = sharded(images)
+        out.float().square().mean().backward()
+        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    expected = alone(images.bfloat16())
+    expected.float().square().mean().backward()
+    torch.testing.assert_close(out.float(), expected.float())
+    for name, p in alone.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad.float(), rtol=2e-2, atol=1e-5)
+
+
 # ---------------------------------------------------------------- on the GPU
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize(("name", "recipe"), [("vit_micro", "tensorwise"), ("swin_micro", "rowwise")])
+@pytest.mark.parametrize(("name", "recipe"), [("vit_micro", "tensorwise"), ("swin_micro", "rowwise"),
+                                              ("vit_micro", "fused_rowwise"), ("swin_micro", "fused_rowwise")])
 def test_fp8_follows_bf16_pure_over_20_compiled_steps(tmp_path, name, recipe):
     float8_linear_module()
     losses = {}

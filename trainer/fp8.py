@@ -1,9 +1,10 @@
-"""float8 training (`train.precision=fp8`): bf16-pure whose blocks' matmuls (qkv, proj, fc1, fc2) run in float8
-through torchao, with scales taken from each tensor (tensorwise) or row (rowwise) at every step.
+"""float8 training (`train.precision=fp8`): bf16-pure whose blocks' matmuls (qkv, proj, fc1, fc2) run in float8,
+with scales taken at every step: through our own row-scaled matmuls with fused casts (fused_rowwise, the default;
+ops/float8_rows.py), or through torchao, one scale per tensor (tensorwise) or per row (rowwise).
 
 The swaps happen in place, before the model is parallelized, and keep every parameter's name, shape and dtype:
 checkpoints, the fp32 masters, the optimizer and the EMA see the model they always saw. torchao is optional
-(`pip install 'vitctl[fp8]'`) and is imported only when fp8 is asked for.
+(`pip install 'vitctl[fp8]'`) and is imported only when one of its recipes is asked for.
 """
 
 import dataclasses
@@ -17,6 +18,7 @@ from torch import nn
 from .config import ConfigError, RunConfig
 from .models import blocks_of
 from .models.layers import Mlp, PackedQKV
+from .ops.float8_rows import float8_linear, float8_mlp
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig, LinearMMConfig
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 FLOAT8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs whose tensor cores multiply float8
 ALIGNMENT = 16  # torch._scaled_mm needs both sides of every float8 matmul in multiples of 16
 INSTALL = "pip install 'vitctl[fp8]'"
+FUSED_ROWWISE = "fused_rowwise"  # our own float8 matmuls (ops/float8_rows.py); the other recipes are torchao's
 
 
 def torchao_float8() -> ModuleType:
@@ -36,12 +39,13 @@ def torchao_float8() -> ModuleType:
 
 
 def fp8_problems(config: RunConfig, device: torch.device) -> list[str]:
-    """Why train.precision=fp8 cannot run here: torchao, the device, the batch."""
+    """Why train.precision=fp8 cannot run here: torchao (for its recipes), the device, the batch."""
     problems = []
-    try:
-        torchao_float8()
-    except ConfigError as e:
-        problems.append(str(e))
+    if config.train.fp8_recipe != FUSED_ROWWISE:
+        try:
+            torchao_float8()
+        except ConfigError as e:
+            problems.append(str(e))
     need = f"compute capability {'.'.join(map(str, FLOAT8_CAPABILITY))} or newer (Ada, Hopper)"
     if device.type != "cuda":
         problems.append(f"train.precision=fp8 multiplies in float8 on a GPU of {need}, and this run is on the "
@@ -70,6 +74,8 @@ def float8_config(recipe: str, fsdp: bool) -> "Float8LinearConfig":
 def convert_to_float8(model: nn.Module, recipe: str, fsdp: bool) -> None:
     """Swap each block's qkv, proj, fc1 and fc2 whose sizes are multiples of 16 for float8 versions, in place.
     The patch embedding, the head and what lies between the blocks (Swin's patch merging) stay bf16."""
+    if recipe == FUSED_ROWWISE:
+        return _convert_to_fused_rowwise(model)
     config, convert = float8_config(recipe, fsdp), torchao_float8().convert_to_float8_training
     for block in blocks_of(model):
         for module in block.modules():
@@ -124,3 +130,38 @@ def _mm_config(config: "Float8LinearConfig") -> "LinearMMConfig":
 
     with torch.device("meta"):
         return Float8Linear(ALIGNMENT, ALIGNMENT, bias=False, config=config).linear_mm_config
+
+
+class FusedRowwiseLinear(nn.Linear):
+    """nn.Linear through float8_linear (recipe fused_rowwise)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float8_linear(x, self.weight, self.bias)
+
+
+class FusedRowwisePackedQKV(PackedQKV):
+    """PackedQKV through float8_linear on the (3 * dim, dim) view of its weight (recipe fused_rowwise)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float8_linear(x, self.weight.flatten(0, 1), self.bias.flatten())
+
+
+class FusedRowwiseMlp(Mlp):
+    """The MLP through float8_mlp, whose GELU is fused with the float8 casts (recipe fused_rowwise)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float8_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+
+
+def _convert_to_fused_rowwise(model: nn.Module) -> None:
+    """Each block's MLP whole (its GELU fuses with the casts), its qkv and its other linears, in place."""
+    for block in blocks_of(model):
+        mlps = [m for m in block.modules() if type(m) is Mlp and _fits(m.fc1) and _fits(m.fc2)]
+        in_mlps = {id(linear) for mlp in mlps for linear in (mlp.fc1, mlp.fc2)}
+        for module in block.modules():
+            if type(module) is PackedQKV and _fits_qkv(module):
+                module.__class__ = FusedRowwisePackedQKV
+            elif type(module) is nn.Linear and _fits(module) and id(module) not in in_mlps:
+                module.__class__ = FusedRowwiseLinear
+        for mlp in mlps:
+            mlp.__class__ = FusedRowwiseMlp
