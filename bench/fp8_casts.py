@@ -3,27 +3,18 @@ per second) of each Triton kernel at ViT-B/16 b256's sizes, for rows per program
 the compiled PyTorch reference (what Inductor makes of the same cast) beside them. Median of 20 runs a row."""
 
 import argparse
-import statistics
 from functools import partial
 
 import torch
+from bench_ops import time_ms  # bench/ is the script's folder
 
 from vitctl.trainer.ops import float8_rows as f
 
 BYTES = {"quantize_rows": (2, 1), "gelu_quantize_rows": (2, 1), "gelu_backward_quantize_rows": (4, 5)}  # per value
 
 
-def median_ms(fn, runs: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def median_ms(fn) -> float:
+    return time_ms(fn, warmup=3, repeats=20)[1]  # the median between CUDA events
 
 
 def cases(m: int, n: int) -> dict[str, tuple]:
