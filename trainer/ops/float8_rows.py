@@ -25,7 +25,7 @@ SQRT_HALF, INV_SQRT_2PI = math.sqrt(0.5), 1 / math.sqrt(2 * math.pi)
 # ---------------------------------------------------------------- references
 
 
-def _scaled(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float8 `rows` and the (rows, 1) fp32 factors back: a power of two scales exactly; an all-zero row gets 1."""
     amax = rows.abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax))), 1.0)
@@ -36,13 +36,9 @@ def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(h * SQRT_HALF)) + h * torch.exp(-0.5 * h * h) * INV_SQRT_2PI
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _scaled(x)
-
-
 def gelu_quantize_rows_reference(h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GELU(h + bias) in float8 rows: fc2's input from fc1's output without its bias."""
-    return _scaled(torch.nn.functional.gelu(h.float() + bias.float()))
+    return quantize_rows_reference(torch.nn.functional.gelu(h.float() + bias.float()))
 
 
 def gelu_backward_quantize_rows_reference(grad: torch.Tensor, h: torch.Tensor, bias: torch.Tensor
@@ -51,7 +47,7 @@ def gelu_backward_quantize_rows_reference(grad: torch.Tensor, h: torch.Tensor, b
     dtype): what fc1's input gradient, fc1's weight gradient and fc2's weight gradient need."""
     pre = h.float() + bias.float()
     grad_h = grad.float() * _gelu_grad(pre)
-    return *_scaled(grad_h), grad_h.to(h.dtype), torch.nn.functional.gelu(pre).to(h.dtype)
+    return *quantize_rows_reference(grad_h), grad_h.to(h.dtype), torch.nn.functional.gelu(pre).to(h.dtype)
 
 
 # ---------------------------------------------------------------- Triton kernels
