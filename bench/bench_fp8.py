@@ -5,11 +5,11 @@ resident on the GPU, warm-up steps, then the median of steps timed back to back 
 
 import argparse
 import gc
+import importlib.metadata
 import time
 from dataclasses import dataclass
 
 import torch
-import torchao
 
 from vitctl.trainer.bench import TIMM_STRONGEST, BenchResult, measure, timm_model
 from vitctl.trainer.config import COMPILE_MODES, FP8_RECIPES, ModelConfig
@@ -87,6 +87,14 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def torchao_version() -> str:
+    """Only the tensorwise and rowwise recipes need torchao."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default=",".join(BATCHES), help=f"comma-separated, of {', '.join(BATCHES)}")
@@ -102,7 +110,7 @@ def main() -> None:
     if unknown := set(args.recipes.split(",")) - set(FP8_RECIPES):
         parser.error(f"--recipes: {', '.join(sorted(unknown))} not among {', '.join(FP8_RECIPES)}")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {torchao.__version__}, "
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, torchao {torchao_version()}, "
           f"compile mode {args.compile_mode}, {args.warmup} warm-up + median of {args.steps} steps", flush=True)
     rows = [row for name in models for row in rows_of(name, args)]
     print(f"\ntimm: {TIMM_STRONGEST}; ours: --fused all, compiled, bf16 weights with fp32 masters\n")

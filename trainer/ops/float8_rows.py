@@ -121,7 +121,8 @@ def _launch(kernel, m: int, n: int, *args: object, rows: int | None = None, warp
 
 
 def _outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty(x.shape, dtype=E4M3, device=x.device), torch.empty(x.shape[0], 1, device=x.device)
+    """Empty float8 rows shaped as `x` and their (rows, 1) fp32 factors; real or fake, as `x` is."""
+    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- the casts, as ops torch.compile leaves whole
@@ -161,22 +162,19 @@ def gelu_backward_quantize_rows(grad: torch.Tensor, h: torch.Tensor, bias: torch
 
 @quantize_rows.register_fake
 def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_outputs(x)
+    return _outputs(x)
 
 
 @gelu_quantize_rows.register_fake
 def _(h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_outputs(h)
+    return _outputs(h)
 
 
 @gelu_backward_quantize_rows.register_fake
 def _(grad: torch.Tensor, h: torch.Tensor, bias: torch.Tensor
       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return *_fake_outputs(h), torch.empty_like(h), torch.empty_like(h)
+    return *_outputs(h), torch.empty_like(h), torch.empty_like(h)
 
-
-def _fake_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- the matmuls
