@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vitctl.trainer.bench import TIMM_STRONGEST, BenchResult, measure, timm_model
-from vitctl.trainer.config import COMPILE_MODES, FP8_RECIPES, ModelConfig
+from vitctl.trainer.config import COMPILE_MODES, FP8_RECIPES, ModelConfig, TrainConfig
 from vitctl.trainer.fp8 import convert_to_float8
 from vitctl.trainer.models import MODELS, build_model
 from vitctl.trainer.ops import resolve
@@ -30,13 +30,15 @@ class Row:
     result: BenchResult
 
 
-def ours(name: str, batch: int, flops: float, recipe: str | None, args: argparse.Namespace) -> BenchResult:
-    """Our model compiled with every fused op, bf16-pure, its blocks' matmuls in float8 when `recipe` is given."""
+def ours(name: str, batch: int, flops: float, recipe: str | None, min_width: int, args: argparse.Namespace
+         ) -> BenchResult:
+    """Our model compiled with every fused op, bf16-pure, its blocks' matmuls at least min_width wide in float8 when
+    `recipe` is given."""
     device = torch.device("cuda")
     model = build_model(ModelConfig(name=name, img_size=IMG_SIZE, drop_path=0.0),
                         resolve("all", device, compiling=True)).to(device)
     if recipe is not None:
-        convert_to_float8(model, recipe, fsdp=False)
+        convert_to_float8(model, recipe, fsdp=False, min_width=min_width)
     setting = f"fp8 {recipe}" if recipe else "bf16-pure"
     # fp8 is bf16-pure's step (bf16 model, fp32 masters, one optimizer kernel) on the float8 model.
     return measure(f"vitctl {name}", setting, model, Precision("bf16-pure", device), True, batch, IMG_SIZE,
@@ -54,9 +56,10 @@ def rows_of(name: str, args: argparse.Namespace) -> list[Row]:
     cpu = torch.device("cpu")
     flops = 3 * build_model(ModelConfig(name=name, img_size=IMG_SIZE), resolve("none", cpu)).flops_per_image()
     runs = [("timm", lambda: timm(name, batch, flops, args)),
-            ("bf16-pure", lambda: ours(name, batch, flops, None, args))]
-    runs += [(f"fp8 {recipe}", lambda recipe=recipe: ours(name, batch, flops, recipe, args))
-             for recipe in args.recipes.split(",")]
+            ("bf16-pure", lambda: ours(name, batch, flops, None, 0, args))]
+    runs += [(f"fp8 {recipe}" + (f", width >= {width}" if width else ""),
+              lambda recipe=recipe, width=width: ours(name, batch, flops, recipe, width, args))
+             for recipe in args.recipes.split(",") for width in args.min_widths]
     rows = []
     for label, run in runs:
         start = time.perf_counter()
@@ -101,6 +104,9 @@ def main() -> None:
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead",
                         help="for every row; reduce-overhead (CUDA graphs) keeps Swin's many kernels GPU-bound")
     parser.add_argument("--recipes", default=",".join(FP8_RECIPES), help="comma-separated fp8 recipes")
+    parser.add_argument("--min-widths", type=lambda s: [int(w) for w in s.split(",")],
+                        default=[TrainConfig().fp8_min_width],
+                        help="comma-separated train.fp8_min_width values, each recipe's row once per value")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args()

@@ -88,21 +88,24 @@ def test_float8_matmuls_give_bf16s_output_and_gradients_on_the_cpu(fp8, referenc
 @pytest.mark.gpu
 @needs_gpu
 def test_triton_casts_match_their_references(n):
-    """The same power-of-two scales and, but for one rounding step where the kernels' erf (within 2.5e-7) and
-    torch's differ, the same float8 values; GELU's bf16 outputs within one bf16 step or 1e-5 of their row's
-    largest value (the scale at which the matmuls that take them resolve anything)."""
+    """The same power-of-two scales and, but for one rounding step where the kernels' GELU and torch's differ, the
+    same float8 values; GELU's bf16 outputs within one bf16 step or 1e-5 of their row's largest value (the scale at
+    which the matmuls that take them resolve anything)."""
     x, grad = rows(CUDA, n), rows(CUDA, n).roll(1, dims=0)
     bias = torch.randn(n, device=CUDA).bfloat16()
     q, back = float8_rows.quantize_rows(x)
     ref_q, ref_back = float8_rows.quantize_rows_reference(x)
     assert torch.equal(q.float(), ref_q.float()) and torch.equal(back, ref_back)
-    for kernel, reference, args in (
-            (float8_rows.gelu_quantize_rows, float8_rows.gelu_quantize_rows_reference, (x, bias)),
+    # The forward's tanh is the hardware's, within 2^-11 of torch's: GELU within 2^-12 |x + bias| before the cast.
+    tanh_error = 2 ** -12 * (x.float() + bias.float()).abs()
+    for kernel, reference, args, error in (
+            (float8_rows.gelu_quantize_rows, float8_rows.gelu_quantize_rows_reference, (x, bias), tanh_error),
             (float8_rows.gelu_backward_quantize_rows, float8_rows.gelu_backward_quantize_rows_reference,
-             (grad, x, bias))):
+             (grad, x, bias), 0)):
         got, want = kernel(*args), reference(*args)
         assert torch.equal(got[1], want[1])
-        assert ((got[0].float() - want[0].float()).abs() <= E4M3_STEP * want[0].float().abs() + 2 ** -9).all()
+        step = E4M3_STEP * want[0].float().abs() + 2 ** -9 + error / want[1]
+        assert ((got[0].float() - want[0].float()).abs() <= step).all()
         for a, b in zip(got[2:], want[2:], strict=True):
             a, b, row_max = a.float(), b.float(), b.float().abs().amax(dim=1, keepdim=True)
             assert ((a - b).abs() <= 2 ** -7 * b.abs() + 1e-5 * row_max).all()

@@ -61,6 +61,8 @@ def test_config_takes_fp8_and_names_the_recipes():
     assert load_config(None, ["train.precision=fp8", "train.fp8_recipe=tensorwise"]).train.fp8_recipe == "tensorwise"
     with pytest.raises(ConfigError, match="train.fp8_recipe must be one of tensorwise, rowwise, .*, got 'blockwise'"):
         load_config(None, ["train.fp8_recipe=blockwise"])
+    with pytest.raises(ConfigError, match="train.fp8_min_width must be 0 or more, got -1"):
+        load_config(None, ["train.fp8_min_width=-1"])
 
 
 def test_preflight_refuses_fp8_on_the_cpu(tmp_path):
@@ -122,6 +124,19 @@ def test_the_fused_rowwise_swap_takes_exactly_the_blocks_matmuls(name):
     assert swapped == {**{f"{b}.attn.proj": FusedRowwiseLinear for b in block_names},
                        **{f"{b}.attn.qkv": FusedRowwisePackedQKV for b in block_names},
                        **{f"{b}.mlp": FusedRowwiseMlp for b in block_names}}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "fused_rowwise"])
+def test_blocks_narrower_than_fp8_min_width_stay_bf16(recipe):
+    if recipe != "fused_rowwise":
+        float8_linear_module()
+    model = micro_model("swin_micro")  # stages 32, 64, 128 and 256 wide
+    blocks = {id(b): b.attn.qkv.weight.shape[-1] for b in blocks_of(model)}
+    wide = tuple(f"{n}." for n, m in model.named_modules() if blocks.get(id(m), 0) >= 128)
+    convert_to_float8(model, recipe, fsdp=False, min_width=128)
+    float8 = [n for n, m in model.named_modules() if type(m).__module__.startswith(("vitctl.trainer.fp8", "torchao"))]
+    per_block = {"tensorwise": 5, "fused_rowwise": 3}[recipe]  # qkv, proj, MLP (and torchao's fc1, fc2)
+    assert all(n.startswith(wide) for n in float8) and len(float8) == per_block * len(wide) > 0
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "fused_rowwise"])

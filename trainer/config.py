@@ -98,6 +98,9 @@ class TrainConfig:
     # the fastest of the three on ViT-B/16 and Swin-B, its 1,000-step loss on ViT-B/16 3.0% below bf16-pure's;
     # torchao's tensorwise ended 5.3% behind. tensorwise alone gathers float8 weights under FSDP2.
     fp8_recipe: str = "fused_rowwise"
+    # Linears narrower than this (the smaller of in and out features) stay bf16: their casts cost more than float8
+    # saves (docs/performance.md).
+    fp8_min_width: int = 0
     fused: str = "all"  # all | none | comma-separated seams
     compile: bool = False
     compile_mode: str = "default"  # reduce-overhead: CUDA graphs, for steps whose kernel launches outrun the GPU
@@ -269,6 +272,7 @@ def validate(c: RunConfig) -> None:
         (c.train.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS}, got {c.train.precision!r}"),
         (c.train.fp8_recipe in FP8_RECIPES,
          f"train.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {c.train.fp8_recipe!r}"),
+        (c.train.fp8_min_width >= 0, f"train.fp8_min_width must be 0 or more, got {c.train.fp8_min_width}"),
         (c.parallel.dp_shard == -1 or c.parallel.dp_shard >= 1, "parallel.dp_shard must be -1 (all) or at least 1"),
         (c.parallel.fsdp or c.parallel.dp_shard in (-1, 1), "parallel.dp_shard needs parallel.fsdp=true"),
         (c.parallel.grad_reduce in GRAD_REDUCE,

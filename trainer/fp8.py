@@ -71,27 +71,29 @@ def float8_config(recipe: str, fsdp: bool) -> "Float8LinearConfig":
     return config
 
 
-def convert_to_float8(model: nn.Module, recipe: str, fsdp: bool) -> None:
-    """Swap each block's qkv, proj, fc1 and fc2 whose sizes are multiples of 16 for float8 versions, in place.
-    The patch embedding, the head and what lies between the blocks (Swin's patch merging) stay bf16."""
+def convert_to_float8(model: nn.Module, recipe: str, fsdp: bool, min_width: int = 0) -> None:
+    """Swap each block's qkv, proj, fc1 and fc2 whose sizes are multiples of 16 and at least `min_width` for float8
+    versions, in place. The patch embedding, the head and what lies between the blocks (Swin's patch merging) stay
+    bf16."""
     if recipe == FUSED_ROWWISE:
-        return _convert_to_fused_rowwise(model)
+        return _convert_to_fused_rowwise(model, min_width)
     config, convert = float8_config(recipe, fsdp), torchao_float8().convert_to_float8_training
     for block in blocks_of(model):
         for module in block.modules():
-            if type(module) is Mlp and (_fits(module.fc1) or _fits(module.fc2)):
+            if type(module) is Mlp and (_fits(module.fc1, min_width) or _fits(module.fc2, min_width)):
                 module.__class__ = Float8Mlp
-            elif type(module) is PackedQKV and _fits_qkv(module):
+            elif type(module) is PackedQKV and _fits_qkv(module, min_width):
                 Float8PackedQKV.swap(module, config)
-        convert(block, module_filter_fn=lambda linear, _: _fits(linear), config=config)
+        convert(block, module_filter_fn=lambda linear, _: _fits(linear, min_width), config=config)
 
 
-def _fits(linear: nn.Linear) -> bool:
-    return linear.in_features % ALIGNMENT == 0 and linear.out_features % ALIGNMENT == 0
+def _fits(linear: nn.Linear, min_width: int) -> bool:
+    sizes = linear.in_features, linear.out_features
+    return all(size % ALIGNMENT == 0 for size in sizes) and min(sizes) >= min_width
 
 
-def _fits_qkv(qkv: PackedQKV) -> bool:
-    return qkv.weight.shape[-1] % ALIGNMENT == 0
+def _fits_qkv(qkv: PackedQKV, min_width: int) -> bool:
+    return qkv.weight.shape[-1] % ALIGNMENT == 0 and qkv.weight.shape[-1] >= min_width
 
 
 class Float8Mlp(Mlp):
@@ -153,15 +155,15 @@ class FusedRowwiseMlp(Mlp):
         return float8_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
 
 
-def _convert_to_fused_rowwise(model: nn.Module) -> None:
+def _convert_to_fused_rowwise(model: nn.Module, min_width: int) -> None:
     """Each block's MLP whole (its GELU fuses with the casts), its qkv and its other linears, in place."""
     for block in blocks_of(model):
-        mlps = [m for m in block.modules() if type(m) is Mlp and _fits(m.fc1) and _fits(m.fc2)]
+        mlps = [m for m in block.modules() if type(m) is Mlp and _fits(m.fc1, min_width) and _fits(m.fc2, min_width)]
         in_mlps = {id(linear) for mlp in mlps for linear in (mlp.fc1, mlp.fc2)}
         for module in block.modules():
-            if type(module) is PackedQKV and _fits_qkv(module):
+            if type(module) is PackedQKV and _fits_qkv(module, min_width):
                 module.__class__ = FusedRowwisePackedQKV
-            elif type(module) is nn.Linear and _fits(module) and id(module) not in in_mlps:
+            elif type(module) is nn.Linear and _fits(module, min_width) and id(module) not in in_mlps:
                 module.__class__ = FusedRowwiseLinear
         for mlp in mlps:
             mlp.__class__ = FusedRowwiseMlp

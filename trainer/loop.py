@@ -114,7 +114,8 @@ class Trainer:
             model = build_model(config.model, self.ops, config.train.seed)
         pretrained = self._read_pretrained(model) if not checkpoints else None  # a resumed run loads its own
         if self.precision.fp8:  # before parallelize: FSDP2 shards and the masters copy what this swaps in
-            convert_to_float8(model, config.train.fp8_recipe, fsdp=self.strategy.fsdp)
+            convert_to_float8(model, config.train.fp8_recipe, fsdp=self.strategy.fsdp,
+                              min_width=config.train.fp8_min_width)
         self.flops_per_image = model.flops_per_image()  # of the whole model: a pipeline stage keeps part of it
         # Each data-parallel rank its own drop path and mixup. The ranks of one data-parallel coordinate draw the
         # same mixup (a pipeline's first stage mixes the images, its last the targets) and, within a stage, the same
