@@ -1,7 +1,8 @@
 """Loss parity of float8 training on one GPU: N steps of ViT-B/16 and Swin-T in bf16-pure and in fp8 (each torchao
 recipe), from the same initial weights on the same learnable synthetic stream. Writes the per-step losses (JSON) and
 a plot (PNG, where matplotlib imports) and prints each fp8 run's final loss, the mean of its last 50 steps, against
-bf16-pure's. `--plot losses.json` only plots and prints (for a GPU machine without matplotlib).
+bf16-pure's. A second bf16-pure run from other initial weights (same stream) is the yardstick: how far two runs of
+one precision end apart. `--plot losses.json` only plots and prints (for a GPU machine without matplotlib).
 
 The runs are eager: compiling fuses torchao's casts without changing their arithmetic (it moves the results by float8
 rounding noise, as fp8 itself does), and the compiles would cost more device time than the steps."""
@@ -45,11 +46,15 @@ class TemplateStream:
         return SIGNAL * self.templates[labels] + noise, labels
 
 
-def losses_of(name: str, recipe: str | None, args: argparse.Namespace) -> list[float]:
-    """Each step's loss, training `name` bf16-pure (fp32 masters, fused AdamW), its blocks in float8 with `recipe`."""
+CONTROL = "bf16-pure, other init"
+
+
+def losses_of(name: str, recipe: str | None, init_seed: int, args: argparse.Namespace) -> list[float]:
+    """Each step's loss, training `name` bf16-pure (fp32 masters, fused AdamW) from the weights of `init_seed`, its
+    blocks in float8 with `recipe`."""
     device = torch.device("cuda")
     ops = resolve("all", device)
-    model = build_model(ModelConfig(name=name, num_classes=CLASSES, drop_path=0.0), ops, args.seed).to(device)
+    model = build_model(ModelConfig(name=name, num_classes=CLASSES, drop_path=0.0), ops, init_seed).to(device)
     if recipe is not None:
         convert_to_float8(model, recipe, fsdp=False)
     master = MasterWeights(model)
@@ -137,11 +142,12 @@ def main() -> None:
           f"lr {args.lr}, seed {args.seed}", flush=True)
     results = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed, "losses": {}}
     for name in args.models.split(","):
-        runs = {"bf16-pure": None, **{f"fp8 {recipe}": recipe for recipe in args.recipes.split(",")}}
+        runs = {"bf16-pure": (None, args.seed), CONTROL: (None, args.seed + 1),
+                **{f"fp8 {recipe}": (recipe, args.seed) for recipe in args.recipes.split(",")}}
         results["losses"][name] = {}
-        for run, recipe in runs.items():
+        for run, (recipe, init_seed) in runs.items():
             start = time.perf_counter()
-            losses = losses_of(name, recipe, args)
+            losses = losses_of(name, recipe, init_seed, args)
             results["losses"][name][run] = losses
             print(f"{name} {run}: first {losses[0]:.4f}, final {final(losses):.4f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)

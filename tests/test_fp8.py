@@ -44,7 +44,7 @@ def run_config(out, *overrides: str):
     return load_config(None, ["model.img_size=32", "model.num_classes=10", "model.drop_path=0.0",
                               "data.source=synthetic", "data.batch_size=32", "data.train_samples=3200",
                               "augment.mixup=0", "augment.cutmix=0", "optim.warmup_epochs=0", "optim.lr=1e-2",
-                              f"train.out_dir={out}", *overrides])
+                              "train.fp8_min_width=0", f"train.out_dir={out}", *overrides])
 
 
 def micro_model(name: str, device: torch.device = CPU):

@@ -98,9 +98,10 @@ class TrainConfig:
     # the fastest of the three on ViT-B/16 and Swin-B, its 1,000-step loss on ViT-B/16 3.0% below bf16-pure's;
     # torchao's tensorwise ended 5.3% behind. tensorwise alone gathers float8 weights under FSDP2.
     fp8_recipe: str = "fused_rowwise"
-    # Linears narrower than this (the smaller of in and out features) stay bf16: their casts cost more than float8
-    # saves (docs/performance.md).
-    fp8_min_width: int = 0
+    # Linears narrower than this (the smaller of in and out features) stay bf16. By measurement (docs/performance.md):
+    # float8 paid at ViT-B's 768 and ViT-L's 1024; on Swin-B its 512-wide stage ran slower than in bf16 (the casts
+    # cost more than float8 saves). 0 puts every block in float8, for the memory.
+    fp8_min_width: int = 768
     fused: str = "all"  # all | none | comma-separated seams
     compile: bool = False
     compile_mode: str = "default"  # reduce-overhead: CUDA graphs, for steps whose kernel launches outrun the GPU
