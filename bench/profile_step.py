@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch
 
 from vitctl.trainer.bench import TIMM_STRONGEST, step_times, timm_model, training_step
-from vitctl.trainer.config import FP8_RECIPES, ModelConfig
+from vitctl.trainer.config import FP8_RECIPES, ModelConfig, TrainConfig
 from vitctl.trainer.fp8 import convert_to_float8
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
@@ -82,7 +82,7 @@ def main() -> None:
         for mode in args.mode or ["default"]:
             model = build_model(ModelConfig(name=args.model, drop_path=0.0), resolve("all", device, compiling=True))
             model = model.to(device).train()
-            convert_to_float8(model, recipe, fsdp=False)
+            convert_to_float8(model, recipe, fsdp=False, min_width=TrainConfig().fp8_min_width)
             step = training_step(model, Precision("bf16-pure", device), True, optimizer, mode)
             rows.append((f"vitctl fp8 {recipe} {mode}", *profile(step, images, labels, args.steps)))
             del model, step

@@ -95,8 +95,8 @@ class TrainConfig:
     max_steps: int | None = None  # stop early (demos, benchmarks)
     precision: str = "bf16"
     # with precision=fp8: fused_rowwise | rowwise | tensorwise. fused_rowwise by measurement (docs/performance.md):
-    # the fastest of the three on ViT-B/16 and Swin-B, its 1,000-step loss on ViT-B/16 3.0% below bf16-pure's;
-    # torchao's tensorwise ended 5.3% behind. tensorwise alone gathers float8 weights under FSDP2.
+    # the fastest of the three on ViT-B/16 and Swin-B, its 1,000-step loss within 1.5% of bf16-pure's on ViT-B/16
+    # and Swin-T; torchao's tensorwise ended 5.3% behind. tensorwise alone gathers float8 weights under FSDP2.
     fp8_recipe: str = "fused_rowwise"
     # Linears narrower than this (the smaller of in and out features) stay bf16. By measurement (docs/performance.md):
     # float8 paid at ViT-B's 768 and ViT-L's 1024; on Swin-B its 512-wide stage ran slower than in bf16 (the casts
