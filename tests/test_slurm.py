@@ -225,19 +225,35 @@ def test_one_run_folder_takes_one_live_job(prepared_shards, tmp_path):
 @pytest.mark.slow
 def test_a_damaged_registry_gets_its_slurm_jobs_back_from_sacct(prepared_shards, tmp_path):
     job = submit(prepared_shards, tmp_path / "run", "--steps", 2)
-    # slurmctld hands a new job to the accounting daemon a moment after sbatch returns; recovery is from accounting
-    deadline = time.monotonic() + 60
-    while not accounted(job) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    registry.registry_path().write_text("[\n {\n  \"job_id\": ")
-    registry.backup_path().unlink()
-    listed = subprocess.run([Path(sys.executable).parent / "vitctl", "status", job], capture_output=True, text=True,
-                            env=os.environ)
-    assert listed.returncode == 0, listed.stderr
-    assert "recovered no jobs from" in listed.stderr and "Slurm jobs from sacct" in listed.stderr
-    recovered = registry.find_record(job)
-    assert (recovered.run_dir, recovered.nodes, recovered.tasks_per_node) == (str(tmp_path / "run"), 2, 2)
-    assert wait_for(job, status.TERMINAL) == "COMPLETED"
+    held = submit_held_lookalike(tmp_path / "held" / "submitit")
+    try:
+        # slurmctld hands a new job to the accounting daemon a moment after sbatch returns; recovery is from accounting
+        deadline = time.monotonic() + 60
+        while not (accounted(job) and accounted(held)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        registry.registry_path().write_text("[\n {\n  \"job_id\": ")
+        registry.backup_path().unlink()
+        listed = subprocess.run([Path(sys.executable).parent / "vitctl", "status", job], capture_output=True,
+                                text=True, env=os.environ)
+        assert listed.returncode == 0, listed.stderr
+        assert "recovered no jobs from" in listed.stderr and "Slurm jobs from sacct" in listed.stderr
+        recovered = registry.find_record(job)
+        assert (recovered.run_dir, recovered.nodes, recovered.tasks_per_node) == (str(tmp_path / "run"), 2, 2)
+        # sacct leaves a held job (eligible: unknown) out of its time window; squeue still lists it
+        assert registry.find_record(held).run_dir == str(tmp_path / "held")
+        assert wait_for(job, status.TERMINAL) == "COMPLETED"
+    finally:
+        subprocess.run(["scancel", held], check=False)
+
+
+def submit_held_lookalike(folder: Path) -> str:
+    """A held job submitted as submitit submits vitctl's (`sbatch FOLDER/.submission_file_<hex>.sh`)."""
+    folder.mkdir(parents=True)
+    script = folder / ".submission_file_0123abcd.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --hold\n#SBATCH --job-name=held-lookalike\n#SBATCH --output=/dev/null\n"
+                      "true\n")
+    out = subprocess.run(["sbatch", script], capture_output=True, text=True, check=True, cwd=folder).stdout
+    return out.split()[-1]  # "Submitted batch job <id>"
 
 
 @pytest.mark.slow

@@ -197,23 +197,36 @@ SUBMIT_LINE = re.compile(r"sbatch (?P<folder>/\S+/submitit)/\.submission_file_[0
 def _slurm_records(folder: str | None = None, since: float | None = None) -> list[JobRecord]:
     """The Slurm jobs vitctl submitted (all of this user's in the last SACCT_DAYS, or those from `folder`), as
     sacct knows them; [] without Slurm accounting."""
-    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since or time.time() - SACCT_DAYS * 86400))
-    try:
-        out = subprocess.run(["sacct", "-X", "-n", "-P", "-u", str(os.getuid()), "-S", start, "-o",
-                              "JobIDRaw,JobName,NNodes,Submit,SubmitLine"], capture_output=True, text=True,
-                             timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    records = []
-    for line in out.splitlines():
+    records, seen = [], set()
+    for line in _sacct_lines(since or time.time() - SACCT_DAYS * 86400):
         job_id, name, nodes, submit, submit_line = line.split("|", 4)
         match = SUBMIT_LINE.fullmatch(submit_line.strip())
-        if not match or (folder and match["folder"] != folder) or not Path(match["folder"]).is_dir():
-            continue  # not vitctl's, not the one asked for, or its run folder is gone
+        if job_id in seen or not match or (folder and match["folder"] != folder) or not Path(match["folder"]).is_dir():
+            continue  # listed twice, not vitctl's, not the one asked for, or its run folder is gone
+        seen.add(job_id)
         tasks, gpus = _sbatch_layout(Path(match["folder"]) / f"{job_id}_submission.sh")
         records.append(JobRecord(job_id, "slurm", name, str(Path(match["folder"]).parent), match["folder"],
                                  int(nodes), tasks, gpus, time.mktime(time.strptime(submit, "%Y-%m-%dT%H:%M:%S"))))
     return records
+
+
+def _sacct_lines(since: float) -> list[str]:
+    """sacct's lines for this user's jobs since `since` and for those still queued, which sacct leaves out of a time
+    window until they are eligible to start (held, waiting on a dependency, or just submitted)."""
+    user, fields = str(os.getuid()), ["-o", "JobIDRaw,JobName,NNodes,Submit,SubmitLine"]
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since))
+    lines = _quiet(["sacct", "-X", "-n", "-P", "-u", user, "-S", start, *fields]).splitlines()
+    if queued := _quiet(["squeue", "-h", "-u", user, "-o", "%i"]).split():
+        lines += _quiet(["sacct", "-X", "-n", "-P", "-j", ",".join(queued), *fields]).splitlines()
+    return lines
+
+
+def _quiet(command: list[str]) -> str:
+    """The command's output; "" where it is missing or hangs (no Slurm here, or its daemons down)."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
 
 def _sbatch_layout(script: Path) -> tuple[int, int]:
