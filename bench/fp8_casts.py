@@ -56,7 +56,7 @@ def main() -> None:
                     for warps in (1, 2, 4, 8, 16):
                         if rows * block <= 32768 and rows * block >= 32 * warps:
                             ms = gpu_ms(partial(f._launch, kernel, m, n, *kernel_inputs, rows=rows,
-                                                   warps=warps))
+                                                warps=warps))
                             rate[f"{rows} rows x {warps} warps"] = gigabytes / ms * 1e3
             print(f"{name} n={n}: default launch {rate.pop('default'):,.0f}, compiled reference "
                   f"{rate.pop('compiled reference'):,.0f}", flush=True)

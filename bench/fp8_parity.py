@@ -1,5 +1,5 @@
-"""Loss parity of float8 training on one GPU: N steps of ViT-B/16 and Swin-T in bf16-pure and in fp8 (each torchao
-recipe), from the same initial weights on the same learnable synthetic stream. Writes the per-step losses (JSON) and
+"""Loss parity of float8 training on one GPU: N steps of ViT-B/16 and Swin-T in bf16-pure and in fp8 (each recipe
+asked for), from the same initial weights on the same learnable synthetic stream. Writes the per-step losses (JSON) and
 a plot (PNG, where matplotlib imports) and prints each fp8 run's final loss, the mean of its last 50 steps, against
 bf16-pure's. A second bf16-pure run from other initial weights (same stream) is the yardstick: how far two runs of
 one precision end apart. `--plot losses.json` only plots and prints (for a GPU machine without matplotlib).

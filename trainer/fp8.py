@@ -1,6 +1,7 @@
-"""float8 training (`train.precision=fp8`): bf16-pure whose blocks' matmuls (qkv, proj, fc1, fc2) run in float8,
-with scales taken at every step: through our own row-scaled matmuls with fused casts (fused_rowwise, the default;
-ops/float8_rows.py), or through torchao, one scale per tensor (tensorwise) or per row (rowwise).
+"""float8 training (`train.precision=fp8`): bf16-pure whose blocks' matmuls (qkv, proj, fc1, fc2) at least
+`train.fp8_min_width` wide run in float8, with scales taken at every step: through our own row-scaled matmuls with
+fused casts (fused_rowwise, the default; ops/float8_rows.py), or through torchao, one scale per tensor (tensorwise) or
+per row (rowwise).
 
 The swaps happen in place, before the model is parallelized, and keep every parameter's name, shape and dtype:
 checkpoints, the fp32 masters, the optimizer and the EMA see the model they always saw. torchao is optional

@@ -96,7 +96,7 @@ if triton is not None:
     @triton.jit
     def _gelu_tanh(x):
         """GELU's tanh form through the hardware's tanh (one instruction, relative error 2^-11): with the erf form
-        this cast was bound by arithmetic at 0.6x the speed (bench/fp8_casts.py)."""
+        this cast was bound by arithmetic at 0.6x the speed (docs/performance.md)."""
         inner = x * (0.7978845608028654 + 0.035677408136300125 * x * x)  # sqrt(2 / pi) * (x + 0.044715 x^3)
         tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [inner], dtype=tl.float32,
                                          is_pure=True, pack=1)
