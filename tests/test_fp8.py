@@ -23,7 +23,7 @@ from vitctl.trainer.fp8 import (
     fp8_problems,
 )
 from vitctl.trainer.loop import train
-from vitctl.trainer.models import blocks_of, build_model
+from vitctl.trainer.models import block_widths, blocks_of, build_model
 from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.models.vit import VisionTransformer
 from vitctl.trainer.ops import resolve
@@ -63,6 +63,25 @@ def test_config_takes_fp8_and_names_the_recipes():
         load_config(None, ["train.fp8_recipe=blockwise"])
     with pytest.raises(ConfigError, match="train.fp8_min_width must be 0 or more, got -1"):
         load_config(None, ["train.fp8_min_width=-1"])
+
+
+def test_fp8_that_would_put_no_layer_in_float8_is_refused_before_launch_with_a_width_that_works(tmp_path):
+    narrow = run_config(tmp_path, "train.precision=fp8", *MICRO["swin_micro"], "train.fp8_min_width=512")
+    with pytest.raises(ConfigError) as refused:
+        preflight(narrow, 1, None)
+    assert ("train.precision=fp8 would put no layer of swin_micro in float8: its widest blocks are 256 wide, under "
+            "train.fp8_min_width=512; --set train.fp8_min_width=256 puts them in float8") in str(refused.value)
+    preflight(run_config(tmp_path, "train.precision=fp8", *MICRO["swin_micro"], "train.fp8_min_width=256"), 1, None)
+    model = micro_model("swin_micro")
+    convert_to_float8(model, "fused_rowwise", fsdp=False, min_width=256)
+    assert sum(type(m) is FusedRowwiseMlp for m in model.modules()) == 1  # the one 256-wide block
+
+
+@pytest.mark.parametrize("name", MICRO)
+def test_block_widths_are_those_of_the_built_model(name):
+    model = micro_model(name)
+    config = run_config("out", *MICRO[name]).model
+    assert block_widths(config) == tuple(b.attn.qkv.weight.shape[-1] for b in blocks_of(model))
 
 
 def test_preflight_refuses_fp8_on_the_cpu(tmp_path):

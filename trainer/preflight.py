@@ -12,7 +12,7 @@ from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.shards import split_shards
 from .fp8 import fp8_problems
-from .models import model_error, model_shape
+from .models import block_widths, model_error, model_shape
 from .ops import parse_fused
 from .parallel import parallel_dims
 from .parallel.strategy import Strategy, strategy_from_config, strategy_problems
@@ -24,10 +24,11 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     is not known here (a Slurm job's nodes), so its checks wait for the ranks. `resuming`: the weights come from the
     run's own checkpoint, not from finetune.from_ckpt."""
     source = None if resuming else _source_error(config)
-    problems = [p for p in (model_error(config.model), _fused_error(config.train.fused), _mixup_error(config), source)
-                if p]
+    model = model_error(config.model)
+    problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
+                            None if model else _fp8_width_error(config)) if p]
     strategy, dims = None, None
-    if model_error(config.model) is None:
+    if model is None:
         try:
             strategy = strategy_from_config(config.parallel, model_shape(config.model).n_blocks)
         except ConfigError as e:
@@ -66,6 +67,17 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
         problems.append("train.precision=fp8 does not run with tensor parallel yet (its split layers have no float8 "
                         "path); use parallel.tp=1 or train.precision=bf16-pure")
     return problems
+
+
+def _fp8_width_error(config: RunConfig) -> str | None:
+    """fp8 that would put no layer in float8: every block narrower than train.fp8_min_width."""
+    widest = max(block_widths(config.model))
+    if config.train.precision != "fp8" or widest >= config.train.fp8_min_width:
+        return None
+    return (f"train.precision=fp8 would put no layer of {config.model.name} in float8: its widest blocks are {widest} "
+            f"wide, under train.fp8_min_width={config.train.fp8_min_width}; --set train.fp8_min_width={widest} puts "
+            f"them in float8 (narrower than 768, float8 ran slower than bf16 on Swin-B: docs/performance.md), or use "
+            f"--precision bf16-pure")
 
 
 def _fused_error(spec: str) -> str | None:

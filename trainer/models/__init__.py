@@ -92,6 +92,14 @@ def model_shape(config: ModelConfig) -> ModelShape:
     return ModelShape(config.name, heads, hidden)
 
 
+def block_widths(config: ModelConfig) -> tuple[int, ...]:
+    """Each block's embedding width (its qkv's, proj's and fc1's input), in order (no model is built)."""
+    spec = MODELS[config.name]
+    if spec.family is SwinTransformer:
+        return tuple(spec.kwargs["dim"] * 2**i for i, depth in enumerate(spec.kwargs["depths"]) for _ in range(depth))
+    return (spec.kwargs["dim"],) * spec.kwargs["depth"]
+
+
 def build_model(config: ModelConfig, ops: Ops, seed: int = 0) -> nn.Module:
     """The model, initialised from `seed` (`init_weights`); under `torch.device("meta")` it holds no memory and no
     values until `to_empty` and `init_weights`, which the training loop calls after the parallelisms divide it."""
