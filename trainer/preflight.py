@@ -71,8 +71,10 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
 
 def _fp8_width_error(config: RunConfig) -> str | None:
     """fp8 that would put no layer in float8: every block narrower than train.fp8_min_width."""
+    if config.train.precision != "fp8":
+        return None
     widest = max(block_widths(config.model))
-    if config.train.precision != "fp8" or widest >= config.train.fp8_min_width:
+    if widest >= config.train.fp8_min_width:
         return None
     return (f"train.precision=fp8 would put no layer of {config.model.name} in float8: its widest blocks are {widest} "
             f"wide, under train.fp8_min_width={config.train.fp8_min_width}; --set train.fp8_min_width={widest} puts "

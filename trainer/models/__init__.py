@@ -82,14 +82,12 @@ def model_shape(config: ModelConfig) -> ModelShape:
     """Each block's heads and MLP width, as parallel strategies are checked against them (no model is built)."""
     spec = MODELS[config.name]
     if spec.family is SwinTransformer:
-        stages = list(zip(spec.kwargs["depths"], spec.kwargs["heads"], strict=True))
-        heads = tuple(h for depth, h in stages for _ in range(depth))
-        hidden = tuple(4 * spec.kwargs["dim"] * 2**i for i, (depth, _) in enumerate(stages) for _ in range(depth))
+        heads = tuple(h for depth, h in zip(spec.kwargs["depths"], spec.kwargs["heads"], strict=True)
+                      for _ in range(depth))
     else:
-        depth = spec.kwargs["depth"]
-        heads = (spec.kwargs["heads"],) * depth
-        hidden = (int(spec.kwargs["dim"] * spec.kwargs.get("mlp_ratio", 4.0)),) * depth
-    return ModelShape(config.name, heads, hidden)
+        heads = (spec.kwargs["heads"],) * spec.kwargs["depth"]
+    ratio = spec.kwargs.get("mlp_ratio", 4.0)
+    return ModelShape(config.name, heads, tuple(int(width * ratio) for width in block_widths(config)))
 
 
 def block_widths(config: ModelConfig) -> tuple[int, ...]:
