@@ -284,9 +284,11 @@ def test_fp8_follows_bf16_pure_over_20_compiled_steps(tmp_path, name, recipe):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_fsdp2_gathers_float8_weights_and_checkpoints_keep_their_keys(tmp_path):
-    """One NCCL rank: FSDP2 with torchao's float8 gathers, compiled per block as the trainer does, trains; its DCP
-    checkpoint holds the unconverted model's keys and shapes and loads into a plain model."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "fused_rowwise"])
+def test_fsdp2_trains_float8_and_checkpoints_keep_their_keys(tmp_path, recipe):
+    """One NCCL rank: FSDP2 (with torchao's float8 gathers for tensorwise; our layers take its bf16 gathers),
+    compiled per block as the trainer does, trains; its DCP checkpoint holds the unconverted model's keys and shapes
+    and loads into a plain model."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -301,13 +303,15 @@ def test_fsdp2_gathers_float8_weights_and_checkpoints_keep_their_keys(tmp_path):
         torch.manual_seed(0)
         model = micro_model("vit_micro", CUDA)
         expected = {k: v.shape for k, v in model.state_dict().items()}
-        convert_to_float8(model, "tensorwise", fsdp=True)
+        convert_to_float8(model, recipe, fsdp=True)
         mesh, policy = init_device_mesh("cuda", (1,)), Precision("fp8", CUDA).fsdp_policy()
         for block in blocks_of(model):
             block.compile()
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        assert isinstance(model.blocks[0].mlp.fc1.weight.to_local(), WeightWithDynamicFloat8CastTensor)
+        gathers_float8 = isinstance(model.blocks[0].mlp.fc1.weight.to_local(), WeightWithDynamicFloat8CastTensor)
+        assert gathers_float8 == (recipe == "tensorwise")
+        assert (type(model.blocks[0].mlp) is FusedRowwiseMlp) == (recipe == "fused_rowwise")
         optimizer = resolve("all", CUDA).optimizer(param_groups(model, 0.05, None), 1e-3, (0.9, 0.999), 1e-8)
         images, labels = torch.randn(32, 3, 32, 32, device=CUDA), torch.randint(0, 10, (32,), device=CUDA)
         losses = []

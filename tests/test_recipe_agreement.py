@@ -4,6 +4,7 @@ nvjpeg branches, each on the CPU and (marked gpu) on the GPU. Each check runs N 
 crops, their own RandAugment and erasing draws) and compares them; tolerances are Z standard errors of what is
 compared, computed from the draws themselves, so a chance failure has odds of about 1e-4 per check."""
 
+import importlib.util
 import io
 import itertools
 from collections import Counter
@@ -46,10 +47,14 @@ def write_table(folder: Path, images: list[np.ndarray]) -> SampleTable:
 
 
 _ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# CI installs DALI, so its CPU rows always run; the GPU machine may lack it (its wheels travel apart)
+_DALI_ON_GPU = [*_ON_GPU,
+                pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs nvidia-dali")]
 
 
 @pytest.fixture(params=[*[(kind, "cpu") for kind in ("dali", "pil-crop", "nvjpeg")],
-                        *[pytest.param((kind, "cuda"), marks=_ON_GPU) for kind in ("dali", "pil-crop", "nvjpeg")]],
+                        pytest.param(("dali", "cuda"), marks=_DALI_ON_GPU),
+                        *[pytest.param((kind, "cuda"), marks=_ON_GPU) for kind in ("pil-crop", "nvjpeg")]],
                 ids=lambda p: "-".join(p))
 def gpu_path(request) -> tuple[str, str]:
     """A GPU path and where it runs: DALI's pipeline, or the index loader's pil-crop or nvjpeg branch, on the CPU, or
