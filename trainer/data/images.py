@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .augment import Recipe, TimmTransforms, normalize_pil
+from .crop_resize import crop_resize
 from .gpu_augment import augment_batch, normalize
 
 PIL_RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
@@ -153,20 +154,13 @@ def _decode_views(datas: list[torch.Tensor], recipe: Recipe, device: torch.devic
     from torchvision.io import ImageReadMode, decode_jpeg
 
     images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
-    views = torch.empty(len(images), 3, recipe.size, recipe.size, device=device)
-    for i, image in enumerate(images):
-        views[i] = _eval_view_gpu(image, recipe) if draws is None else \
-            _train_view_gpu(image, recipe, draws["anchor"][i], draws["shape"][i], draws["mirror"][i])
+    if draws is None:
+        views = torch.stack([_eval_view_gpu(image, recipe) for image in images])
+    else:
+        boxes = np.concatenate([draws["anchor"], draws["shape"]], axis=1)
+        views = crop_resize(images, boxes, draws["mirror"], recipe.size, recipe.interpolation)
     views = views.round_().clamp_(0, 255).to(torch.uint8)
     return normalize(views, recipe) if draws is None else augment_batch(views, draws, recipe)
-
-
-def _train_view_gpu(image: torch.Tensor, recipe: Recipe, anchor: np.ndarray, shape: np.ndarray,
-                    mirror: np.ndarray) -> torch.Tensor:
-    (left, top), (w, h) = anchor.tolist(), shape.tolist()
-    crop = image[None, :, top:top + h, left:left + w].float()
-    view = F.interpolate(crop, size=(recipe.size, recipe.size), mode=recipe.interpolation, antialias=True)[0]
-    return view.flip(-1) if mirror else view
 
 
 def _eval_view_gpu(image: torch.Tensor, recipe: Recipe) -> torch.Tensor:

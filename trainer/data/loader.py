@@ -86,7 +86,10 @@ class ShardImages(Dataset):
 
 def _collate(items: list) -> tuple:
     images, labels, keys, draws = zip(*items, strict=True)
-    images = list(images) if images[0].ndim == 1 else torch.stack(images)
+    if images[0].ndim == 1:  # JPEG bytes: one buffer and the sizes, not a tensor each to share and pin
+        images = (torch.cat(images), torch.tensor([len(data) for data in images]))
+    else:
+        images = torch.stack(images)
     return images, torch.tensor(labels), keys, None if draws[0] is None else stack_draws(list(draws))
 
 
@@ -144,7 +147,8 @@ def _run(dataset: ShardImages, batches, spec: LoaderSpec) -> Iterator[Batch]:
 def _on_device(images, draws: dict[str, np.ndarray] | None, spec: LoaderSpec) -> torch.Tensor:
     """A collated batch as normalised images on the device: decoded and augmented there per the branch."""
     if spec.branch == "nvjpeg":
-        return decode_gpu(images, spec.recipe, spec.device, draws)
+        packed, sizes = images
+        return decode_gpu(list(packed.split(sizes.tolist())), spec.recipe, spec.device, draws)
     images = images.to(spec.device, non_blocking=True)
     if spec.branch == "pil-crop":
         return normalize(images, spec.recipe) if draws is None else augment_batch(images, draws, spec.recipe)
