@@ -56,6 +56,18 @@ def test_trains_compiled_with_cuda_graphs(prepared_shards, tmp_path):
     assert result["step"] == 6 and result["eval_samples"] == 20 and math.isfinite(result["loss"])
 
 
+def test_trains_and_evaluates_from_nvjpeg_with_the_next_batch_decoding_in_a_thread(prepared_shards, tmp_path):
+    """The nvjpeg branch: decode one batch ahead in the loader's thread, crops in one kernel, the recipe on its own
+    stream; evaluation twice an epoch sees every val sample once, and a resumed run goes on from its checkpoint."""
+    overrides = ["model.name=vit_micro", "model.img_size=32", "model.num_classes=5", f"data.path={prepared_shards}",
+                 "data.source=webdataset", "data.decode=nvjpeg", "data.batch_size=8", "data.workers=2",
+                 "train.eval_every_epochs=0.5", f"train.out_dir={tmp_path}", "augment.mixup=0", "augment.cutmix=0"]
+    first = train(load_config(None, [*overrides, "train.max_steps=4"]), use_cuda=True)
+    again = train(load_config(None, [*overrides, "train.max_steps=6"]), resume=True, use_cuda=True)
+    assert (first["step"], again["step"]) == (4, 6)
+    assert first["eval_samples"] == again["eval_samples"] == 20 and math.isfinite(again["loss"])
+
+
 def test_training_and_eval_run_on_a_pool_stream(prepared_shards, tmp_path, monkeypatch):
     """Not CUDA's legacy default stream, where DALI's batches fed the step 3-4% slower (parallel.own_stream)."""
     streams = []

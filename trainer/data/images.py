@@ -8,6 +8,7 @@ full size, by every loader alike (train_view); the rest of the recipe follows: t
 
 import io
 import math
+import threading
 
 import numpy as np
 import torch
@@ -123,37 +124,57 @@ def decode_gpu(datas: list[torch.Tensor], recipe: Recipe, device: torch.device,
                draws: dict[str, np.ndarray] | None) -> torch.Tensor:
     """A batch of JPEG byte tensors -> (B, 3, size, size) float32 on `device`, decoded by nvjpeg: training views
     with the batch's draws (draws.py) and the rest of the recipe on the GPU, or eval views (draws None)."""
+    return views_gpu(decode_jpegs(datas, device), recipe, device, draws)
+
+
+def decode_jpegs(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """JPEG byte tensors -> uint8 (3, H, W) images on `device` (nvjpeg on a GPU); safe to call from a thread."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     if device.type != "cuda":
-        return _decode_views(datas, recipe, device, draws)
+        return decode_jpeg(datas, mode=ImageReadMode.RGB)
     # torchvision's CUDA decode_jpeg writes on a private stream that it does not order after the caller's
-    # (pytorch/vision#9606): it can be handed a freed block whose last readers are still queued, and corrupted
-    # them (eval counts on one H200). On a stream of its own whose earlier work is waited for, every block it can
-    # be handed is idle; the training stream waits for the batch, and the decode overlaps its queued kernels.
-    stream = _decode_stream(device)
-    stream.synchronize()
+    # (pytorch/vision#9606): handed a freed block whose last readers were still queued, it corrupted them (eval
+    # counts on one H200). On a stream of its own, the blocks it can be handed are those of its own earlier
+    # outputs, and views_gpu records every reader of those, so none is handed over while still read. Waiting for
+    # that stream here (in the loader's thread) leaves the readers nothing to wait for on the GPU.
+    stream = _stream("decode", device)
     with torch.cuda.stream(stream):
-        images = _decode_views(datas, recipe, device, draws)
-    consumer = torch.cuda.current_stream(device)
-    consumer.wait_stream(stream)
-    images.record_stream(consumer)
+        images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
+    stream.synchronize()
     return images
 
 
-_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+def views_gpu(images: list[torch.Tensor], recipe: Recipe, device: torch.device,
+              draws: dict[str, np.ndarray] | None) -> torch.Tensor:
+    """decode_jpegs' images -> the batch's views, for the current stream; on a GPU computed on a stream of their own,
+    which overlaps the training step queued before them."""
+    if device.type != "cuda":
+        return _views(images, recipe, draws)
+    stream = _stream("views", device)
+    for image in images:
+        image.record_stream(stream)
+    with torch.cuda.stream(stream):
+        views = _views(images, recipe, draws)
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_stream(stream)
+    views.record_stream(consumer)
+    return views
 
 
-def _decode_stream(device: torch.device) -> torch.cuda.Stream:
+_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+_STREAMS_LOCK = threading.Lock()  # the loader's decode thread and the training thread ask for them
+
+
+def _stream(role: str, device: torch.device) -> torch.cuda.Stream:
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _DECODE_STREAMS:
-        _DECODE_STREAMS[device] = torch.cuda.Stream(device)
-    return _DECODE_STREAMS[device]
+    with _STREAMS_LOCK:
+        if (role, device) not in _STREAMS:
+            _STREAMS[role, device] = torch.cuda.Stream(device)
+        return _STREAMS[role, device]
 
 
-def _decode_views(datas: list[torch.Tensor], recipe: Recipe, device: torch.device,
-                  draws: dict[str, np.ndarray] | None) -> torch.Tensor:
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    images = decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
+def _views(images: list[torch.Tensor], recipe: Recipe, draws: dict[str, np.ndarray] | None) -> torch.Tensor:
     if draws is None:
         views = torch.stack([_eval_view_gpu(image, recipe) for image in images])
     else:

@@ -8,6 +8,7 @@ split. Items are (epoch, row, draw): the draw keys the sample's random numbers (
 
 import io
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from .augment import Recipe, TimmTransforms
 from .draws import draw_for_size, draw_sample, stack_draws
 from .gpu_augment import augment_batch, normalize
-from .images import decode_gpu, decode_pil, eval_view_pil, sample_rng, train_view_pil
+from .images import decode_jpegs, decode_pil, eval_view_pil, sample_rng, train_view_pil, views_gpu
 from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
 
@@ -139,16 +140,33 @@ def _run(dataset: ShardImages, batches, spec: LoaderSpec) -> Iterator[Batch]:
     # shift the model's random stream (drop path) differently in a resumed run.
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=spec.workers, collate_fn=_collate,
                         pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed))
+    if spec.branch == "nvjpeg":
+        loader = _decoded_ahead(loader, spec.device)
     for images, labels, keys, draws in loader:
         rows = torch.tensor(np.array([row for _, row, _ in keys]))
         yield _on_device(images, draws, spec), labels.to(spec.device, non_blocking=True), rows
 
 
+def _decoded_ahead(loader: DataLoader, device: torch.device) -> Iterator[tuple]:
+    """The loader's batches with their JPEGs decoded, the next batch's decode running in a thread while this one is
+    used: decode_jpeg holds its caller until its batch is decoded."""
+    if device.type == "cuda" and device.index is None:  # a new thread starts on the first GPU, not this rank's
+        device = torch.device("cuda", torch.cuda.current_device())
+    with ThreadPoolExecutor(1, thread_name_prefix="vitctl-decode") as pool:
+        ahead = None
+        for (packed, sizes), *rest in loader:
+            decoding = pool.submit(decode_jpegs, list(packed.split(sizes.tolist())), device)
+            if ahead is not None:
+                yield ahead[0].result(), *ahead[1:]
+            ahead = (decoding, *rest)
+        if ahead is not None:
+            yield ahead[0].result(), *ahead[1:]
+
+
 def _on_device(images, draws: dict[str, np.ndarray] | None, spec: LoaderSpec) -> torch.Tensor:
     """A collated batch as normalised images on the device: decoded and augmented there per the branch."""
     if spec.branch == "nvjpeg":
-        packed, sizes = images
-        return decode_gpu(list(packed.split(sizes.tolist())), spec.recipe, spec.device, draws)
+        return views_gpu(images, spec.recipe, spec.device, draws)
     images = images.to(spec.device, non_blocking=True)
     if spec.branch == "pil-crop":
         return normalize(images, spec.recipe) if draws is None else augment_batch(images, draws, spec.recipe)
