@@ -118,7 +118,7 @@ def test_gpu_decode_never_overwrites_memory_whose_readers_are_still_queued():
     of them still queued behind a long kernel; each reduction must still see the values it was queued on."""
     from vitctl.trainer.data.augment import Recipe
     from vitctl.trainer.data.draws import draw_sample, stack_draws
-    from vitctl.trainer.data.images import decode_gpu, sample_rng
+    from vitctl.trainer.data.images import decode_jpegs, sample_rng, views_gpu
 
     width, height, batch = 500, 375, 8
     datas = [_jpeg(width, height, seed) for seed in range(batch)]
@@ -132,7 +132,7 @@ def test_gpu_decode_never_overwrites_memory_whose_readers_are_still_queued():
         del blocks
         draws = stack_draws([draw_sample(d.numpy().tobytes(), recipe, sample_rng(0, step, i))
                              for i, d in enumerate(datas)])
-        decode_gpu(datas, recipe, CUDA, draws)
+        views_gpu(decode_jpegs(datas, CUDA), recipe, CUDA, draws)
         torch.cuda.synchronize()
         wrong += sum(int(s) != 3 * height * width for s in sums)
     assert wrong == 0

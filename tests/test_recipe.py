@@ -15,7 +15,7 @@ from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.data import build_data
 from vitctl.trainer.data.augment import Recipe, TimmTransforms, draw_erasing, erase, recipe_of
 from vitctl.trainer.data.draws import draw_sample, stack_draws
-from vitctl.trainer.data.images import _view, crop_box, decode_gpu, decode_pil, sample_rng
+from vitctl.trainer.data.images import _view, crop_box, decode_jpegs, decode_pil, sample_rng, views_gpu
 from vitctl.trainer.models import MODELS
 from vitctl.trainer.recipe import model_eval, parse_rand_augment
 
@@ -94,12 +94,12 @@ def test_the_eval_view_is_timm_s(shape, crop_pct, mode):
 
 @pytest.mark.parametrize("train", [True, False])
 def test_the_nvjpeg_branch_shows_the_same_views_as_pil(train):
-    """decode_gpu runs on CPU tensors too: the same crop, flip and eval view as the PIL path, up to resampling."""
+    """The nvjpeg branch runs on CPU tensors too: the same crop, flip and eval view as PIL, up to resampling."""
     data, recipe = jpeg(smooth_image(48, 64, seed=5)), Recipe(32, eval_crop_pct=0.875)
     draws = stack_draws([draw_sample(data, recipe, np.random.default_rng(seed)) for seed in range(2)]) if train \
         else None
     datas = [torch.frombuffer(bytearray(data), dtype=torch.uint8)] * 2
-    gpu = decode_gpu(datas, recipe, torch.device("cpu"), draws)
+    gpu = views_gpu(decode_jpegs(datas, torch.device("cpu")), recipe, torch.device("cpu"), draws)
     pil = [decode_pil(data, recipe, train, np.random.default_rng(seed), None) for seed in range(2)]
     assert all((g - p).abs().mean() < 0.03 for g, p in zip(gpu, pil, strict=True))  # 0.03: 1.7 grey levels
 

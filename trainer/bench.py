@@ -134,7 +134,8 @@ def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bo
         ops = resolve(fused, device, compiling=compile_)
         model = build_model(ModelConfig(name=model_name, img_size=img_size, drop_path=0.0), ops)
         if precision == "fp8":  # the default recipe; bench/bench_fp8.py times both
-            convert_to_float8(model, TrainConfig().fp8_recipe, fsdp=False, min_width=TrainConfig().fp8_min_width)
+            defaults = TrainConfig()
+            convert_to_float8(model, defaults.fp8_recipe, fsdp=False, min_width=defaults.fp8_min_width)
         flops = 3 * model.flops_per_image()
         setting = f"{precision}{_compiled(compile_, compile_mode)}, fused {fused}"
         result = measure(f"vitctl {model_name}", setting, model, Precision(precision, device), compile_, batch,

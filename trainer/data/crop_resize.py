@@ -19,9 +19,6 @@ try:
 except ImportError:  # a CPU-only torch: the reference serves
     triton = None
 
-INTERPOLATIONS = ("bilinear", "bicubic")  # the filters the kernel has
-
-
 def crop_resize_reference(images: list[Tensor], boxes: np.ndarray, mirror: np.ndarray, size: int,
                           interpolation: str) -> Tensor:
     """Each uint8 (3, H, W) image's box (left, top, width, height), resized to size x size with antialiasing and
@@ -36,9 +33,10 @@ def crop_resize_reference(images: list[Tensor], boxes: np.ndarray, mirror: np.nd
 
 def crop_resize(images: list[Tensor], boxes: np.ndarray, mirror: np.ndarray, size: int, interpolation: str
                 ) -> Tensor:
-    """crop_resize_reference's result; on a GPU in one kernel (and one copy that packs the images)."""
+    """crop_resize_reference's result; on a GPU in one kernel (and one copy that packs the images). The kernel has
+    both of the recipe's filters (recipe.INTERPOLATIONS)."""
     device = images[0].device
-    if device.type != "cuda" or triton is None or interpolation not in INTERPOLATIONS:
+    if device.type != "cuda" or triton is None:
         return crop_resize_reference(images, boxes, mirror, size, interpolation)
     shapes = np.array([image.shape for image in images], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(shapes.prod(axis=1))[:-1]])

@@ -120,13 +120,6 @@ def decode_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generato
     return transforms(view, rng) if train and transforms else normalize_pil(view, recipe)
 
 
-def decode_gpu(datas: list[torch.Tensor], recipe: Recipe, device: torch.device,
-               draws: dict[str, np.ndarray] | None) -> torch.Tensor:
-    """A batch of JPEG byte tensors -> (B, 3, size, size) float32 on `device`, decoded by nvjpeg: training views
-    with the batch's draws (draws.py) and the rest of the recipe on the GPU, or eval views (draws None)."""
-    return views_gpu(decode_jpegs(datas, device), recipe, device, draws)
-
-
 def decode_jpegs(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """JPEG byte tensors -> uint8 (3, H, W) images on `device` (nvjpeg on a GPU); safe to call from a thread."""
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -147,8 +140,9 @@ def decode_jpegs(datas: list[torch.Tensor], device: torch.device) -> list[torch.
 
 def views_gpu(images: list[torch.Tensor], recipe: Recipe, device: torch.device,
               draws: dict[str, np.ndarray] | None) -> torch.Tensor:
-    """decode_jpegs' images -> the batch's views, for the current stream; on a GPU computed on a stream of their own,
-    which overlaps the training step queued before them."""
+    """decode_jpegs' images -> (B, 3, size, size) float32 for the current stream: training views with the batch's
+    draws (draws.py) and the rest of the recipe, or eval views (draws None); on a GPU computed on a stream of their
+    own, which overlaps the training step queued before them."""
     if device.type != "cuda":
         return _views(images, recipe, draws)
     stream = _stream("views", device)
