@@ -10,9 +10,17 @@ import torch
 from PIL import Image
 from test_recipe import _Sign, smooth_image
 
-from vitctl.trainer.data.augment import KINDS, Recipe, _posterize, _rand_op, draw_color_jitter, draw_rand_augment
+from vitctl.trainer.data.augment import (
+    KINDS,
+    Recipe,
+    _posterize,
+    _rand_op,
+    draw_color_jitter,
+    draw_erasing,
+    draw_rand_augment,
+)
 from vitctl.trainer.data.draws import draw_sample, stack_draws
-from vitctl.trainer.data.gpu_augment import augment_batch, color_jitter, rand_augment
+from vitctl.trainer.data.gpu_augment import augment_batch, color_jitter, erase, rand_augment
 from vitctl.trainer.recipe import RAND_INCREASING_OPS, RAND_OPS, parse_rand_augment
 
 FILL = (124, 116, 104)
@@ -106,11 +114,58 @@ def test_color_jitter_is_torchvision_s_brightness_contrast_saturation():
     images = _batch([smooth_image(32, 32, seed=seed) for seed in range(8)])
     images[:2] = torch.from_numpy(rng.integers(0, 256, (2, 3, 32, 32), dtype=np.uint8))  # and a noisy pair
     factors = np.stack([draw_color_jitter(rng, 0.8) for _ in range(len(images))])
-    out = color_jitter(images, factors)
+    out = color_jitter(images, torch.from_numpy(factors))
     for image, (brightness, contrast, saturation), ours in zip(images, factors.tolist(), out, strict=True):
         reference = TF.adjust_saturation(TF.adjust_contrast(TF.adjust_brightness(image, brightness), contrast),
                                          saturation)
         assert ours.dtype == torch.uint8 and (ours.int() - reference.int()).abs().max() <= 1
+
+
+def _erasures(count: int, samples: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """erase's boxes (samples, count, 4) and seeds for `samples` draws of up to `count` boxes on 32 x 32."""
+    rng = np.random.default_rng(1)
+    drawn = [draw_erasing(rng, 1.0, count, 32) for _ in range(samples)]
+    boxes, seeds = np.zeros((samples, count, 4), dtype=np.int32), np.zeros((samples, count), dtype=np.int64)
+    for i, erasure in enumerate(drawn):
+        boxes[i, :len(erasure.boxes)], seeds[i, :len(erasure.seeds)] = erasure.boxes, erasure.seeds
+    return torch.from_numpy(boxes), torch.from_numpy(seeds), drawn
+
+
+def test_erase_fills_each_box_from_its_seed_alone_and_later_boxes_cover_earlier_ones():
+    boxes, seeds, drawn = _erasures(4, 16)
+    boxes[0], i = 0, next(i for i in range(1, 16) if len(drawn[i].boxes) >= 2)  # sample 0 not erased
+    images = erase(torch.full((16, 3, 32, 32), 7.0), boxes, seeds, "rand")
+    assert (images[0] == 7).all()
+    visible = torch.ones(32, 32, dtype=torch.bool)
+    colours = []
+    for (top, left, h, w), seed in reversed(list(zip(drawn[i].boxes, drawn[i].seeds, strict=True))):
+        region = torch.zeros(32, 32, dtype=torch.bool)
+        region[top:top + h, left:left + w] = True
+        shown = region & visible
+        visible &= ~region
+        alone = erase(torch.full((1, 3, 32, 32), 7.0), torch.tensor([[[top, left, h, w]]]), torch.tensor([[seed]]),
+                      "rand")[0]
+        if shown.any():  # the box's own colour, whatever the batch, its position and the other boxes
+            assert torch.equal(images[i][:, shown], alone[:, shown])
+            colours.append(alone[:, top, left])
+        assert (alone[:, region] == alone[:, top:top + 1, left]).all()  # one colour per channel
+    assert (images[i][:, visible] == 7).all()
+    assert len({tuple(colour.tolist()) for colour in colours}) == len(colours)
+    pixel = erase(torch.zeros(16, 3, 32, 32), boxes, seeds, "pixel")
+    assert torch.equal(pixel, erase(torch.zeros(16, 3, 32, 32), boxes, seeds, "pixel"))
+    top, left, h, w = drawn[i].boxes[-1]
+    assert pixel[i, :, top:top + h, left:left + w].std() > 0.5  # noise per pixel, not one colour
+    assert (erase(torch.ones(16, 3, 32, 32), boxes, seeds, "const")[i] == 0).sum() >= 3 * h * w
+
+
+def test_erase_noise_is_standard_normal_and_differs_by_seed():
+    whole = torch.tensor([[[0, 0, 64, 64]]] * 8)
+    noise = erase(torch.zeros(8, 3, 64, 64), whole, torch.arange(8).view(8, 1) * 2**40 + 5, "pixel")
+    values = noise.flatten()
+    assert abs(values.mean()) < 0.02 and abs(values.std() - 1) < 0.02
+    assert abs((values.abs() < 1).float().mean() - 0.6827) < 0.01  # the normal's mass within one sigma
+    assert abs(torch.corrcoef(torch.stack([noise[:, :, :, :-1].flatten(), noise[:, :, :, 1:].flatten()]))[0, 1]) < 0.02
+    assert abs(torch.corrcoef(noise.view(8, -1))[0, 1:]).max() < 0.05  # seeds differing in their high bits only
 
 
 @pytest.mark.gpu
@@ -123,9 +178,13 @@ def test_the_gpu_gives_what_the_cpu_gives():
     gpu = rand_augment(images.cuda(), *inputs, FILL).cpu()
     difference = (cpu.int() - gpu.int()).abs()
     assert difference.max() <= 1 and difference.float().mean() < 0.01
-    factors = np.stack([draw_color_jitter(np.random.default_rng(i), 0.4) for i in range(96)])
-    jitter = (color_jitter(images, factors).int() - color_jitter(images.cuda(), factors).cpu().int()).abs()
+    factors = torch.from_numpy(np.stack([draw_color_jitter(np.random.default_rng(i), 0.4) for i in range(96)]))
+    jitter = (color_jitter(images, factors).int() - color_jitter(images.cuda(), factors.cuda()).cpu().int()).abs()
     assert jitter.max() <= 1
+    boxes, seeds, _ = _erasures(3, 96)
+    pixels = torch.randn(96, 3, 32, 32)
+    erased = erase(pixels, boxes, seeds, "pixel")
+    assert (erased - erase(pixels.cuda(), boxes.cuda(), seeds.cuda(), "pixel").cpu()).abs().max() < 1e-5
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from scipy.ndimage import gaussian_filter
 
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.data import build_data
-from vitctl.trainer.data.augment import Recipe, TimmTransforms, draw_erasing, erase, recipe_of
+from vitctl.trainer.data.augment import Recipe, TimmTransforms, recipe_of
 from vitctl.trainer.data.draws import draw_sample, stack_draws
 from vitctl.trainer.data.images import _view, crop_box, decode_jpegs, decode_pil, sample_rng, views_gpu
 from vitctl.trainer.models import MODELS
@@ -170,25 +170,6 @@ def test_posterize_at_magnitude_10_blacks_the_image_where_stock_timm_now_raises(
     with pytest.raises(ValueError, match="bits must be between"):
         for _ in range(10):
             stock(image)
-
-
-def test_erase_fills_each_box_from_its_seed_and_later_boxes_cover_earlier_ones():
-    erasure = draw_erasing(np.random.default_rng(1), 1.0, 4, 32)
-    assert len(erasure.boxes) >= 2
-    boxes = np.zeros((2, 4, 4), dtype=np.int32)  # sample 0 unerased, sample 1 the drawn boxes
-    seeds = np.zeros((2, 4), dtype=np.int64)
-    boxes[1, :len(erasure.boxes)], seeds[1, :len(erasure.seeds)] = erasure.boxes, erasure.seeds
-    images = erase(torch.full((2, 3, 32, 32), 7.0), boxes, seeds, "rand")
-    assert (images[0] == 7).all()
-    expected = torch.full((3, 32, 32), 7.0)
-    for (top, left, h, w), seed in zip(erasure.boxes, erasure.seeds, strict=True):
-        expected[:, top:top + h, left:left + w] = torch.randn(3, 1, 1, generator=torch.Generator().manual_seed(seed))
-    assert torch.equal(images[1], expected)
-    pixel = erase(torch.zeros(2, 3, 32, 32), boxes, seeds, "pixel")
-    assert torch.equal(pixel, erase(torch.zeros(2, 3, 32, 32), boxes, seeds, "pixel"))
-    top, left, h, w = erasure.boxes[-1]
-    assert pixel[1, :, top:top + h, left:left + w].std() > 0.5  # noise per pixel, not one colour
-    assert (erase(torch.ones(2, 3, 32, 32), boxes, seeds, "const")[1] == 0).sum() >= 3 * h * w
 
 
 @pytest.mark.parametrize(("device", "decode", "branch"), [("cuda", None, "pil-crop"), ("cuda", "nvjpeg", "nvjpeg"),

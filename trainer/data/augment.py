@@ -197,7 +197,7 @@ def draw_color_jitter(rng: np.random.Generator, strength: float) -> np.ndarray:
 @dataclass(frozen=True)
 class Erasure:
     boxes: list[tuple[int, int, int, int]]  # (top, left, h, w), in the order they were drawn
-    seeds: list[int]  # each box's fill is noise from a generator of this seed (erase)
+    seeds: list[int]  # each box's fill is noise hashed from this seed (gpu_augment.erase)
 
 
 def draw_erasing(rng: np.random.Generator, prob: float, max_count: int, size: int) -> Erasure:
@@ -217,20 +217,3 @@ def draw_erasing(rng: np.random.Generator, prob: float, max_count: int, size: in
                 seeds.append(int(rng.integers(2**63)))
                 break
     return Erasure(boxes, seeds)
-
-
-def erase(images: torch.Tensor, boxes: np.ndarray, seeds: np.ndarray, mode: str) -> torch.Tensor:
-    """Random erasing of a normalised (B, 3, H, W) batch in place, on its device: sample i's boxes[i] (K, 4) of
-    (top, left, h, w), h = 0 for none, filled in order (later boxes over earlier ones) with zeros (const), one N(0, 1)
-    colour (rand) or N(0, 1) pixels (pixel) from a generator seeded by seeds[i]'s entry: a box's fill depends on its
-    seed alone, so a resumed run erases as the first did."""
-    for i, k in zip(*np.nonzero(boxes[:, :, 2]), strict=True):  # row-major: a sample's boxes in drawn order
-        top, left, h, w = (int(v) for v in boxes[i, k])
-        if mode == "const":
-            fill = torch.zeros((), dtype=images.dtype, device=images.device)
-        else:
-            generator = torch.Generator(images.device).manual_seed(int(seeds[i, k]))
-            fill = torch.randn((3, h, w) if mode == "pixel" else (3, 1, 1), generator=generator,
-                               dtype=images.dtype, device=images.device)
-        images[i, :, top:top + h, left:left + w] = fill
-    return images

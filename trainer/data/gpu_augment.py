@@ -7,21 +7,24 @@ reference), with PIL's arithmetic wherever it decides a grey level: its fixed-po
 formulas, truncation after a blend or a resampling, rounding after the smoothing filter. Rotate, shear and translate
 resample with PIL's own kernels (Geometry.c: bilinear, or bicubic with a = -1, interpolated through differences),
 not grid_sample's: its bicubic (a = -0.75) is 1 to 3 grey levels from PIL's on textured images, and its weighted
-sums lose a level to truncation on flat ones. A layer groups its samples by op kind (one argsort), so a batch costs a
-few launches per kind and layer, whatever its size; on a GPU the costliest ops are compiled. color_jitter is
-torchvision's adjust_* on uint8 tensors. Nothing here waits for the GPU: the draws reach it through pinned memory, so
-a batch's work is queued behind the training step before it, not run after it.
+sums lose a level to truncation on flat ones. A layer computes its ops but warp and equalize on the whole batch and
+keeps each sample's own (pixel_ops), then applies those two to their samples, a group each: on a GPU all are
+compiled, so a batch costs a few dozen launches whatever its draws (launched op by op for each kind's group, they
+cost the host 7 ms a batch, more than the GPU spent on them). color_jitter is torchvision's adjust_* on uint8
+tensors. Erasing fills its boxes with noise hashed from each box's seed. Nothing here waits for the GPU: the draws
+reach it through pinned memory, so a batch's work is queued behind the training step before it, not run after it.
 """
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .augment import KINDS, Recipe, erase
+from .augment import KINDS, Recipe
 
 log = logging.getLogger("vitctl.data")
 
@@ -32,69 +35,158 @@ _GREY_WEIGHTS = (19595, 38470, 7471)
 def augment_batch(images: Tensor, drawn: dict[str, np.ndarray], recipe: Recipe) -> Tensor:
     """Cropped uint8 (B, 3, H, W) -> the recipe's float32 (B, 3, H, W): RandAugment, colour jitter, normalisation and
     erasing with the batch's draws (draws.stack_draws)."""
+    device = images.device
     if recipe.rand_augment:
         images = rand_augment(images, drawn["ra_kind"], drawn["ra_param"], drawn["ra_matrix"], recipe.fill,
                               recipe.interpolation)
-    if recipe.color_jitter:
-        images = color_jitter(images, drawn["jitter"])
-    images = normalize(images.contiguous(), recipe)
-    if recipe.reprob:
-        erase(images, drawn["erase_box"], drawn["erase_seed"], recipe.remode)
-    return images
+    jitter = boxes = seeds = None
+    if recipe.color_jitter and recipe.reprob:
+        jitter, boxes, seeds = to_device_all([drawn["jitter"], drawn["erase_box"], drawn["erase_seed"]], device)
+    elif recipe.color_jitter:
+        jitter = to_device(drawn["jitter"], device)
+    elif recipe.reprob:
+        boxes, seeds = to_device_all([drawn["erase_box"], drawn["erase_seed"]], device)
+    return _for(device, _finish)(images.contiguous(), jitter, boxes, seeds, recipe.mean, recipe.std, recipe.remode)
+
+def _finish(images: Tensor, jitter: Tensor | None, boxes: Tensor | None, seeds: Tensor | None,
+            mean: tuple[float, ...], std: tuple[float, ...], remode: str) -> Tensor:
+    if jitter is not None:
+        images = color_jitter(images, jitter)
+    images = _normalized(images, mean, std)
+    return images if boxes is None else erase(images, boxes, seeds, remode)
 
 
 def normalize(images: Tensor, recipe: Recipe) -> Tensor:
     """uint8 (B, 3, H, W) -> float32 normalised by the recipe's mean and std, on the images' device."""
-    mean = to_device(np.array(recipe.mean, dtype=np.float32) * 255, images.device).view(1, 3, 1, 1)
-    std = to_device(np.array(recipe.std, dtype=np.float32) * 255, images.device).view(1, 3, 1, 1)
-    return (images.float() - mean) / std
+    return _normalized(images, recipe.mean, recipe.std)
+
+
+def _normalized(images: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
+    mean, std = ([float(np.float32(v) * np.float32(255)) for v in values] for values in (mean, std))
+    return (images.float() - _per_channel(mean, images)) / _per_channel(std, images)
+
+
+def _per_channel(values: list[float] | tuple[float, ...], like: Tensor) -> Tensor:
+    """Three constants as a float32 (1, 3, 1, 1) on `like`'s device, built there: no copy from the host, which from
+    pageable memory would wait for the work queued on the stream, and no tensor a compiled graph must guard."""
+    channel = torch.arange(3, device=like.device).view(1, 3, 1, 1)
+    return torch.where(channel == 0, values[0], torch.where(channel == 1, values[1], values[2])).float()
 
 
 def to_device(values: np.ndarray, device: torch.device) -> Tensor:
     """Host values as a tensor on `device`, through pinned memory: a copy from pageable memory to a GPU waits for
     all the work queued on the stream (a training step), where this one is queued behind it."""
-    tensor = torch.from_numpy(np.ascontiguousarray(values))
+    return to_device_all([values], device)[0]
+
+
+def to_device_all(arrays: list[np.ndarray], device: torch.device) -> list[Tensor]:
+    """Host arrays as tensors on `device`, on a GPU through one pinned buffer and one copy (each pinned copy costs the
+    host some 60 us)."""
+    arrays = [np.ascontiguousarray(array) for array in arrays]
     if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+        return [torch.from_numpy(array).to(device) for array in arrays]
+    starts = np.cumsum([0] + [-(-array.nbytes // 8) * 8 for array in arrays])  # 8-byte aligned for any dtype's view
+    host = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
+    for array, start in zip(arrays, starts, strict=False):
+        host.numpy()[start:start + array.nbytes] = array.reshape(-1).view(np.uint8)
+    on_device = host.to(device, non_blocking=True)
+    return [on_device[start:start + array.nbytes].view(torch.from_numpy(array[:0]).dtype).view(array.shape)
+            for array, start in zip(arrays, starts, strict=False)]
 
 
 def rand_augment(images: Tensor, kinds: np.ndarray, params: np.ndarray, matrices: np.ndarray,
                  fill: tuple[int, int, int], interpolation: str = "bicubic") -> Tensor:
     """Each sample's ops, layer by layer: kinds (B, L) index augment.KINDS, params (B, L) are RandOp.param, matrices
     (B, L, 2, 3) RandOp.matrix; a warp fills what it uncovers with `fill` and resamples with `interpolation`."""
-    layers = kinds.shape[1]
-    # each layer's group sizes, which split needs on the host
-    slots = kinds.astype(np.int64) + np.arange(layers) * len(KINDS)
-    counts = np.bincount(slots.ravel(), minlength=layers * len(KINDS)).reshape(layers, len(KINDS)).tolist()
     device = images.device
-    kinds, params = to_device(kinds, device), to_device(params.astype(np.float32), device)
-    matrices = to_device(matrices.astype(np.float32), device)
-    fill_colour = to_device(np.array(fill, dtype=np.float32), device).view(1, 3, 1, 1)
-    out = images.clone()
-    for layer, layer_counts in enumerate(counts):
-        groups = torch.argsort(kinds[:, layer], stable=True).split(layer_counts)
-        for kind, samples, count in zip(KINDS, groups, layer_counts, strict=True):
-            if kind == "identity" or count == 0:
+    kinds_on, params_on, matrices_on = to_device_all(
+        [kinds, params.astype(np.float32), matrices.astype(np.float32)], device)
+    fill_colour = _per_channel(fill, images)
+    for layer in range(kinds.shape[1]):
+        images = _for(device, pixel_ops)(images, kinds_on[:, layer], params_on[:, layer])
+        for kind in GROUPED:
+            count = int((kinds[:, layer] == KINDS.index(kind)).sum())
+            if count == 0:
                 continue
-            group = out.index_select(0, samples)
-            op = _compiled(kind) if kind in _COMPILED and device.type == "cuda" and count > 1 else _OPS[kind]
-            if kind == "warp":
-                group = op(group, matrices[samples, layer], fill_colour, interpolation)
-            else:
-                group = op(group, params[samples, layer].view(-1, 1, 1, 1))
-            out.index_copy_(0, samples, group)
+            # the group's samples in order, found on the device from the count the host knows: no copy, no sync
+            index = torch.argsort((kinds_on[:, layer] != KINDS.index(kind)).byte(), stable=True)[:count]
+            # a group of one would be compiled again, for its size
+            op = _for(device, _OPS[kind], dynamic=True) if count > 1 else _OPS[kind]
+            extra = (matrices_on[index, layer], fill_colour, interpolation) if kind == "warp" else (None,)
+            images.index_copy_(0, index, op(images.index_select(0, index), *extra))
+    return images
+
+
+# Applied to their samples only: on the whole batch, warp's 16 gathers a pixel and equalize's histograms (atomics)
+# would cost the GPU more than their group's launches cost the host. One H200, ViT-B's b256: a layer of the other
+# ops took 0.42 ms for the whole batch, 1.49 ms with equalize; equalize on a group of 17, 0.10 ms.
+GROUPED = ("warp", "equalize")
+
+
+def pixel_ops(images: Tensor, kinds: Tensor, params: Tensor) -> Tensor:
+    """One layer of RandAugment but its GROUPED ops: each sample's op (kinds (B,) into KINDS, params (B,)) selected
+    from every op computed on the whole batch, a graph of fixed shape that compiles into a few kernels. A new tensor;
+    samples drawn a GROUPED op are left as they are."""
+    out, params = images, params.view(-1, 1, 1, 1)
+    for index, kind in enumerate(KINDS):
+        if kind != "identity" and kind not in GROUPED:
+            out = torch.where((kinds == index).view(-1, 1, 1, 1), _OPS[kind](images, params), out)
     return out
 
 
-def color_jitter(images: Tensor, factors: np.ndarray) -> Tensor:
+def color_jitter(images: Tensor, factors: Tensor) -> Tensor:
     """factors (B, 3): brightness, contrast and saturation, applied in this order (as the DALI pipeline does)."""
-    factors = to_device(factors.astype(np.float32), images.device)
     brightness, contrast, saturation = factors.view(-1, 3, 1, 1, 1).unbind(1)
-    images = _tv_blend(images, torch.zeros((), device=images.device), brightness)
+    images = _tv_blend(images, 0.0, brightness)
     mean = _tv_grey(images).float().mean(dim=(1, 2, 3), keepdim=True)
     images = _tv_blend(images, mean, contrast)
     return _tv_blend(images, _tv_grey(images), saturation)
+
+
+def erase(images: Tensor, boxes: Tensor, seeds: Tensor, mode: str) -> Tensor:
+    """Random erasing of a normalised (B, 3, H, W) batch: sample i's boxes[i] (K, 4) of (top, left, h, w), h = 0 for
+    none, filled in order (later boxes over earlier ones) with zeros (const), one N(0, 1) colour (rand) or N(0, 1)
+    pixels (pixel) that depend on the box's seed (seeds[i]) and shape alone, so a resumed run erases as the first did
+    and every device alike."""
+    channels, height, width = images.shape[1:]
+    ys = torch.arange(height, device=images.device).view(1, 1, height, 1)
+    xs = torch.arange(width, device=images.device).view(1, 1, 1, width)
+    cs = torch.arange(channels, device=images.device).view(1, channels, 1, 1)
+    for k in range(boxes.shape[1]):
+        top, left, h, w = (boxes[:, k, j].long().view(-1, 1, 1, 1) for j in range(4))
+        y, x = ys - top, xs - left
+        inside = (y >= 0) & (y < h) & (x >= 0) & (x < w)
+        if mode == "const":
+            fill = torch.zeros((), dtype=images.dtype, device=images.device)
+        else:
+            fill = _normal(seeds[:, k].view(-1, 1, 1, 1), cs if mode == "rand" else (cs * h + y) * w + x)
+        images = torch.where(inside, fill.to(images.dtype), images)
+    return images
+
+
+def _normal(seeds: Tensor, counters: Tensor) -> Tensor:
+    """Standard normal float32 values from int64 (seed, counter) pairs alone: Box-Muller over a 32-bit integer hash."""
+    key = _hash32(_hash32(seeds >> 32) ^ seeds)
+    u1, u2 = (_unit(_hash32(key ^ _hash32(2 * counters + i))) for i in (0, 1))
+    return torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """Wellons' lowbias32 on the low 32 bits of int64 `x`, in int64 arithmetic that never overflows."""
+    x = x & 0xFFFFFFFF
+    x = _mul32(x ^ (x >> 16), 0x21F0AAAD)
+    x = _mul32(x ^ (x >> 15), 0xD35A2D97)
+    return x ^ (x >> 15)
+
+
+def _mul32(x: Tensor, factor: int) -> Tensor:
+    """x * factor modulo 2**32 for x below 2**32, as two products below 2**48."""
+    return (x * (factor & 0xFFFF) + (((x * (factor >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _unit(x: Tensor) -> Tensor:
+    """A 32-bit integer -> float32 in (0, 1]."""
+    return (x.float() + 0.5) * 2.0**-32
 
 
 # ---------------------------------------------------------------- torchvision's uint8 arithmetic
@@ -106,7 +198,7 @@ def _tv_grey(images: Tensor) -> Tensor:
     return (0.2989 * r + 0.587 * g + 0.114 * b).to(images.dtype).unsqueeze(1)
 
 
-def _tv_blend(images: Tensor, other: Tensor, ratio: Tensor) -> Tensor:
+def _tv_blend(images: Tensor, other: Tensor | float, ratio: Tensor) -> Tensor:
     return (ratio * images + (1.0 - ratio) * other).clamp(0, 255).to(images.dtype)
 
 
@@ -260,14 +352,14 @@ _OPS = {"auto_contrast": _auto_contrast, "equalize": _equalize, "invert": _inver
         "brightness": _brightness, "sharpness": _sharpness, "warp": _warp}
 
 
-# Compiled on a GPU: eager, warp's 16 gathers and ~70 elementwise kernels took 3.3 ms of GPU time for 43 images on
-# an H200 (0.42 ms compiled), sharpness's 0.48 ms (0.14). The other ops gain less than the compiled call's host cost.
-_COMPILED = ("warp", "sharpness")
-
-
 @functools.cache
-def _compiled(kind: str) -> Callable[..., Tensor]:
-    """The op compiled once for any group size of two or more (a group of one would be compiled again, for itself)."""
-    log.info("data: compiling RandAugment's %s for the GPU (once per process: 1-14 s, less from inductor's cache)",
-             kind)
-    return torch.compile(_OPS[kind], dynamic=True, fullgraph=True)
+def _compiled(fn: Callable[..., Tensor], dynamic: bool) -> Callable[..., Tensor]:
+    log.info("data: compiling the recipe's %s for the GPU (once per process: seconds, less from inductor's cache)",
+             fn.__name__.strip("_"))
+    return torch.compile(fn, dynamic=dynamic, fullgraph=True)
+
+
+def _for(device: torch.device, fn: Callable[..., Tensor], dynamic: bool = False) -> Callable[..., Tensor]:
+    """fn compiled on a GPU, where its eager launches would cost more host time than its kernels take; eager on the
+    CPU."""
+    return _compiled(fn, dynamic) if device.type == "cuda" else fn
