@@ -161,10 +161,12 @@ _STREAMS_LOCK = threading.Lock()  # the loader's decode thread and the training 
 
 
 def _stream(role: str, device: torch.device) -> torch.cuda.Stream:
+    """The process's stream for `role` on `device`. The views share the SMs with the training step as equals: both
+    run at high priority (parallel.own_stream says why the step does)."""
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     with _STREAMS_LOCK:
         if (role, device) not in _STREAMS:
-            _STREAMS[role, device] = torch.cuda.Stream(device)
+            _STREAMS[role, device] = torch.cuda.Stream(device, priority=-1 if role == "views" else 0)
         return _STREAMS[role, device]
 
 
