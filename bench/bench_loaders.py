@@ -30,7 +30,7 @@ from vitctl.trainer.data import build_data
 from vitctl.trainer.data.augment import Recipe, recipe_of
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
-from vitctl.trainer.parallel import own_stream
+from vitctl.trainer.parallel import own_stream, widen_cuda_queues
 from vitctl.trainer.precision import Precision
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -105,6 +105,7 @@ def run(step: Callable | None, batches: Batches, warmup: int, steps: int) -> dic
 
 
 def main() -> None:
+    widen_cuda_queues()  # as a training rank does
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="swin_b_pretrain")
     parser.add_argument("--batch", type=int, default=128)

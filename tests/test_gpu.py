@@ -112,6 +112,47 @@ def _jpeg(width: int, height: int, seed: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
+_DECODE_BESIDE_MATMULS = """
+import io, sys
+import numpy as np, torch
+from PIL import Image
+from vitctl.trainer.data.images import decode_jpegs
+from vitctl.trainer.parallel import widen_cuda_queues
+
+if sys.argv[1] == "widened":
+    widen_cuda_queues()
+device = torch.device("cuda")
+datas = []
+for seed in range(64):
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    datas.append(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+decode_jpegs(datas, device)
+a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+with torch.cuda.stream(torch.cuda.Stream(device)):
+    for _ in range(60):
+        a @ a
+    done = torch.cuda.Event()
+    done.record()
+decode_jpegs(datas, device)
+print("beside" if not done.query() else "after")
+"""
+
+
+def test_a_rank_s_gpu_decode_runs_beside_work_queued_on_another_stream():
+    """train() gives the process CUDA's 32 hardware queues before CUDA starts: on CUDA's default 8, the nvjpeg decode
+    behind matmuls queued on another stream returned only when they had finished (a queue shared by both streams)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    outcome = {mode: subprocess.run([sys.executable, "-c", _DECODE_BESIDE_MATMULS, mode], env=env, check=True,
+                                    capture_output=True, text=True, timeout=300).stdout.split()[-1]
+               for mode in ("default", "widened")}
+    assert outcome["widened"] == "beside", outcome
+
+
 def test_gpu_decode_never_overwrites_memory_whose_readers_are_still_queued():
     """pytorch/vision#9606: decode_jpeg on CUDA may be handed a block freed on the caller's stream while kernels
     queued there still read it, and overwrite it first. Blocks the size of its outputs are freed with reductions

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -174,3 +175,14 @@ def test_two_gpus_resume_under_cuda_graphs_and_reshard_into_fsdp(prepared_shards
     assert len(list(final.glob("*.distcp"))) == 2
     records = [json.loads(line) for line in (tmp_path / "split/metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+def test_widened_cuda_queues_leave_a_user_s_setting_alone(monkeypatch):
+    from vitctl.trainer.parallel import widen_cuda_queues
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    widen_cuda_queues()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # e.g. Megatron-style ordering of communication
+    widen_cuda_queues()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"

@@ -34,7 +34,17 @@ from .metrics import MetricsWriter, mfu
 from .models import build_model
 from .ops import resolve
 from .optim import build_optimizer, lr_at, param_groups, set_lr
-from .parallel import DistEnv, StopVote, build_mesh, init_distributed, own_stream, parallel_dims, parallelize, shutdown
+from .parallel import (
+    DistEnv,
+    StopVote,
+    build_mesh,
+    init_distributed,
+    own_stream,
+    parallel_dims,
+    parallelize,
+    shutdown,
+    widen_cuda_queues,
+)
 from .precision import Precision, clip_gradients
 from .preflight import preflight
 from .pretrained import Pretrained, read_pretrained
@@ -457,6 +467,7 @@ def train(config: RunConfig | dict, resume: bool = False, use_cuda: bool | None 
     """
     if isinstance(config, dict):
         config = config_from_dict(config)
+    widen_cuda_queues()
     env = init_distributed(torch.cuda.is_available() if use_cuda is None else use_cuda)
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"%(asctime)s [rank {env.rank}] %(name)s: %(message)s")
