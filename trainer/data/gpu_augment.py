@@ -10,7 +10,7 @@ not grid_sample's: its bicubic (a = -0.75) is 1 to 3 grey levels from PIL's on t
 sums lose a level to truncation on flat ones. A layer computes its ops but warp and equalize on the whole batch and
 keeps each sample's own (pixel_ops), then applies those two to their samples, a group each: on a GPU all are
 compiled, so a batch costs a few dozen launches whatever its draws (launched op by op for each kind's group, they
-cost the host 7 ms a batch, more than the GPU spent on them). color_jitter is torchvision's adjust_* on uint8
+cost the host 7-10 ms a batch, more than the GPU spent on them). color_jitter is torchvision's adjust_* on uint8
 tensors. Erasing fills its boxes with noise hashed from each box's seed. Nothing here waits for the GPU: the draws
 reach it through pinned memory, so a batch's work is queued behind the training step before it, not run after it.
 """
@@ -39,14 +39,12 @@ def augment_batch(images: Tensor, drawn: dict[str, np.ndarray], recipe: Recipe) 
     if recipe.rand_augment:
         images = rand_augment(images, drawn["ra_kind"], drawn["ra_param"], drawn["ra_matrix"], recipe.fill,
                               recipe.interpolation)
-    jitter = boxes = seeds = None
-    if recipe.color_jitter and recipe.reprob:
-        jitter, boxes, seeds = to_device_all([drawn["jitter"], drawn["erase_box"], drawn["erase_seed"]], device)
-    elif recipe.color_jitter:
-        jitter = to_device(drawn["jitter"], device)
-    elif recipe.reprob:
-        boxes, seeds = to_device_all([drawn["erase_box"], drawn["erase_seed"]], device)
-    return _for(device, _finish)(images.contiguous(), jitter, boxes, seeds, recipe.mean, recipe.std, recipe.remode)
+    wanted = [name for name, used in (("jitter", recipe.color_jitter), ("erase_box", recipe.reprob),
+                                      ("erase_seed", recipe.reprob)) if used]
+    on = dict(zip(wanted, to_device_all([drawn[name] for name in wanted], device), strict=True))
+    return _for(device, _finish)(images.contiguous(), on.get("jitter"), on.get("erase_box"), on.get("erase_seed"),
+                                 recipe.mean, recipe.std, recipe.remode)
+
 
 def _finish(images: Tensor, jitter: Tensor | None, boxes: Tensor | None, seeds: Tensor | None,
             mean: tuple[float, ...], std: tuple[float, ...], remode: str) -> Tensor:
@@ -83,7 +81,7 @@ def to_device_all(arrays: list[np.ndarray], device: torch.device) -> list[Tensor
     """Host arrays as tensors on `device`, on a GPU through one pinned buffer and one copy (each pinned copy costs the
     host some 60 us)."""
     arrays = [np.ascontiguousarray(array) for array in arrays]
-    if device.type != "cuda":
+    if device.type != "cuda" or not arrays:
         return [torch.from_numpy(array).to(device) for array in arrays]
     starts = np.cumsum([0] + [-(-array.nbytes // 8) * 8 for array in arrays])  # 8-byte aligned for any dtype's view
     host = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
