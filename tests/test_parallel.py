@@ -186,3 +186,21 @@ def test_widened_cuda_queues_leave_a_user_s_setting_alone(monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # e.g. Megatron-style ordering of communication
     widen_cuda_queues()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+def test_a_rank_widens_cuda_queues_before_it_first_asks_cuda(monkeypatch):
+    """CUDA reads the setting when it starts: train() must set it before its first CUDA call."""
+    from vitctl.trainer import loop
+    from vitctl.trainer.config import load_config
+
+    seen = []
+
+    def first_cuda_call() -> bool:
+        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        raise RuntimeError("stop here")
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(loop.torch.cuda, "is_available", first_cuda_call)
+    with pytest.raises(RuntimeError, match="stop here"):
+        loop.train(load_config("demo_vit", []))
+    assert seen == ["32"]
