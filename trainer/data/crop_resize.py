@@ -19,6 +19,7 @@ try:
 except ImportError:  # a CPU-only torch: the reference serves
     triton = None
 
+
 def crop_resize_reference(images: list[Tensor], boxes: np.ndarray, mirror: np.ndarray, size: int,
                           interpolation: str) -> Tensor:
     """Each uint8 (3, H, W) image's box (left, top, width, height), resized to size x size with antialiasing and

@@ -85,8 +85,9 @@ def to_device_all(arrays: list[np.ndarray], device: torch.device) -> list[Tensor
         return [torch.from_numpy(array).to(device) for array in arrays]
     starts = np.cumsum([0] + [-(-array.nbytes // 8) * 8 for array in arrays])  # 8-byte aligned for any dtype's view
     host = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
+    staging = host.numpy()
     for array, start in zip(arrays, starts, strict=False):
-        host.numpy()[start:start + array.nbytes] = array.reshape(-1).view(np.uint8)
+        staging[start:start + array.nbytes] = array.reshape(-1).view(np.uint8)
     on_device = host.to(device, non_blocking=True)
     return [on_device[start:start + array.nbytes].view(torch.from_numpy(array[:0]).dtype).view(array.shape)
             for array, start in zip(arrays, starts, strict=False)]
