@@ -115,8 +115,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--loaders", default="synthetic,dali,index,timm",
-                        help="any of synthetic, dali, index (data.decode's default), index-pil, index-pil-crop, "
-                             "index-nvjpeg (the index loader's branches), timm")
+                        help="any of synthetic, dali, index (data.decode's default: nvjpeg), index-pil, "
+                             "index-pil-crop, index-nvjpeg (the index loader's branches), timm")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_loaders"))
     parser.add_argument("--no-model", action="store_true", help="time the loaders alone (no training step)")
     parser.add_argument("--against-default-stream", action="store_true",

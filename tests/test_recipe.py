@@ -172,7 +172,7 @@ def test_posterize_at_magnitude_10_blacks_the_image_where_stock_timm_now_raises(
             stock(image)
 
 
-@pytest.mark.parametrize(("device", "decode", "branch"), [("cuda", None, "pil-crop"), ("cuda", "nvjpeg", "nvjpeg"),
+@pytest.mark.parametrize(("device", "decode", "branch"), [("cuda", None, "nvjpeg"), ("cuda", "pil-crop", "pil-crop"),
                                                        ("cpu", "nvjpeg", "pil")])
 def test_the_index_loader_runs_the_recipe_on_a_gpu_and_timm_s_transforms_on_the_cpu(prepared_shards, device, decode,
                                                                                       branch):
