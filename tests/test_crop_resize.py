@@ -1,10 +1,12 @@
-"""The nvjpeg branch's batched crop-and-resize kernel against its per-sample PyTorch reference (marked gpu)."""
+"""The nvjpeg branch's batched crop-and-resize kernel, train and eval views, against its per-sample PyTorch reference
+(marked gpu)."""
 
 import numpy as np
 import pytest
 import torch
 
-from vitctl.trainer.data.crop_resize import crop_resize, crop_resize_reference
+from vitctl.trainer.data.crop_resize import crop_resize, crop_resize_reference, resize_crop, resize_crop_reference
+from vitctl.trainer.data.images import eval_resize
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
@@ -34,8 +36,22 @@ def _images_and_boxes(count: int) -> tuple[list[torch.Tensor], np.ndarray]:
 def test_one_launch_gives_each_samples_antialiased_crop_as_f_interpolate_does(interpolation):
     images, boxes = _images_and_boxes(40)
     mirror = (np.arange(len(images)) % 2).astype(np.int32)
-    got = crop_resize(images, boxes, mirror, 224, interpolation)
-    want = crop_resize_reference(images, boxes, mirror, 224, interpolation)
+    _assert_close(crop_resize(images, boxes, mirror, 224, interpolation),
+                  crop_resize_reference(images, boxes, mirror, 224, interpolation))
+
+
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear"])
+def test_one_launch_gives_each_samples_eval_view_as_f_interpolate_then_a_centre_crop_does(interpolation):
+    """timm's eval transform: the image resized (shrunk or enlarged, keeping its aspect or squashed), then cut."""
+    images, _ = _images_and_boxes(40)
+    resizes = np.array([eval_resize(image.shape[2], image.shape[1], 224, crop_pct, mode)
+                        for image, crop_pct, mode in zip(images, [0.875, 0.9, 1.0, 0.95] * 10,
+                                                         ["center", "center", "squash", "center"] * 10, strict=True)])
+    _assert_close(resize_crop(images, resizes, 224, interpolation),
+                  resize_crop_reference(images, resizes, 224, interpolation))
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape == (40, 3, 224, 224)
     # in grey levels, on noise: the weights are rounded differently (8e-3 at most on one H200)
     assert (got - want).abs().max().item() < 0.02

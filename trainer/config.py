@@ -42,7 +42,7 @@ class DataConfig:
     # The index loader's stages on a GPU (on the CPU it is always pil). pil: the workers decode, crop and apply the
     # recipe with timm's transforms (the reference). pil-crop: the workers decode and crop; the recipe runs in torch
     # on the GPU. nvjpeg: the workers read and draw; the GPU decodes (torchvision's decode_jpeg), crops and augments.
-    # nvjpeg is the default: it trained faster than pil-crop in every call on one H200 and evaluated 2x as fast
+    # nvjpeg is the default: it trained faster than pil-crop in every call on one H200 and evaluated 2-2.6x as fast
     # (docs/performance.md), and it needs few of the host's cores.
     decode: str = "nvjpeg"
     train_samples: int = 1_281_167  # synthetic data only: the epoch length it pretends to have

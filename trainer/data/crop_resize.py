@@ -1,9 +1,10 @@
-"""A batch's random-resized crops from decoded images of different sizes, in one GPU launch.
+"""A batch's random-resized crops, or its eval views, from decoded images of different sizes, in one GPU launch.
 
 The nvjpeg branch decodes a batch into one tensor per image. Cropping, resizing and flipping each in turn took five
-launches a sample, and the host time of those launches bounded the branch (docs/performance.md). `crop_resize` does
-the batch in one Triton kernel over the images packed end to end, with F.interpolate's antialiased filters
-(`crop_resize_reference`, the per-sample PyTorch it is tested against, serves the CPU).
+launches a sample, and the host time of those launches bounded the branch (docs/performance.md). `crop_resize` (a
+box resized to the view) and `resize_crop` (the image resized, then the view cut from it, as timm's eval transform)
+do the batch in one Triton kernel over the images packed end to end, with F.interpolate's antialiased filters (the
+per-sample PyTorch they are tested against, `*_reference`, serves the CPU).
 """
 
 import numpy as np
@@ -32,17 +33,49 @@ def crop_resize_reference(images: list[Tensor], boxes: np.ndarray, mirror: np.nd
     return views
 
 
+def resize_crop_reference(images: list[Tensor], resizes: np.ndarray, size: int, interpolation: str) -> Tensor:
+    """Each uint8 (3, H, W) image resized to (new_w, new_h) with antialiasing, then its size x size view at (left,
+    top) kept, per row of `resizes`: float32 (B, 3, size, size). (A box of whole pixels in the image would shift the
+    view by a fraction.)"""
+    views = torch.empty(len(images), 3, size, size, device=images[0].device)
+    for i, (image, (new_w, new_h, left, top)) in enumerate(zip(images, resizes.tolist(), strict=True)):
+        resized = F.interpolate(image[None].float(), size=(new_h, new_w), mode=interpolation, antialias=True)
+        views[i] = resized[0, :, top:top + size, left:left + size]
+    return views
+
+
 def crop_resize(images: list[Tensor], boxes: np.ndarray, mirror: np.ndarray, size: int, interpolation: str
                 ) -> Tensor:
     """crop_resize_reference's result; on a GPU in one kernel (and one copy that packs the images). The kernel has
     both of the recipe's filters (recipe.INTERPOLATIONS)."""
-    device = images[0].device
-    if device.type != "cuda" or triton is None:
+    if images[0].device.type != "cuda" or triton is None:
         return crop_resize_reference(images, boxes, mirror, size, interpolation)
+    boxes = boxes.astype(np.int64)
+    # the box is what the filter reads, resized to the view: scale = box / size, no shift
+    geometry = np.column_stack([boxes, mirror, np.full((len(images), 2), size), np.zeros((len(images), 2))])
+    return _resampled(images, geometry, size, interpolation)
+
+
+def resize_crop(images: list[Tensor], resizes: np.ndarray, size: int, interpolation: str) -> Tensor:
+    """resize_crop_reference's result; on a GPU in one kernel (and one copy that packs the images)."""
+    if images[0].device.type != "cuda" or triton is None:
+        return resize_crop_reference(images, resizes, size, interpolation)
+    shapes = np.array([image.shape[1:] for image in images], dtype=np.int64)
+    resizes = resizes.astype(np.int64)
+    # the whole image is read, resized to (new_w, new_h): scale = image / new size, the view shifted by (left, top)
+    geometry = np.column_stack([np.zeros((len(images), 2)), shapes[:, 1], shapes[:, 0], np.zeros(len(images)),
+                                resizes])
+    return _resampled(images, geometry, size, interpolation)
+
+
+def _resampled(images: list[Tensor], geometry: np.ndarray, size: int, interpolation: str) -> Tensor:
+    """The kernel's launch. geometry, per sample: the region the filter reads (left, top, width, height), mirror,
+    the size that region is resized to (width, height), and the view's offset in it (left, top)."""
+    device = images[0].device
     shapes = np.array([image.shape for image in images], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(shapes.prod(axis=1))[:-1]])
-    # per sample: where it starts in the packed images, its height and width, its box, whether to mirror
-    table = np.column_stack([starts, shapes[:, 1], shapes[:, 2], boxes, mirror]).astype(np.int64)
+    # per sample: where it starts in the packed images, its height and width, then its geometry
+    table = np.column_stack([starts, shapes[:, 1], shapes[:, 2], geometry]).astype(np.int64)
     packed = torch.cat([image.reshape(-1) for image in images])
     views = torch.empty(len(images), 3, size, size, device=device)
     block = 256
@@ -65,10 +98,11 @@ if triton is not None:
         return tl.where(x < 1.0, 1.0 - x, 0.0)
 
     @triton.jit
-    def _span(out, length, SIZE: tl.constexpr, BICUBIC: tl.constexpr):
-        """For output positions `out` along an input of `length`: aten's first tap, tap count, the inverse scale
-        its filter is stretched by, the centre, the sum of the weights, and an upper bound on taps for the loop."""
-        scale = length.to(tl.float32) / SIZE
+    def _span(out, length, resized, BICUBIC: tl.constexpr):
+        """For positions `out` of an input of `length` resized to `resized`: aten's first tap, tap count, the inverse
+        scale its filter is stretched by, the centre, the sum of the weights, and an upper bound on taps for the
+        loop."""
+        scale = length.to(tl.float32) / resized.to(tl.float32)
         support = (2.0 if BICUBIC else 1.0) * tl.maximum(scale, 1.0)
         inverse = tl.where(scale >= 1.0, 1.0 / scale, 1.0)
         centre = scale * (out.to(tl.float32) + 0.5)
@@ -85,16 +119,19 @@ if triton is not None:
     def _crop_resize_kernel(packed_ptr, table_ptr, views_ptr, SIZE: tl.constexpr, BICUBIC: tl.constexpr,
                             BLOCK: tl.constexpr):
         sample, channel, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        row = table_ptr + sample * 8
+        row = table_ptr + sample * 12
         start, height, width = tl.load(row), tl.load(row + 1).to(tl.int32), tl.load(row + 2).to(tl.int32)
         left, top = tl.load(row + 3).to(tl.int32), tl.load(row + 4).to(tl.int32)
         box_width, box_height = tl.load(row + 5).to(tl.int32), tl.load(row + 6).to(tl.int32)
         mirrored = tl.load(row + 7) != 0
+        resized_width, resized_height = tl.load(row + 8).to(tl.int32), tl.load(row + 9).to(tl.int32)
+        shift_x, shift_y = tl.load(row + 10).to(tl.int32), tl.load(row + 11).to(tl.int32)
         pixels = tile * BLOCK + tl.arange(0, BLOCK)
         valid = pixels < SIZE * SIZE
         out_y, out_x = pixels // SIZE, pixels % SIZE
-        x0, x_count, x_inverse, x_centre, x_total, x_bound = _span(out_x, box_width, SIZE, BICUBIC)
-        y0, y_count, y_inverse, y_centre, y_total, y_bound = _span(out_y, box_height, SIZE, BICUBIC)
+        x0, x_count, x_inverse, x_centre, x_total, x_bound = _span(out_x + shift_x, box_width, resized_width, BICUBIC)
+        y0, y_count, y_inverse, y_centre, y_total, y_bound = _span(out_y + shift_y, box_height, resized_height,
+                                                                   BICUBIC)
         plane = packed_ptr + start + channel.to(tl.int64) * height * width
         # as aten's kernel sums: each input row across x with normalised weights, then the rows across y
         value = tl.zeros((BLOCK,), tl.float32)

@@ -12,11 +12,10 @@ import threading
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from .augment import Recipe, TimmTransforms, normalize_pil
-from .crop_resize import crop_resize
+from .crop_resize import crop_resize, resize_crop
 from .gpu_augment import augment_batch, normalize
 
 PIL_RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
@@ -172,17 +171,12 @@ def _stream(role: str, device: torch.device) -> torch.cuda.Stream:
 
 def _views(images: list[torch.Tensor], recipe: Recipe, draws: dict[str, np.ndarray] | None) -> torch.Tensor:
     if draws is None:
-        views = torch.stack([_eval_view_gpu(image, recipe) for image in images])
+        resizes = np.array([eval_resize(image.shape[2], image.shape[1], recipe.size, recipe.eval_crop_pct,
+                                        recipe.eval_crop_mode) for image in images])
+        views = resize_crop(images, resizes, recipe.size, recipe.eval_interpolation)
     else:
         boxes = np.concatenate([draws["anchor"], draws["shape"]], axis=1)
         views = crop_resize(images, boxes, draws["mirror"], recipe.size, recipe.interpolation)
     views = views.round_().clamp_(0, 255).to(torch.uint8)
     return normalize(views, recipe) if draws is None else augment_batch(views, draws, recipe)
 
-
-def _eval_view_gpu(image: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """Resize, then crop, as timm's eval transform (a box of whole pixels would shift the view by a fraction)."""
-    size, (height, width) = recipe.size, image.shape[1:]
-    new_w, new_h, left, top = eval_resize(width, height, size, recipe.eval_crop_pct, recipe.eval_crop_mode)
-    resized = F.interpolate(image[None].float(), size=(new_h, new_w), mode=recipe.eval_interpolation, antialias=True)
-    return resized[0, :, top:top + size, left:left + size]
