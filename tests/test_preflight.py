@@ -1,10 +1,13 @@
 """Everything checkable is checked before launch (the CLI, before anything is submitted) and again in each rank."""
 
 import pytest
+import torch
 
 from conftest import CLASSES, vitctl
+from vitctl.trainer import preflight as preflight_module
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.loop import train
+from vitctl.trainer.preflight import preflight
 
 TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
 
@@ -59,3 +62,15 @@ def test_a_checkpoint_to_finetune_from_is_checked_before_launch_and_in_the_ranks
     assert not (tmp_path / "run" / "submitit").exists()
     with pytest.raises(ConfigError, match=f"finetune.from_ckpt {source} is not a checkpoint"):
         train(load_config("demo_vit", [*sets, f"train.out_dir={tmp_path / 'rank'}"]))
+
+
+def test_a_torchvision_without_gpu_decode_is_refused_with_a_branch_that_works(prepared_shards, monkeypatch):
+    """data.decode=nvjpeg (the default) on a GPU needs torchvision's CUDA decoder; the fix offered passes."""
+    monkeypatch.setattr(preflight_module, "gpu_decode_available", lambda: False)
+    sets = [f"data.path={prepared_shards}", "data.source=webdataset", f"model.num_classes={CLASSES}",
+            "train.precision=fp32"]
+    with pytest.raises(ConfigError, match="data.decode=nvjpeg decodes with torchvision's CUDA decode_jpeg, which "
+                                          "this torchvision lacks; set data.decode=pil-crop"):
+        preflight(load_config("demo_vit", sets), 1, torch.device("cuda"))
+    preflight(load_config("demo_vit", [*sets, "data.decode=pil-crop"]), 1, torch.device("cuda"))
+    preflight(load_config("demo_vit", sets), 1, torch.device("cpu"))  # the CPU decodes with PIL

@@ -10,6 +10,7 @@ from vitctl.datasets.index import index_path
 
 from .config import ConfigError, RunConfig
 from .data import dali_installed
+from .data.images import gpu_decode_available
 from .data.shards import split_shards
 from .fp8 import fp8_problems
 from .models import block_widths, model_error, model_shape
@@ -122,6 +123,11 @@ def _device_problems(config: RunConfig, device: torch.device) -> list[str]:
                         "train.compile_mode=default")
     if config.data.source == "dali" and not dali_installed():
         problems.append("data.source=dali but nvidia-dali is not installed (pip install 'vitctl[dali]')")
+    # evaluation reads through the index loader whatever the train source
+    if device.type == "cuda" and config.data.source != "synthetic" and config.data.decode == "nvjpeg" \
+            and not gpu_decode_available():
+        problems.append("data.decode=nvjpeg decodes with torchvision's CUDA decode_jpeg, which this torchvision lacks; "
+                        "set data.decode=pil-crop (PIL decodes in the loader workers)")
     return problems
 
 

@@ -119,6 +119,15 @@ def decode_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generato
     return transforms(view, rng) if train and transforms else normalize_pil(view, recipe)
 
 
+def gpu_decode_available() -> bool:
+    """Whether this torchvision decodes JPEGs on a GPU (a build with nvjpeg; 0.29 deprecated its decoders)."""
+    try:
+        from torchvision.io import decode_jpeg  # noqa: F401  (registers torch.ops.image)
+    except ImportError:
+        return False
+    return hasattr(torch.ops.image, "decode_jpegs_cuda")
+
+
 def decode_jpegs(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """JPEG byte tensors -> uint8 (3, H, W) images on `device` (nvjpeg on a GPU); safe to call from a thread."""
     from torchvision.io import ImageReadMode, decode_jpeg
