@@ -7,12 +7,13 @@ DALI random operator runs, so a batch depends only on (seed, epoch, draw): a res
 (bit for bit, tested on the CPU) without replaying the epoch, and one pipeline serves the whole run (no rebuild at an
 epoch's start).
 
-DALI decodes the crop (image_slice), resizes it (bicubic per augment.interpolation) and flips it; the rest runs in
-torch on the batch's device (gpu_augment.augment_batch): RandAugment and colour jitter with PIL's arithmetic as
-whole-batch compiled graphs, normalisation to the model's mean and std, random erasing. DALI's own RandAugment (one conditional
+DALI decodes the crop (image_slice), resizes it (bicubic per augment.interpolation), and flips it as it writes the batch
+channels first (crop_mirror_normalize, uint8, no normalisation: the layout torch computes on); the rest runs in torch on
+the batch's device (gpu_augment.augment_batch): RandAugment and colour jitter with PIL's arithmetic as whole-batch
+compiled graphs, normalisation to the model's mean and std, random erasing. DALI's own RandAugment (one conditional
 `select` per layer) and erasing (per-sample noise patches) delivered 1,743 img/s at Swin-B b128 on one H200 where its
-decode, crop and flip alone deliver 3,205. Evaluation uses the index loader (loader.py): exact, in order, padded so
-all ranks run the same count.
+decode, crop and flip alone deliver 3,205. Evaluation uses the index loader (loader.py): exact, in order, padded so all
+ranks run the same count.
 """
 
 import os
@@ -138,7 +139,7 @@ def _train_pipeline(source: BatchSource, batch: int, spec: LoaderSpec, threads: 
                                          device="mixed" if device_id is not None else "cpu", output_type=types.RGB,
                                          normalized_anchor=False, normalized_shape=False)
         images = fn.resize(images, resize_x=recipe.size, resize_y=recipe.size, interp_type=interp)
-        images = fn.flip(images, horizontal=inputs["mirror"])
+        images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=inputs["mirror"])
         return images, *(inputs[name] for name in _passed_through(recipe))
 
     return pipe()
@@ -156,13 +157,13 @@ class DaliTrainBatches:
         while True:
             images, *outputs = pipe.run()
             drawn = {name: np.array(out.as_tensor()) for name, out in zip(names, outputs, strict=True)}
-            images = _to_torch(images, self.spec.device).permute(0, 3, 1, 2)
+            images = _to_torch(images, self.spec.device)
             images = augment_batch(images, drawn, self.spec.recipe)
             yield images, to_device(drawn["label"], self.spec.device), torch.from_numpy(drawn["row"])
 
 
 def _to_torch(images, device: torch.device) -> torch.Tensor:
-    """DALI's uint8 (B, H, W, 3) batch as a torch tensor on `device` (copied on the GPU)."""
+    """DALI's uint8 (B, 3, H, W) batch as a torch tensor on `device` (copied on the GPU)."""
     if device.type == "cuda":
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
