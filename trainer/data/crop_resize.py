@@ -50,7 +50,6 @@ def crop_resize(images: list[Tensor], boxes: np.ndarray, mirror: np.ndarray, siz
     both of the recipe's filters (recipe.INTERPOLATIONS)."""
     if images[0].device.type != "cuda" or triton is None:
         return crop_resize_reference(images, boxes, mirror, size, interpolation)
-    boxes = boxes.astype(np.int64)
     # the box is what the filter reads, resized to the view: scale = box / size, no shift
     geometry = np.column_stack([boxes, mirror, np.full((len(images), 2), size), np.zeros((len(images), 2))])
     return _resampled(images, geometry, size, interpolation)
@@ -61,7 +60,6 @@ def resize_crop(images: list[Tensor], resizes: np.ndarray, size: int, interpolat
     if images[0].device.type != "cuda" or triton is None:
         return resize_crop_reference(images, resizes, size, interpolation)
     shapes = np.array([image.shape[1:] for image in images], dtype=np.int64)
-    resizes = resizes.astype(np.int64)
     # the whole image is read, resized to (new_w, new_h): scale = image / new size, the view shifted by (left, top)
     geometry = np.column_stack([np.zeros((len(images), 2)), shapes[:, 1], shapes[:, 0], np.zeros(len(images)),
                                 resizes])

@@ -120,7 +120,8 @@ def decode_pil(data: bytes, recipe: Recipe, train: bool, rng: np.random.Generato
 
 
 def gpu_decode_available() -> bool:
-    """Whether this torchvision decodes JPEGs on a GPU (a build with nvjpeg; 0.29 deprecated its decoders)."""
+    """Whether this torchvision has decode_jpeg's GPU operator (0.29 deprecated its decoders). A build without nvjpeg
+    has it too, and says so at the first decode."""
     try:
         from torchvision.io import decode_jpeg  # noqa: F401  (registers torch.ops.image)
     except ImportError:
