@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ok, vitctl
+from conftest import CLASSES, ok, vitctl
 from vitctl.trainer.config import ConfigError
+from vitctl.trainer.data.shards import read_table, split_shards
 from vitctl.workflows import registry, status
 from vitctl.workflows.process import start_time
 from vitctl.workflows.submit import parse_time, rendezvous_port
@@ -61,6 +63,37 @@ def test_an_error_in_a_rank_is_one_line_naming_its_log(finished_job, tmp_path):
     assert "Traceback (most recent call last)" in log.read_text()
     listed = json.loads(ok("status", registry.find_record(str(run)).job_id, "--json").output)[0]
     assert listed["state"] == "FAILED" and "raised ConfigError" in listed["note"] and str(log) in listed["note"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["webdataset", "dali"])
+def test_an_image_damaged_after_sharding_is_named_in_one_line_and_the_fix_named_repairs_it(shards_copy, tmp_path,
+                                                                                           source):
+    """A loader worker's error reaches the user as the worker's own error, naming the shard and the offset, not as the
+    worker's traceback flattened; the fix it names (verify, then the command verify prints) lets the run train."""
+    table = read_table(shards_copy, split_shards(shards_copy, "train")[0])
+    for path, offset in zip((table.paths[s] for s in table.shard), table.offset, strict=True):
+        with open(path, "r+b") as shard:  # every train image loses its JPEG header
+            shard.seek(int(offset))
+            shard.write(bytes(16))
+    run = ["train", "--config", "demo_vit", "--data", shards_copy, "--executor", "local", "--gpus", 0, "--steps", 1,
+           "--batch", 4, "--set", f"model.num_classes={CLASSES}", "--set", f"data.source={source}", "--set",
+           "data.workers=1"]
+    result = vitctl(*run, "--out", tmp_path / "run")
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    found = re.search(r"failed: rank 0 raised DataError: (\S+\.tar): the JPEG at offset (\d+) does not decode \(not in "
+                      r"any format Pillow reads\); fix: `(vitctl data verify \S+)` names each damaged shard", errors[0])
+    assert len(errors) == 1 and found, errors
+    assert int(found[2]) in table.offset[[p == found[1] for p in (table.paths[s] for s in table.shard)]]
+    verified = vitctl(*shlex.split(found[3])[1:])
+    assert verified.exit_code == 1, verified.output
+    fixes = {line.strip() for line in verified.output.splitlines() if line.startswith("  vitctl data shard")}
+    assert fixes, verified.output
+    for fix in fixes:
+        for command in fix.split(" && "):
+            ok(*shlex.split(command)[1:])
+    ok(*run, "--out", tmp_path / "again")
 
 
 @pytest.mark.slow

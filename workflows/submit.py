@@ -7,6 +7,7 @@ within the grace time, and Slurm requeues or ends it. An error in a rank is repo
 stays in the rank's log.
 """
 
+import itertools
 import json
 import os
 import re
@@ -132,7 +133,21 @@ class RankFailed(LaunchError):
     """A rank's error in one line; its traceback is in the rank's log."""
 
     def __init__(self, rank: str, error: Exception) -> None:
-        super().__init__(f"rank {rank} raised {type(error).__name__}: " + str(error).replace("\n", "; "))
+        super().__init__(f"rank {rank} raised " + _original(type(error).__name__, str(error)).replace("\n", "; "))
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def _original(name: str, message: str) -> str:
+    """`Name: message`. An error raised again from a loader's worker process (PyTorch's DataLoader, DALI) carries the
+    worker's traceback in its message: what the user needs is the error at the end of it, without the frames."""
+    if _TRACEBACK not in message:
+        return f"{name}: {message}"
+    lines = message.rsplit(_TRACEBACK, 1)[1].splitlines()
+    error = "\n".join(itertools.dropwhile(lambda line: not line or line.startswith(" "), lines)).strip()
+    qualified, _, text = error.partition(": ")
+    return f"{qualified.rsplit('.', 1)[-1]}: {text}" if text else f"{name}: {error or message}"
 
 
 def train_rank(job: TrainJob, stop: StopSignals) -> dict[str, Any]:

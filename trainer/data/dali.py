@@ -100,7 +100,8 @@ class BatchSource:
         samples = []
         for row, draw in zip(self.plan.sample(draws), draws, strict=True):
             data = self.reader.read(int(row))
-            inputs = draw_sample(data, self.spec.recipe, sample_rng(self.spec.seed, epoch, int(draw)))
+            with self.reader.decoding(int(row)):
+                inputs = draw_sample(data, self.spec.recipe, sample_rng(self.spec.seed, epoch, int(draw)))
             inputs["jpeg"] = np.frombuffer(data, dtype=np.uint8)
             inputs["label"] = np.array(self.reader.table.label[row], dtype=np.int64)
             inputs["row"] = np.array(row, dtype=np.int64)

@@ -6,15 +6,19 @@ what came before. Batches are (images, labels, rows): images normalised float32,
 split. Items are (epoch, row, draw): the draw keys the sample's random numbers (a repeat of a sample has its own).
 """
 
+import contextlib
 import io
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
+
+from vitctl.datasets.errors import DataError
 
 from .augment import Recipe, TimmTransforms
 from .draws import draw_for_size, draw_sample, stack_draws
@@ -50,6 +54,19 @@ class ShardReader:
         f.seek(int(self.table.offset[row]))
         return f.read(int(self.table.size[row]))
 
+    @contextlib.contextmanager
+    def decoding(self, row: int) -> Iterator[None]:
+        """A PIL error inside becomes a DataError that names the sample's shard and offset: a worker's error reaches
+        the user as its last line, and PIL's names no file."""
+        try:
+            yield
+        except (OSError, SyntaxError) as error:
+            shard = Path(self.table.paths[int(self.table.shard[row])])
+            reason = "not in any format Pillow reads" if isinstance(error, UnidentifiedImageError) else str(error)
+            raise DataError(f"the JPEG at offset {int(self.table.offset[row])} does not decode ({reason})", str(shard),
+                            f"`vitctl data verify {shard.parent}` names each damaged shard and the command that "
+                            f"writes it again (add --decode 100000000 to decode every image too)") from error
+
     def __getstate__(self) -> dict:
         return {"table": self.table, "files": {}}  # open files stay in the process that opened them
 
@@ -70,6 +87,11 @@ class ShardImages(Dataset):
     def __getitem__(self, item: tuple[int, int, int]):
         epoch, row, draw = item
         data, label = self.reader.read(row), int(self.reader.table.label[row])
+        with self.reader.decoding(row):
+            return self._item(data, label, item)
+
+    def _item(self, data: bytes, label: int, item: tuple[int, int, int]):
+        epoch, _, draw = item
         recipe, branch = self.spec.recipe, self.spec.branch
         if branch == "pil":
             rng = sample_rng(self.spec.seed, epoch, draw)
