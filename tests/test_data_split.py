@@ -192,3 +192,20 @@ def test_a_samples_repeats_are_augmented_differently(table):
     assert len({int(rows[0]) for _, _, rows in firsts}) == 1
     assert not torch.equal(firsts[0][0][0], firsts[1][0][0]) and not torch.equal(firsts[1][0][0], firsts[2][0][0])
 
+
+
+@pytest.mark.parametrize("branch", ["pil", "pil-crop", "nvjpeg"])
+def test_a_damaged_eval_image_is_named_by_its_shard_and_offset(shards_copy, branch):
+    """Every branch reads the header in its workers, so a damaged one is named there (nvjpeg's GPU decode could not
+    say which image of the batch it failed on)."""
+    from vitctl.datasets.errors import DataError
+
+    val = read_table(shards_copy, split_shards(shards_copy, "val")[0])
+    damaged = len(val) // 2
+    shard = val.paths[val.shard[damaged]]
+    with open(shard, "r+b") as f:
+        f.seek(int(val.offset[damaged]))
+        f.write(bytes(16))
+    with pytest.raises(DataError, match=rf"{shard}: the JPEG at offset {val.offset[damaged]} does not decode \(not in "
+                                        r"any format Pillow reads\)\nfix: `vitctl data verify"):
+        list(EvalBatches(val, spec(0, branch), BATCH, 0, 1)())

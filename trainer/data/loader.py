@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from vitctl.datasets.errors import DataError
 
 from .augment import Recipe, TimmTransforms
-from .draws import draw_for_size, draw_sample, stack_draws
+from .draws import draw_for_size, stack_draws
 from .gpu_augment import augment_batch, normalize
 from .images import decode_jpegs, decode_pil, eval_view_pil, sample_rng, train_view_pil, views_gpu
 from .plan import EpochPlan, eval_rows
@@ -96,8 +96,10 @@ class ShardImages(Dataset):
         if branch == "pil":
             rng = sample_rng(self.spec.seed, epoch, draw)
             return decode_pil(data, recipe, self.train, rng, self.transforms), label, item, None
-        if branch == "nvjpeg":
-            draws = draw_sample(data, recipe, sample_rng(self.spec.seed, epoch, draw)) if self.train else None
+        if branch == "nvjpeg":  # the header is read here in eval too: the GPU decoder's errors name no file
+            with Image.open(io.BytesIO(data)) as image:
+                size = image.size
+            draws = draw_for_size(size, recipe, sample_rng(self.spec.seed, epoch, draw)) if self.train else None
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), label, item, draws
         if not self.train:
             return eval_view_pil(data, recipe), label, item, None
