@@ -5,6 +5,7 @@ batches (with the whole recipe on: RandAugment, colour jitter, random erasing); 
 import gc
 import itertools
 import pickle
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -206,6 +207,6 @@ def test_a_damaged_eval_image_is_named_by_its_shard_and_offset(shards_copy, bran
     with open(shard, "r+b") as f:
         f.seek(int(val.offset[damaged]))
         f.write(bytes(16))
-    with pytest.raises(DataError, match=rf"{shard}: the JPEG at offset {val.offset[damaged]} does not decode \(not in "
-                                        r"any format Pillow reads\)\nfix: `vitctl data verify"):
+    with pytest.raises(DataError, match=rf"{re.escape(shard)}: the JPEG at offset {val.offset[damaged]} does not "
+                                        r"decode \(not in any format Pillow reads\)\nfix: `vitctl data verify"):
         list(EvalBatches(val, spec(0, branch), BATCH, 0, 1)())

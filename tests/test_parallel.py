@@ -180,7 +180,7 @@ def test_two_gpus_resume_under_cuda_graphs_and_reshard_into_fsdp(prepared_shards
 def test_widened_cuda_queues_leave_a_user_s_setting_alone(monkeypatch):
     from vitctl.trainer.parallel import widen_cuda_queues
 
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    _without_queue_setting(monkeypatch)
     widen_cuda_queues()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # e.g. Megatron-style ordering of communication
@@ -199,8 +199,14 @@ def test_a_rank_widens_cuda_queues_before_it_first_asks_cuda(monkeypatch):
         seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
         raise RuntimeError("stop here")
 
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    _without_queue_setting(monkeypatch)
     monkeypatch.setattr(loop.torch.cuda, "is_available", first_cuda_call)
     with pytest.raises(RuntimeError, match="stop here"):
         loop.train(load_config("demo_vit", []))
     assert seen == ["32"]
+
+
+def _without_queue_setting(monkeypatch) -> None:
+    """The variable unset for this test, and unset again after it whatever the test set (delenv of an unset variable
+    would restore nothing, leaving the test's value to the tests after it)."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"})
