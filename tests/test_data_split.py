@@ -3,6 +3,7 @@ CPU): every sample once per epoch, a new order each epoch, and a resumed stream 
 batches (with the whole recipe on: RandAugment, colour jitter, random erasing); repeated augmentation's plan."""
 
 import gc
+import importlib.util
 import itertools
 import pickle
 import re
@@ -24,17 +25,17 @@ RANKS, BATCH = 3, 7  # 60 train samples in shards of 16, 16, 16, 12: 2 global ba
 RECIPE = Recipe(32, min_scale=0.35, rand_augment="rand-m9-mstd0.5-inc1", color_jitter=0.4, reprob=0.25)
 
 
-def spec(workers: int = 0, branch: str = "pil") -> LoaderSpec:
-    return LoaderSpec(RECIPE, seed=5, workers=workers, device=torch.device("cpu"), branch=branch)
+def spec(workers: int = 0, branch: str = "pil", device: str = "cpu") -> LoaderSpec:
+    return LoaderSpec(RECIPE, seed=5, workers=workers, device=torch.device(device), branch=branch)
 
 
-def loader(kind: str, table, plan: EpochPlan, workers: int = 0):
+def loader(kind: str, table, plan: EpochPlan, workers: int = 0, device: str = "cpu"):
     """index: the index loader's PIL workers; pil-crop, nvjpeg: its GPU branches (here on the CPU); dali: DALI."""
     if kind == "dali":
         from vitctl.trainer.data.dali import DaliTrainBatches
 
-        return DaliTrainBatches(table, spec(workers), plan, threads=1)
-    return TrainBatches(table, spec(workers, "pil" if kind == "index" else kind), plan)
+        return DaliTrainBatches(table, spec(workers, device=device), plan, threads=1)
+    return TrainBatches(table, spec(workers, "pil" if kind == "index" else kind, device), plan)
 
 
 @pytest.fixture(scope="module")
@@ -194,19 +195,49 @@ def test_a_samples_repeats_are_augmented_differently(table):
     assert not torch.equal(firsts[0][0][0], firsts[1][0][0]) and not torch.equal(firsts[1][0][0], firsts[2][0][0])
 
 
+# A header that no decoder reads, or a scan cut short: Pillow's workers meet the second only when they decode, the GPU
+# decoders (nvjpeg, DALI's mixed decoder) in the training process, and DALI's a batch ahead (here: their CPU decoders).
+DAMAGE = {"header": r"not in any format Pillow reads", "scan": r"image file is truncated \(\d+ bytes not processed\)"}
 
+
+def damage(table: SampleTable, row: int, part: str) -> str:
+    """Damages one sample's JPEG in its shard in place; returns the error the loaders must give for it."""
+    shard, offset, size = table.paths[table.shard[row]], int(table.offset[row]), int(table.size[row])
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        data = f.read(size)
+        scan = data.index(b"\xff\xda")  # start of scan: everything before it is the header
+        start = offset if part == "header" else offset + (scan + size) // 2
+        f.seek(start)
+        f.write(bytes(16) if part == "header" else b"\xff" * (offset + size - start))
+    return (rf"{re.escape(shard)}: the JPEG at offset {offset} does not decode \({DAMAGE[part]}\)"
+            r"\nfix: `vitctl data verify")
+
+
+_GPU_DECODERS = [pytest.param("nvjpeg", "cuda", marks=pytest.mark.gpu),
+                 pytest.param("dali", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                     importlib.util.find_spec("nvidia.dali") is None, reason="needs nvidia-dali")])]
+
+
+@pytest.mark.parametrize("part", DAMAGE)
+@pytest.mark.parametrize(("kind", "device"), [*((kind, "cpu") for kind in ("index", "pil-crop", "nvjpeg", "dali")),
+                                              *_GPU_DECODERS])
+def test_a_damaged_train_image_is_named_by_its_shard_and_offset(shards_copy, kind, device, part):
+    from vitctl.datasets.errors import DataError
+
+    table = read_table(shards_copy, split_shards(shards_copy, "train")[0])
+    error = damage(table, len(table) // 2, part)
+    plan = EpochPlan(len(table), BATCH, 0, 1, seed=5)
+    with pytest.raises(DataError, match=error):
+        list(itertools.islice(loader(kind, table, plan, 0 if kind == "dali" else 1, device)(0, 0),
+                              plan.batches_per_epoch))
+
+
+@pytest.mark.parametrize("part", DAMAGE)
 @pytest.mark.parametrize("branch", ["pil", "pil-crop", "nvjpeg"])
-def test_a_damaged_eval_image_is_named_by_its_shard_and_offset(shards_copy, branch):
-    """Every branch reads the header in its workers, so a damaged one is named there (nvjpeg's GPU decode could not
-    say which image of the batch it failed on)."""
+def test_a_damaged_eval_image_is_named_by_its_shard_and_offset(shards_copy, branch, part):
     from vitctl.datasets.errors import DataError
 
     val = read_table(shards_copy, split_shards(shards_copy, "val")[0])
-    damaged = len(val) // 2
-    shard = val.paths[val.shard[damaged]]
-    with open(shard, "r+b") as f:
-        f.seek(int(val.offset[damaged]))
-        f.write(bytes(16))
-    with pytest.raises(DataError, match=rf"{re.escape(shard)}: the JPEG at offset {val.offset[damaged]} does not "
-                                        r"decode \(not in any format Pillow reads\)\nfix: `vitctl data verify"):
+    with pytest.raises(DataError, match=damage(val, len(val) // 2, part)):
         list(EvalBatches(val, spec(0, branch), BATCH, 0, 1)())

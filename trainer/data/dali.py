@@ -16,6 +16,7 @@ decode, crop and flip alone deliver 3,205. Evaluation uses the index loader (loa
 ranks run the same count.
 """
 
+import itertools
 import os
 import tempfile
 import weakref
@@ -33,6 +34,7 @@ from .loader import Batch, LoaderSpec, ShardReader
 from .plan import EpochPlan
 from .shards import SampleTable
 
+_PREFETCH = 2  # batches the pipeline decodes ahead of the one run() returns
 _DALI_TYPES = {np.uint8: "UINT8", np.int32: "INT32", np.int64: "INT64", np.float32: "FLOAT"}
 
 
@@ -92,11 +94,15 @@ class BatchSource:
         vars(self).update(state)
         self.reader = ShardReader(self.table.table)
 
-    def __call__(self, info) -> tuple[list[np.ndarray] | np.ndarray, ...]:
-        epoch, sample = self.plan.locate(*self.start, info.iteration)
+    def draws(self, iteration: int) -> tuple[int, np.ndarray]:
+        """Batch `iteration`'s epoch and draws (plan.py: a draw is a row or one of its repeats)."""
+        epoch, sample = self.plan.locate(*self.start, iteration)
         if epoch not in self.orders:
             self.orders = {epoch: self.plan.order(epoch)}  # the batches of a worker come in order of iteration
-        draws = self.plan.rows(self.orders[epoch], sample)
+        return epoch, self.plan.rows(self.orders[epoch], sample)
+
+    def __call__(self, info) -> tuple[list[np.ndarray] | np.ndarray, ...]:
+        epoch, draws = self.draws(info.iteration)
         samples = []
         for row, draw in zip(self.plan.sample(draws), draws, strict=True):
             data = self.reader.read(int(row))
@@ -130,7 +136,7 @@ def _train_pipeline(source: BatchSource, batch: int, spec: LoaderSpec, threads: 
     # Each batch is one worker's task: only as many workers work at once as the source has batches scheduled ahead
     # (its prefetch_queue_depth, default 1), whatever the pipeline's queue.
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, py_num_workers=max(1, workers),
-                  py_start_method="spawn", prefetch_queue_depth=2)
+                  py_start_method="spawn", prefetch_queue_depth=_PREFETCH)
     def pipe():
         outputs = fn.external_source(
             source=source, num_outputs=len(fields), batch=True, batch_info=True, parallel=workers > 0,
@@ -155,8 +161,14 @@ class DaliTrainBatches:
         pipe = _train_pipeline(source, self.plan.batch, self.spec, self.threads)
         pipe.build()
         names = _passed_through(self.spec.recipe)
-        while True:
-            images, *outputs = pipe.run()
+        for iteration in itertools.count():
+            try:
+                images, *outputs = pipe.run()
+            except RuntimeError:
+                # DALI names a failed sample by its place in a batch it decoded ahead, not which batch
+                ahead = range(iteration, iteration + _PREFETCH + 1)
+                source.reader.name_damaged(row for i in ahead for row in self.plan.sample(source.draws(i)[1]))
+                raise
             drawn = {name: np.array(out.as_tensor()) for name, out in zip(names, outputs, strict=True)}
             images = _to_torch(images, self.spec.device)
             images = augment_batch(images, drawn, self.spec.recipe)

@@ -8,7 +8,7 @@ split. Items are (epoch, row, draw): the draw keys the sample's random numbers (
 
 import contextlib
 import io
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +66,13 @@ class ShardReader:
             raise DataError(f"the JPEG at offset {int(self.table.offset[row])} does not decode ({reason})", str(shard),
                             f"`vitctl data verify {shard.parent}` names each damaged shard and the command that "
                             f"writes it again (add --decode 100000000 to decode every image too)") from error
+
+    def name_damaged(self, rows: Iterable[int]) -> None:
+        """Decodes each row's JPEG in full with Pillow, raising decoding's DataError at the first that fails: the GPU
+        decoders' errors name no image of their batch."""
+        for row in rows:
+            with self.decoding(row), Image.open(io.BytesIO(self.read(row))) as image:
+                image.load()
 
     def __getstate__(self) -> dict:
         return {"table": self.table, "files": {}}  # open files stay in the process that opened them
@@ -165,15 +172,23 @@ def _run(dataset: ShardImages, batches, spec: LoaderSpec) -> Iterator[Batch]:
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=spec.workers, collate_fn=_collate,
                         pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed))
     if spec.branch == "nvjpeg":
-        loader = _decoded_ahead(loader, spec.device)
+        loader = _decoded_ahead(loader, spec.device, dataset.reader)
     for images, labels, keys, draws in loader:
         rows = torch.tensor(np.array([row for _, row, _ in keys]))
         yield _on_device(images, draws, spec), labels.to(spec.device, non_blocking=True), rows
 
 
-def _decoded_ahead(loader: DataLoader, device: torch.device) -> Iterator[tuple]:
+def _decoded_ahead(loader: DataLoader, device: torch.device, reader: ShardReader) -> Iterator[tuple]:
     """The loader's batches with their JPEGs decoded, the next batch's decode running in a thread while this one is
     used: decode_jpeg holds its caller until its batch is decoded."""
+
+    def decoded(decoding, keys) -> list[torch.Tensor]:
+        try:
+            return decoding.result()
+        except RuntimeError:
+            reader.name_damaged(row for _, row, _ in keys)
+            raise
+
     if device.type == "cuda" and device.index is None:  # a new thread starts on the first GPU, not this rank's
         device = torch.device("cuda", torch.cuda.current_device())
     with ThreadPoolExecutor(1, thread_name_prefix="vitctl-decode") as pool:
@@ -181,10 +196,10 @@ def _decoded_ahead(loader: DataLoader, device: torch.device) -> Iterator[tuple]:
         for (packed, sizes), *rest in loader:
             decoding = pool.submit(decode_jpegs, list(packed.split(sizes.tolist())), device)
             if ahead is not None:
-                yield ahead[0].result(), *ahead[1:]
+                yield decoded(ahead[0], ahead[2]), *ahead[1:]
             ahead = (decoding, *rest)
         if ahead is not None:
-            yield ahead[0].result(), *ahead[1:]
+            yield decoded(ahead[0], ahead[2]), *ahead[1:]
 
 
 def _on_device(images, draws: dict[str, np.ndarray] | None, spec: LoaderSpec) -> torch.Tensor:
