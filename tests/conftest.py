@@ -26,6 +26,13 @@ def ok(*args: object) -> Result:
     return result
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compiles() -> None:
+    """Each module compiles afresh: a training run compiles the recipe's graphs for one shape, the suite for dozens,
+    and past dynamo's recompile limit per function a fullgraph compile fails (tests/test_gpu_augment.py did)."""
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def job_registry(tmp_path_factory):
     """Jobs the tests submit are recorded in a temporary registry, not the user's ~/.vitctl."""
