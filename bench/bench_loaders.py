@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--against-default-stream", action="store_true",
                         help="time each loader twice on the trainer's stream and twice on CUDA's legacy default "
                              "stream, alternately")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with more than 1: each loader's rounds alternate with synthetic rounds, each against "
+                             "the mean of the synthetic rounds either side of it, and the median ratio is printed")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every loader, e.g. augment.rand_augment=null (crop and flip only)")
     args = parser.parse_args()
@@ -149,6 +152,10 @@ def main() -> None:
                **{f"index-{branch}": lambda branch=branch: ours("webdataset", f"data.decode={branch}")
                   for branch in LOADER_BRANCHES},
                "timm": lambda: timm_batches(root, recipe, args.batch, args.workers)}
+    if args.rounds > 1:
+        with own_stream(device):
+            alternate(step, sources, args.loaders.split(","), args.rounds, args.warmup, args.steps)
+        return
     # own_stream: the stream the trainer runs on
     streams = [("", own_stream)]
     if args.against_default_stream:
@@ -173,6 +180,25 @@ def main() -> None:
         ratio = f"{r['images_per_s'] / same:.2f}x" if same else ""
         print(f"| {name} | {r['first_batch_s']:.1f} | {r['images_per_s']:,.0f} | {ratio} | {r['longest_step_s']:.3f} | "
               f"{r['median_step_s']:.4f} | {r['data_wait_s_per_step']:.4f} |")
+
+
+def alternate(step: Callable | None, sources: dict[str, Callable[[], Batches]], names: list[str], rounds: int,
+              warmup: int, steps: int) -> None:
+    """Each loader's rounds between synthetic ones, so that the GPU's drift over a call (clocks, heat) cancels."""
+    synthetic = sources["synthetic"]()
+    print("\n| loader | round | synthetic before | loader img/s | synthetic after | vs synthetic | longest step (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in (n for n in names if n != "synthetic"):
+        batches, ratios = sources[name](), []
+        before = run(step, synthetic, warmup, steps)["images_per_s"]
+        for i in range(1, rounds + 1):
+            r = run(step, batches, warmup if i == 1 else 5, steps)
+            after = run(step, synthetic, 5, steps)["images_per_s"]
+            ratios.append(r["images_per_s"] * 2 / (before + after))
+            print(f"| {name} | {i} | {before:,.0f} | {r['images_per_s']:,.0f} | {after:,.0f} | {ratios[-1]:.3f}x | "
+                  f"{r['longest_step_s']:.3f} |", flush=True)
+            before = after
+        print(f"| {name} | median | | | | **{statistics.median(ratios):.3f}x** | |", flush=True)
 
 
 if __name__ == "__main__":
