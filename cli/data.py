@@ -10,7 +10,7 @@ from vitctl.datasets import extract as ex
 from vitctl.datasets import ilsvrc, manifest, valprep
 from vitctl.datasets.index import index_folder
 from vitctl.datasets.parallel import default_workers
-from vitctl.datasets.shard import ShardSpec, shard_split
+from vitctl.datasets.shard import ShardSpec, read_source, shard_split
 from vitctl.datasets.synth import SynthSpec, write_synthetic
 from vitctl.datasets.verify import verify as verify_folder
 
@@ -89,6 +89,7 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
     if (devkit is None) == (solution is None):
         raise click.UsageError("pass exactly one of --devkit and --solution")
     labels = ilsvrc.val_labels_from_devkit(devkit) if devkit else ilsvrc.val_labels_from_solution(solution)
+    valprep.check_train_classes(val_dir, labels, devkit or solution)
     moves = valprep.plan_moves(val_dir, labels)
     valprep.move_into_folders(val_dir, moves)
     done = len(labels) - len(moves)
@@ -121,11 +122,15 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
     """
     spec = ShardSpec(maxsize, maxcount, seed, on_bad_image)
     spec.validate()
+    splits = ("train", "val") if split == "both" else (split,)
+    with progress_bar("listing images", unit="samples"):
+        source = read_source(root, splits)  # every split's input is checked before anything is written
     table = Table(*SPLIT_COLUMNS, title=f"shards in {out}")
     notes = []
-    for name in ("train", "val") if split == "both" else (split,):
-        with progress_bar(f"{name}: listing images", unit="samples") as bar:
-            result = shard_split(root, out, name, spec, workers, bar.advance, lambda n, name=name: bar.phase(name, n))
+    for name in splits:
+        with progress_bar(f"{name}: planning", unit="samples") as bar:
+            result = shard_split(root, out, name, spec, workers, bar.advance, lambda n, name=name: bar.phase(name, n),
+                                 source)
         table.add_row(*split_row(name, result.info["shards"]))
         skipped = [s for entry in result.info["shards"] for s in entry["skipped"]]
         if skipped:

@@ -2,14 +2,16 @@
 
 Each class folder (and val/ as a whole) is written under a hidden `.partial` name and made durable, then recorded
 in the ledger, and only then renamed into place: a folder under its final name is always complete and recorded.
+The ledger also records whether each archive was extracted to its end, which `vitctl data shard` checks.
 """
 
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,10 @@ from .parallel import run_tasks
 from .tarscan import TarMember, check_safe, scan, scan_path
 
 LEDGER = ".vitctl-extract.json"
-LEDGER_FORMAT = 2  # 1 (no "format" key) recorded counts only, not which archive they came from
+# 1 (no "format" key) recorded counts only, not which archive they came from. Records of 2 written before "complete"
+# and "path" were added: a train record said nothing of whether it finished, a val record was written at the end.
+LEDGER_FORMAT = 2
+ARCHIVE_NAMES = {"train": "ILSVRC2012_img_train.tar", "val": "ILSVRC2012_img_val.tar"}  # in commands, if unrecorded
 IDENTITY_BYTES = 1 << 20  # hashed at each end of an archive: tells copies apart in milliseconds, even at 140 GB
 COPY_CHUNK = 16 << 20
 VAL_FILES_PER_TASK = 500  # small tasks keep the progress bar moving and read the archive in order
@@ -226,7 +231,8 @@ def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
         on_total(sum(m.size for m in members))
         report, todo = _plan_classes(archive, members, recorded, dest, progress)
         make_folder(dest, "--out")
-        record, ledger["train"] = ledger["train"], {"archive": identity, "classes": recorded}
+        record, ledger["train"] = ledger["train"], {"archive": identity, "path": str(archive.absolute()),
+                                                    "classes": recorded, "complete": not todo}
         if record != ledger["train"]:  # written only when changed, so that a read-only copy can still be checked
             write_json_atomic(root / LEDGER, ledger)
         try:
@@ -242,6 +248,9 @@ def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
         except BaseException:
             _remove_partials(dest)
             raise
+        if todo:
+            ledger["train"]["complete"] = True
+            write_json_atomic(root / LEDGER, ledger)
         return report
 
 
@@ -256,7 +265,7 @@ def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_
         ledger = _load_ledger(root)
         dest, partial = root / "val", partial_path(root / "val")
         if os.path.lexists(dest):
-            if ledger["val"] is None:
+            if ledger["val"] is None or not ledger["val"].get("complete", True):
                 raise DataError(f"{dest} exists but was not written by `vitctl data extract`", str(root),
                                 "move it away or extract into an empty folder")
             _check_same_archive(ledger["val"]["archive"], archive_identity(archive), dest)
@@ -269,16 +278,60 @@ def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         try:
+            ledger["val"] = {"archive": archive_identity(archive), "path": str(archive.absolute()),
+                             "images": len(members), "complete": False}
+            write_json_atomic(root / LEDGER, ledger)
             tasks = [(archive, members[i:i + VAL_FILES_PER_TASK], partial)
                      for i in range(0, len(members), VAL_FILES_PER_TASK)]
             with closing(run_tasks(_copy_members, tasks, workers)) as finished:
                 for task_bytes in finished:
                     progress(task_bytes)
             sync_filesystem(partial)
-            ledger["val"] = {"archive": archive_identity(archive), "images": len(members)}
+            ledger["val"]["complete"] = True
             write_json_atomic(root / LEDGER, ledger)  # first: whatever is under the name val/ is recorded
             _rename_into_place(partial, dest)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         return len(members)
+
+
+def _unfinished(ledger: dict[str, Any], splits: Sequence[str]) -> list[str]:
+    """Which of `splits` an extraction into this root began and did not record as finished (see LEDGER_FORMAT)."""
+    return [s for s in splits if ledger[s] is not None and not ledger[s].get("complete", s == "val")]
+
+
+def extract_command(root: Path, splits: Sequence[str]) -> str:
+    """The `vitctl data extract` command for `splits` into `root`, naming the archives an earlier run recorded."""
+    ledger = _load_ledger(root)
+    archives = [f"--{s}-tar {shlex.quote(_archive_path(ledger[s]) if ledger[s] else ARCHIVE_NAMES[s])}"
+                for s in splits]
+    return f"vitctl data extract {' '.join(archives)} --out {shlex.quote(str(root))}"
+
+
+def _archive_path(record: dict[str, Any]) -> str:
+    return record.get("path", record["archive"]["name"])  # an older vitctl recorded the name only
+
+
+def check_finished(root: Path, splits: Sequence[str]) -> None:
+    """Refuse a root whose extraction of the train archive (its classes label every split) or of `splits` stopped.
+
+    A root that `vitctl data extract` did not write (no ledger) is the user's own tree, and passes.
+    """
+    if not (root / LEDGER).exists():
+        return
+    ledger = _load_ledger(root)
+    unfinished = _unfinished(ledger, [s for s in ("train", "val") if s == "train" or s in splits])
+    if unfinished:
+        archives = " and ".join(_progress_of(ledger, s) for s in unfinished)
+        raise DataError(f"`vitctl data extract` stopped before the end of {archives}: sharding it would leave out "
+                        "the rest", str(root),
+                        f"rerun `{extract_command(root, unfinished)}`: it resumes where it stopped")
+
+
+def _progress_of(ledger: dict[str, Any], split: str) -> str:
+    name = ledger[split]["archive"]["name"]
+    if split == "val":
+        return name
+    done = len(ledger[split]["classes"])
+    return f"{name} ({done} {'class' if done == 1 else 'classes'} extracted)"

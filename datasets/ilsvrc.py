@@ -23,6 +23,9 @@ LABEL_CONVENTION = "sorted-wnid-index"  # 0 = n01440764, as torchvision ImageFol
 # How the genuine archives are named in messages that ask for them.
 TRAIN_ARCHIVE = "ILSVRC2012_img_train.tar (147,897,477,120 bytes, md5 1d675b47d978889d74fa0da5fadfb00e)"
 VAL_ARCHIVE = "ILSVRC2012_img_val.tar (6,744,924,160 bytes, md5 29b22e2961454d5413ddabcf34fc5622)"
+SOLUTION_CSV = "LOC_val_solution.csv"
+SOLUTION_FIX = (f"pass Kaggle's {SOLUTION_CSV} (a CSV text file with the columns ImageId,PredictionString), or the "
+                "devkit with --devkit")
 
 
 @dataclass(frozen=True)
@@ -103,15 +106,25 @@ def val_labels_from_solution(path: Path) -> dict[str, str]:
     """Validation file name -> WNID, from Kaggle's LOC_val_solution.csv (first WNID of each row)."""
     if not path.is_file():
         raise DataError("solution file not found", str(path), "pass the path of LOC_val_solution.csv")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return _solution_labels(csv.DictReader(f), str(path))
+    except (UnicodeDecodeError, csv.Error) as e:  # a binary file: an archive, an image
+        raise DataError(f"not a CSV text file ({e})", str(path), SOLUTION_FIX) from None
+
+
+def _solution_labels(rows: csv.DictReader, where: str) -> dict[str, str]:
+    header = rows.fieldnames or []
+    if not {"ImageId", "PredictionString"} <= set(header):
+        raise DataError(f"expected the columns ImageId,PredictionString, the header is {','.join(header)!r}", where,
+                        SOLUTION_FIX)
     labels = {}
-    with open(path, newline="") as f:
-        for row_number, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                image_id, prediction = row["ImageId"], row["PredictionString"]
-            except KeyError:
-                raise DataError("expected the columns ImageId,PredictionString", str(path)) from None
-            wnid = prediction.split()[0] if prediction else ""
-            if not WNID.fullmatch(wnid):
-                raise DataError(f"row {row_number}: no WNID in {prediction!r}", str(path))
-            labels[f"{image_id}.JPEG"] = wnid
+    for row_number, row in enumerate(rows, start=2):
+        image_id, prediction = row["ImageId"], row["PredictionString"] or ""  # None: the row ends early
+        wnid = prediction.split()[0] if prediction.strip() else ""
+        if not WNID.fullmatch(wnid):
+            raise DataError(f"row {row_number}: no WNID in {prediction!r}", where,
+                            f"begin row {row_number}'s PredictionString with the image's WNID (n and 8 digits), "
+                            f"or pass the original {SOLUTION_CSV}")
+        labels[f"{image_id}.JPEG"] = wnid
     return labels

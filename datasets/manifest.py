@@ -34,17 +34,77 @@ def decode_labels(text: str) -> list[int]:
 
 
 def load(out: Path) -> dict[str, Any] | None:
+    """The folder's manifest, checked to be one `vitctl data shard` wrote; None if there is none."""
     path = out / MANIFEST
     if not path.exists():
         return None
+    fix = "restore it, or shard into a new --out folder (`vitctl data shard ROOT --out NEW`)"
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"manifest is not valid JSON ({e})", str(path),
-                        "restore it or shard into a new folder") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise DataError(f"manifest is not valid JSON ({e})", str(path), fix) from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"not a manifest `vitctl data shard` wrote: it holds {json.dumps(manifest)[:40]}, not an "
+                        "object", str(path), fix)
     if manifest.get("format") != FORMAT:
-        raise DataError(f"manifest format {manifest.get('format')!r} is not {FORMAT!r}", str(path))
+        raise DataError(f"manifest format {manifest.get('format')!r} is not {FORMAT!r}", str(path), fix)
+    problem = _shape_problem(manifest)
+    if problem:
+        raise DataError(f"not a manifest `vitctl data shard` wrote: {problem}", str(path), fix)
     return manifest
+
+
+_TOP = {"label_convention": str, "classes": list, "splits": dict}
+_SPLIT = {"plan": str, "maxsize": int, "maxcount": int, "seed": int, "on_bad_image": str, "planned_shards": int,
+          "complete": bool, "shards": list, "source": str}
+_SHARD = {"name": str, "samples": int, "bytes": int, "sha256": str, "conversions": list, "skipped": list,
+          "labels": str}
+_OPTIONAL = {"labels", "source"}  # absent from folders sharded by older versions
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "a list", dict: "an object"}
+
+
+def _type_problem(obj: Any, keys: dict[str, type], where: str) -> str | None:
+    """What is missing from the object `obj` or of the wrong type, or None."""
+    if not isinstance(obj, dict):
+        return f"{where} is not an object"
+    for key, kind in keys.items():
+        if key not in obj:
+            if key in _OPTIONAL:
+                continue
+            return f"{where}.{key} is missing"
+        value = obj[key]
+        # bool is an int in Python, and no count in a manifest is true or false
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{where}.{key} is {json.dumps(value)[:40]}, not {_TYPE_NAMES[kind]}"
+    return None
+
+
+def _shard_problem(entry: Any, split: str, where: str) -> str | None:
+    problem = _type_problem(entry, _SHARD, where)
+    if problem:
+        return problem
+    match = SHARD_NAME.fullmatch(entry["name"])
+    if match is None or match[1] != split:  # the name is joined to the folder: never a path out of it
+        return f"{where}.name {entry['name']!r} is not the name of a {split} shard"
+    if not all(isinstance(s, dict) and isinstance(s.get("source"), str) and isinstance(s.get("reason"), str)
+               for s in entry["skipped"]):
+        return f"{where}.skipped holds an entry without a source and a reason"
+    return None
+
+
+def _shape_problem(manifest: dict[str, Any]) -> str | None:
+    """What a reader of the manifest needs and this one lacks, or None."""
+    problem = _type_problem(manifest, _TOP, "manifest")
+    if problem or not all(isinstance(c, str) for c in manifest["classes"]):
+        return problem or "manifest.classes is not a list of WNIDs"
+    for split, info in manifest["splits"].items():
+        where = f"splits.{split}"
+        problem = _type_problem(info, _SPLIT, where) or next(
+            filter(None, (_shard_problem(e, split, f"{where}.shards[{i}]") for i, e in enumerate(info["shards"]))),
+            None)
+        if problem:
+            return problem
+    return None
 
 
 def new(classes: list[str]) -> dict[str, Any]:

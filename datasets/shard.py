@@ -6,7 +6,7 @@ import os
 import random
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -15,6 +15,7 @@ from typing import Any
 from . import manifest as mf
 from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
 from .errors import DataError
+from .extract import check_finished, extract_command
 from .ilsvrc import WNID
 from .images import to_rgb_jpeg
 from .oserrors import make_folder, os_errors_explained
@@ -117,7 +118,7 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
     samples, keys = [], {}
     for class_dir in entries:
         if class_dir.name not in label_of:
-            raise DataError(f"class folder {class_dir.name} is not among the {len(classes)} train classes", str(folder))
+            raise _not_a_train_class(root, split, class_dir.name, len(classes))
         for entry in _visible(folder / class_dir.name):
             source = f"{split}/{class_dir.name}/{entry.name}"
             key = sample_key(entry, root / source)
@@ -127,8 +128,41 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
             keys[key] = source
             samples.append((source, key, label_of[class_dir.name], entry.stat().st_size))
     if not samples:
-        raise DataError(f"no images under {split}/", str(folder))
+        raise DataError(f"no images under {split}/ (its class folders are empty)", str(folder),
+                        f"put the images into their class folders ({folder}/<wnid>/<image>), or shard the folder "
+                        "that `vitctl data extract --out` wrote")
     return samples
+
+
+def _not_a_train_class(root: Path, split: str, name: str, classes: int) -> DataError:
+    """The error for a folder of `split` that is none of the train classes, which number the labels."""
+    folder = root / split
+    if split == "train":
+        return DataError(f"folder {name} is not a class folder named by its WNID (n and 8 digits)", str(folder),
+                         f"move {folder / name} out of {folder}")
+    return DataError(f"class folder {name} is not among the {classes} train classes: val/ was sorted with the labels "
+                     "of another dataset, or train/ lacks the class", str(folder),
+                     f"remove {folder}, then `{extract_command(root, ['val'])}` and `vitctl data valprep {folder}` "
+                     "with the devkit or solution file of this dataset; or add the class to train/")
+
+
+@dataclass(frozen=True)
+class Source:
+    """What shard reads from ROOT: the classes (sorted WNIDs) and the images of each split."""
+
+    classes: list[str]
+    samples: dict[str, list[Sample]]
+
+
+def read_source(root: Path, splits: Sequence[str]) -> Source:
+    """Check `root` for the `splits` (extraction finished, class folders, image names) and list their images.
+
+    Writes nothing, so that bad input is refused before anything is written.
+    """
+    with os_errors_explained(root):
+        check_finished(root, splits)
+        classes = list_classes(root)
+        return Source(classes, {split: list_samples(root, split, classes) for split in splits})
 
 
 def sample_bytes(size: int) -> int:
@@ -255,26 +289,30 @@ class SplitResult:
     rewritten: list[str]  # shards a run before recorded whose file was missing or damaged, written again
 
 
-def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int,
-                progress: Progress, on_total: Callable[[int], None]) -> SplitResult:
-    """Shard one split into `out`, keeping the shards an earlier run completed once their sha256 is checked."""
+def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int, progress: Progress,
+                on_total: Callable[[int], None], source: Source | None = None) -> SplitResult:
+    """Shard one split into `out`, keeping the shards an earlier run completed once their sha256 is checked.
+
+    `source` is what `read_source` found under `root`; it is read here when not given.
+    """
     spec.validate()
+    source = source or read_source(root, [split])
     with os_errors_explained(out):
-        return _shard_split(root, out, split, spec, workers, progress, on_total)
+        return _shard_split(root, out, split, spec, workers, progress, on_total, source)
 
 
 def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int,
-                 progress: Progress, on_total: Callable[[int], None]) -> SplitResult:
+                 progress: Progress, on_total: Callable[[int], None], source: Source) -> SplitResult:
     make_folder(out, "--out")
     manifest = mf.load(out)
     _check_folder(out, manifest)
-    classes = list_classes(root)
+    classes = source.classes
     if manifest is None:
         manifest = mf.new(classes)
     elif manifest["classes"] != classes:
         raise DataError("the classes under the source differ from the manifest's", str(out / mf.MANIFEST),
                         "shard into a new folder")
-    shards = plan_shards(list_samples(root, split, classes), spec)
+    shards = plan_shards(source.samples[split], spec)
     digest = plan_digest(shards, spec)
     info = manifest["splits"].get(split)
     if info is not None and info["plan"] != digest:

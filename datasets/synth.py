@@ -1,6 +1,8 @@
 """A small dataset in the real ILSVRC2012 archive formats, with learnable class-dependent images."""
 
 import io
+import json
+import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,13 +11,16 @@ import numpy as np
 import scipy.io
 from PIL import Image
 
-from .atomic import atomic_open
+from .atomic import partial_open, partial_path, publish, write_json_atomic
 from .errors import DataError
 from .ilsvrc import GROUND_TRUTH, META_MAT, SYNSET_FIELDS, VAL_NAME
+from .manifest import file_sha256
 from .oserrors import make_folder, os_errors_explained
 
 TRAIN_TAR, VAL_TAR, DEVKIT = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz"
 DEVKIT_DIR = "ILSVRC2012_devkit_t12"
+MARKER = ".vitctl-synth.json"  # name -> [[bytes, sha256], ...] of the archives synth wrote here: its own to replace
+MIN_CLASSES = 3  # the PNG, CMYK and grayscale images each take a class
 
 # Real ImageNet-1k leaf WNIDs. IDs are given in this order, which (like the real devkit, where ID 1 is
 # kit fox) is not sorted-WNID order, so code that confuses the two conventions fails on this data.
@@ -44,12 +49,12 @@ class SynthSpec:
     seed: int = 0
 
     def validate(self) -> None:
-        if not 1 <= self.classes <= len(LEAVES):
-            raise DataError(f"--classes must be between 1 and {len(LEAVES)}, got {self.classes}")
+        if not MIN_CLASSES <= self.classes <= len(LEAVES):
+            raise DataError(f"--classes must be between {MIN_CLASSES} (for the PNG, CMYK and grayscale images) and "
+                            f"{len(LEAVES)} (the real WNIDs synth knows), got {self.classes}",
+                            fix=f"pass --classes from {MIN_CLASSES} to {len(LEAVES)}")
         if self.train_per_class < 1 or self.val_per_class < 1:
             raise DataError("--train-per-class and --val-per-class must be at least 1")
-        if self.classes < 3:
-            raise DataError("--classes must be at least 3 to hold the PNG, CMYK and grayscale gotchas")
 
 
 def class_image(rng: np.random.Generator, label: int, classes: int) -> Image.Image:
@@ -118,25 +123,74 @@ def devkit_bytes(leaves: list[tuple[str, str]], ground_truth: list[int]) -> byte
 
 
 def write_synthetic(out: Path, spec: SynthSpec) -> dict[str, Path]:
-    """Write the three archives into `out`; each appears only when complete. Returns their paths."""
+    """Write the three archives into `out`; each appears only when complete. Returns their paths.
+
+    Refuses to replace a file of those names that synth did not write (a real archive, downloaded there).
+    """
     spec.validate()
     with os_errors_explained(out):
+        paths = {"train": out / TRAIN_TAR, "val": out / VAL_TAR, "devkit": out / DEVKIT}
+        marker = _load_marker(out)
+        existing = [path for path in paths.values() if os.path.lexists(path)]
+        foreign = [path.name for path in existing if not _written_by_synth(path, marker.get(path.name, []))]
+        if foreign:
+            raise DataError(f"holds {', '.join(foreign)}, which `vitctl data synth` did not write: writing would "
+                            "replace them", str(out), "choose another OUT, or move those files out of it (synth "
+                            "replaces only archives it wrote itself)")
         make_folder(out, "OUT")
-        return _write_archives(out, spec)
+        _write_archives(paths, spec, _Recorder(out, marker, {path.name: _digest(path) for path in existing}))
+        return paths
 
 
-def _write_archives(out: Path, spec: SynthSpec) -> dict[str, Path]:
+def _digest(path: Path) -> list:
+    return [path.stat().st_size, file_sha256(path)]
+
+
+def _written_by_synth(path: Path, recorded: list[list]) -> bool:
+    """Whether the marker records this very file; one of another size (a real archive) is not even read."""
+    return path.is_file() and path.stat().st_size in [size for size, _ in recorded] and _digest(path) in recorded
+
+
+def _load_marker(out: Path) -> dict[str, list[list]]:
+    """The marker's records; none (or a damaged marker) makes no file here synth's."""
+    try:
+        marker = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(marker, dict):
+        return {}
+    return {name: [d for d in digests if isinstance(d, list) and len(d) == 2]
+            for name, digests in marker.items() if isinstance(digests, list)}
+
+
+class _Recorder:
+    """Records each archive in the marker before it takes its name, so that the marker never misses one of ours."""
+
+    def __init__(self, out: Path, marker: dict[str, list], current: dict[str, list]) -> None:
+        self.out, self.marker, self.current = out, marker, current
+
+    def publish(self, path: Path) -> None:
+        # The file now under the name stays recorded too, in case the rename below never happens.
+        new = _digest(partial_path(path))
+        self.marker[path.name] = [d for d in (self.current.get(path.name), new) if d is not None]
+        write_json_atomic(self.out / MARKER, self.marker)
+        publish(path)
+        self.current[path.name] = new
+
+
+def _write_archives(paths: dict[str, Path], spec: SynthSpec, recorder: _Recorder) -> None:
     rng = np.random.default_rng(spec.seed)
     leaves = LEAVES[:spec.classes]
     gotchas = {0: "png", 1: "cmyk", 2: "gray"}
-    paths = {"train": out / TRAIN_TAR, "val": out / VAL_TAR, "devkit": out / DEVKIT}
-    with atomic_open(paths["train"]) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as outer:
+    with partial_open(paths["train"]) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as outer:
         for label, (wnid, _) in enumerate(leaves):
             _add(outer, f"{wnid}.tar", _inner_tar(rng, wnid, label, spec, gotchas.get(label)))
+    recorder.publish(paths["train"])
     labels = rng.permutation(np.repeat(np.arange(spec.classes), spec.val_per_class))
-    with atomic_open(paths["val"]) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as tar:
+    with partial_open(paths["val"]) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as tar:
         for i, label in enumerate(labels):
             _add(tar, VAL_NAME.format(i + 1), encode(class_image(rng, int(label), spec.classes), None))
-    with atomic_open(paths["devkit"]) as f:
+    recorder.publish(paths["val"])
+    with partial_open(paths["devkit"]) as f:
         f.write(devkit_bytes(leaves, [int(label) + 1 for label in labels]))
-    return paths
+    recorder.publish(paths["devkit"])

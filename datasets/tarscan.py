@@ -1,6 +1,7 @@
 """Read tar member headers without reading member data, as Python's tarfile (and so webdataset) reads them."""
 
 import re
+import shlex
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ _PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
 TYPE_NAMES = {ord("1"): "hard link", ord("2"): "symbolic link", ord("3"): "character device",
               ord("4"): "block device", DIRECTORY: "directory", ord("6"): "FIFO", SPARSE: "GNU sparse file"}
 _CORRUPT_FIX = "check that this is the right file and that it is not damaged"
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class TarMember(NamedTuple):  # a NamedTuple: built once per member on the hot path, cheaper than a dataclass
@@ -42,6 +44,16 @@ def padded(size: int) -> int:
 
 def _corrupt(what: str, where: str, pos: int) -> DataError:
     return DataError(f"not a tar archive or corrupt header at byte {pos} ({what})", where, _CORRUPT_FIX)
+
+
+def _gzip_error(where: str) -> DataError:
+    """A gzip-compressed tar (`.tar.gz`) where an uncompressed one is read in place."""
+    if where.endswith(".gz"):
+        how, unzipped = f"`gunzip --keep {shlex.quote(where)}` writes {where[:-3]}", where[:-3]
+    else:
+        how, unzipped = "e.g. with `gunzip --keep`", "the .tar"
+    return DataError("the file is gzip-compressed (it begins with the gzip bytes 1f 8b), not an uncompressed tar",
+                     where, f"decompress it ({how}) and pass {unzipped}: vitctl reads tar members in place")
 
 
 def _octal(field: bytes, where: str, pos: int) -> int:
@@ -127,6 +139,8 @@ def scan(f: BinaryIO, file_size: int, where: str) -> Iterator[TarMember]:
         if len(header) < BLOCK:
             raise DataError(f"truncated: ends at byte {file_size} inside or before a tar header "
                             "(no end-of-archive marker)", where, "the file is incomplete; copy or download it again")
+        if pos == 0 and header.startswith(_GZIP_MAGIC):
+            raise _gzip_error(where)
         if header == zero:
             if extensions:
                 raise _corrupt("an extended header is followed by no member", where, pos)

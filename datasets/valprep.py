@@ -31,6 +31,20 @@ def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
     return flat, placed
 
 
+def check_train_classes(val_dir: Path, labels: dict[str, str], source: Path) -> None:
+    """Refuse labels (read from `source`) naming WNIDs that are not class folders of the train/ beside `val_dir`.
+
+    Shard numbers the labels of both splits by the train classes, so such images could never be sharded.
+    """
+    train = val_dir.parent / "train"
+    classes = {e.name for e in os.scandir(train) if e.is_dir() and WNID.fullmatch(e.name)} if train.is_dir() else set()
+    unknown = set(labels.values()) - classes
+    if classes and unknown:
+        raise DataError(f"the labels name {len(unknown)} WNIDs that are not classes under {train}: {_sample(unknown)}",
+                        str(source), f"pass the devkit or solution file of the dataset in {train}, or finish "
+                        "extracting its train archive first; nothing was moved")
+
+
 def plan_moves(val_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
     """The (image name, WNID) moves still to do; raises, moving nothing, on any mismatch."""
     flat, placed = _scan_val(val_dir)

@@ -32,7 +32,8 @@ def test_data_group_lists_every_command():
 
 def test_bad_synth_arguments_are_explained(tmp_path):
     result = vitctl("data", "synth", tmp_path, "--classes", 500)
-    assert result.exit_code == 1 and "--classes must be between 1 and 36" in result.stderr
+    assert result.exit_code == 1
+    assert "--classes must be between 3 (for the PNG, CMYK and grayscale images) and 36" in result.stderr
     assert not list(tmp_path.iterdir())
 
 

@@ -1,9 +1,11 @@
 import errno
+import gzip
 import io
 import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -14,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, ok, vitctl
+from vitctl.datasets import extract as extract_module
 from vitctl.datasets.extract import LEDGER
-from vitctl.datasets.synth import TRAIN_TAR, VAL_TAR
+from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
 
 SMALL_CLASSES, SMALL_TRAIN_PER_CLASS, SMALL_VAL_PER_CLASS = 3, 2, 1
 
@@ -418,3 +421,74 @@ def test_progress_shows_human_sizes(archives, tmp_path):
     result = ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", tmp_path / "r")
     size = (archives / TRAIN_TAR).stat().st_size
     assert re.search(r"train\b.* [\d.]+/[\d.]+ kB", result.stderr) and f"{size}" not in result.stderr
+
+
+def _shard_refuses_then_the_named_rerun_lets_it_shard(archives: Path, root: Path, tmp_path: Path,
+                                                      unfinished: str, split: str) -> None:
+    """`vitctl data shard` refuses the root naming the unfinished archive; its fix, followed, lets it shard."""
+    result = vitctl("data", "shard", root, "--out", tmp_path / "s", "--split", split)
+    assert result.exit_code == 1 and f"{root}: `vitctl data extract` stopped before the end of {unfinished}" \
+        in result.stderr
+    assert not (tmp_path / "s").exists()
+    command = shlex.split(result.stderr.split("fix: rerun `")[1].split("`")[0])
+    assert command[:3] == ["vitctl", "data", "extract"]
+    ok(*command[1:])
+    if split == "both":
+        ok("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+    ok("data", "shard", root, "--out", tmp_path / "s", "--split", split)
+    manifest = json.loads((tmp_path / "s/manifest.json").read_text())
+    assert len(manifest["classes"]) == SMALL_CLASSES
+    assert sum(e["samples"] for e in manifest["splits"]["train"]["shards"]) == SMALL_CLASSES * SMALL_TRAIN_PER_CLASS
+
+
+@pytest.mark.parametrize("call, nth, unfinished, split", [
+    ("replace", 3, "ILSVRC2012_img_train.tar (1 class extracted)", "train"),  # after the first class's rename
+    ("write", 1 + SMALL_CLASSES * SMALL_TRAIN_PER_CLASS, "ILSVRC2012_img_val.tar", "both"),  # after a val image
+])
+def test_shard_refuses_a_root_whose_extraction_was_killed(small_archives, tmp_path, call, nth, unfinished, split):
+    root = tmp_path / "r"
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_CALL, call, "after", str(nth),
+                             *_extract_args(small_archives, root), "--workers", "1"], capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    _shard_refuses_then_the_named_rerun_lets_it_shard(small_archives, root, tmp_path, unfinished, split)
+
+
+def test_shard_refuses_a_root_whose_extraction_was_interrupted(small_archives, tmp_path, monkeypatch):
+    root, real, calls = tmp_path / "r", extract_module.extract_class, []
+
+    def ctrl_c_at_the_third_class(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(extract_module, "extract_class", ctrl_c_at_the_third_class)
+        assert vitctl("data", *_extract_args(small_archives, root), "--workers", 1).exit_code == 130
+    _shard_refuses_then_the_named_rerun_lets_it_shard(small_archives, root, tmp_path,
+                                                      "ILSVRC2012_img_train.tar (2 classes extracted)", "train")
+
+
+def test_a_tree_extract_did_not_write_shards_as_before(small_extracted, tmp_path):
+    root = Path(shutil.copytree(small_extracted, tmp_path / "mine"))
+    (root / LEDGER).unlink()
+    shutil.rmtree(root / "val")
+    ok("data", "shard", root, "--out", tmp_path / "s", "--split", "train")
+
+
+@pytest.mark.parametrize("flag, name", [("--train-tar", TRAIN_TAR), ("--val-tar", VAL_TAR)])
+def test_a_gzip_compressed_archive_is_named_as_such_and_the_fix_works(small_archives, small_extracted, tmp_path,
+                                                                      flag, name):
+    gz = tmp_path / f"{name}.gz"
+    gz.write_bytes(gzip.compress((small_archives / name).read_bytes()))
+    out = tmp_path / "r"
+    result = vitctl("data", "extract", flag, gz, "--out", out)
+    assert result.exit_code == 1 and f"{gz}: the file is gzip-compressed (it begins with the gzip bytes 1f 8b), " \
+        "not an uncompressed tar" in result.stderr
+    assert not out.exists()
+    fix = result.stderr.split("fix: decompress it (`")[1].split("`")[0]
+    assert fix == f"gunzip --keep {gz}" and f"and pass {tmp_path / name}:" in result.stderr
+    subprocess.run(shlex.split(fix), check=True)
+    ok("data", "extract", flag, tmp_path / name, "--out", out)
+    split = "train" if flag == "--train-tar" else "val"
+    assert _tree(out / split) == _tree(small_extracted / split)

@@ -1,8 +1,10 @@
 import errno
 import hashlib
 import json
+import multiprocessing
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from PIL import Image
 
 from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, ok, vitctl
 from vitctl.datasets import manifest as manifest_module
+from vitctl.datasets import parallel
 from vitctl.datasets import shard as shard_module
 from vitctl.datasets.tarscan import scan_path
 
@@ -209,6 +212,7 @@ def test_val_before_valprep_is_a_clear_error(archives, tmp_path):
     ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--val-tar", archives / VAL_TAR, "--out", root)
     result = vitctl("data", "shard", root, "--out", tmp_path / "s", "--split", "val")
     assert result.exit_code == 1 and "vitctl data valprep" in result.stderr
+    assert not (tmp_path / "s").exists()  # the input is checked before the output folder is made
 
 
 @pytest.mark.parametrize("size", ["1XB", "lots"])
@@ -373,3 +377,111 @@ def test_a_folder_this_user_may_not_write_is_a_clear_error(prepared_root, tmp_pa
 def test_listing_then_the_real_total_show_on_the_progress_bar(prepared_root, tmp_path):
     result = ok("data", "shard", prepared_root, "--out", tmp_path / "s", "--split", "train", "--workers", 1)
     assert "train" in result.stderr and "60/60 samples" in result.stderr and "?" not in result.stderr
+
+
+def test_more_workers_than_shards_starts_one_process_per_shard(prepared_root, prepared_shards, tmp_path,
+                                                               monkeypatch):
+    alive = []  # (tasks, worker processes alive) each time a result comes back
+
+    def counting(fn, tasks, workers):
+        for result in parallel.run_tasks(fn, tasks, workers):
+            alive.append((len(tasks), len(multiprocessing.active_children())))
+            yield result
+
+    monkeypatch.setattr(shard_module, "run_tasks", counting)
+    # 64, not 100000: were the bound to break, this test must not fork the machine to death.
+    ok("data", "shard", prepared_root, "--out", tmp_path / "s", "--maxcount", 16, "--workers", 64)
+    assert sorted(set(alive)) == [(2, 2), (4, 4)]  # val's 2 shards, train's 4: a worker each, no more
+    assert _shard_bytes(tmp_path / "s") == _shard_bytes(prepared_shards)
+
+
+# `vitctl data shard` whose shard writers never finish, so that its workers are alive when it is killed.
+SHARD_WITH_STUCK_WRITERS = """
+import sys, time
+from vitctl.cli.data import data
+from vitctl.datasets import shard
+
+def write_shard(*args):
+    time.sleep(600)
+
+shard.write_shard = write_shard
+data(sys.argv[1:], prog_name="vitctl data")
+"""
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended while we looked
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_die_with_a_killed_parent(prepared_root, tmp_path):
+    args = ["data", "shard", str(prepared_root), "--out", str(tmp_path / "s"), "--workers", "2", "--maxcount", "16"]
+    proc = subprocess.Popen([sys.executable, "-c", SHARD_WITH_STUCK_WRITERS, *args[1:]], stderr=subprocess.PIPE)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            workers = _children(proc.pid)
+        assert len(workers) == 2, proc.stderr.read().decode() if proc.poll() is not None else workers
+        proc.kill()  # SIGKILL: no handler of the parent runs
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers))
+    finally:
+        for pid in filter(_alive, workers):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+
+
+def test_a_val_class_train_lacks_is_refused_before_anything_is_written(root_copy, prepared_shards, archives,
+                                                                      tmp_path):
+    from vitctl.datasets.synth import DEVKIT
+
+    image = next((root_copy / "val").glob("*/*.JPEG"))
+    (root_copy / "val/n01440764").mkdir()
+    image.rename(root_copy / "val/n01440764" / image.name)  # as valprep with the labels of another dataset sorts it
+    out = tmp_path / "s"
+    result = vitctl("data", "shard", root_copy, "--out", out, "--maxcount", 16)
+    assert result.exit_code == 1
+    assert f"{root_copy / 'val'}: class folder n01440764 is not among the {CLASSES} train classes" in result.stderr
+    assert f"fix: remove {root_copy / 'val'}, then `vitctl data extract --val-tar " in result.stderr
+    assert not out.exists()
+    shutil.rmtree(root_copy / "val")
+    ok(*shlex.split(result.stderr.split(", then `")[1].split("`")[0])[1:])
+    ok("data", "valprep", root_copy / "val", "--devkit", archives / DEVKIT)
+    ok("data", "shard", root_copy, "--out", out, "--maxcount", 16)
+    assert _shard_bytes(out) == _shard_bytes(prepared_shards)
+
+
+def test_class_folders_without_images_are_a_clear_error_and_its_fix_works(prepared_root, tmp_path):
+    root = tmp_path / "mine"  # the user's own tree, not written by `vitctl data extract`
+    classes = sorted(p.name for p in (prepared_root / "train").iterdir())
+    for wnid in classes:
+        (root / "train" / wnid).mkdir(parents=True)
+    out = tmp_path / "s"
+    result = vitctl("data", "shard", root, "--out", out)
+    assert result.exit_code == 1 and f"{root / 'train'}: no images under train/" in result.stderr
+    assert f"fix: put the images into their class folders ({root / 'train'}/<wnid>/<image>)" in result.stderr
+    assert not out.exists()
+    for wnid in classes:
+        for image in (prepared_root / "train" / wnid).iterdir():
+            shutil.copy(image, root / "train" / wnid)
+    ok("data", "shard", root, "--out", out, "--split", "train")

@@ -2,10 +2,12 @@ import io
 import re
 import tarfile
 
+import pytest
 import scipy.io
 from PIL import Image
 
-from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS
+from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, ok, vitctl
+from vitctl.datasets import synth as synth_module
 from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
 
 
@@ -59,8 +61,6 @@ def test_train_holds_the_png_cmyk_and_grayscale_gotchas(archives):
 
 
 def test_synth_is_deterministic(tmp_path):
-    from conftest import ok
-
     for name in ("a", "b"):
         ok("data", "synth", tmp_path / name, "--classes", 3, "--train-per-class", 2, "--val-per-class", 1)
     for archive in (TRAIN_TAR, VAL_TAR):
@@ -68,9 +68,57 @@ def test_synth_is_deterministic(tmp_path):
 
 
 def test_synth_into_a_path_under_a_file_is_a_clear_error(tmp_path):
-    from conftest import vitctl
-
     (tmp_path / "file").write_text("x")
     result = vitctl("data", "synth", tmp_path / "file" / "archives")
     assert result.exit_code == 1 and f"{tmp_path / 'file'} is a file, not a folder" in result.stderr
     assert "choose another OUT" in result.stderr
+
+
+@pytest.mark.parametrize("classes", [0, 2, 37])
+def test_classes_out_of_range_give_the_range_synth_accepts(tmp_path, classes):
+    result = vitctl("data", "synth", tmp_path / "a", "--classes", classes)
+    assert result.exit_code == 1 and f"--classes must be between 3 (for the PNG, CMYK and grayscale images) and 36 " \
+        f"(the real WNIDs synth knows), got {classes}\nfix: pass --classes from 3 to 36" in result.stderr
+    assert not (tmp_path / "a").exists()
+    ok("data", "synth", tmp_path / "a", "--classes", 3, "--train-per-class", 1, "--val-per-class", 1)
+
+
+SMALL = ("--classes", 3, "--train-per-class", 1, "--val-per-class", 1)
+
+
+@pytest.mark.parametrize("earlier_synth", [False, True])
+def test_archives_synth_did_not_write_are_never_replaced(tmp_path, earlier_synth):
+    out = tmp_path / "downloads"
+    if earlier_synth:  # synth wrote here before, then the user put the real archive in place of its own
+        ok("data", "synth", out, *SMALL)
+    out.mkdir(exist_ok=True)
+    (out / TRAIN_TAR).write_bytes(b"the real 147 GB archive")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = vitctl("data", "synth", out, *SMALL)
+    assert result.exit_code == 1
+    assert f"{out}: holds {TRAIN_TAR}, which `vitctl data synth` did not write" in result.stderr
+    assert "fix: choose another OUT" in result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    ok("data", "synth", tmp_path / "another", *SMALL)
+    assert (out / TRAIN_TAR).read_bytes() == b"the real 147 GB archive"
+
+
+def test_synth_replaces_its_own_archives_even_after_an_interrupted_rerun(tmp_path, monkeypatch):
+    out = tmp_path / "a"
+    ok("data", "synth", out, *SMALL)
+    real, published = synth_module.publish, []
+
+    def ctrl_c_before_the_second_rename(path):  # the marker already records the new val archive, not yet in place
+        published.append(path)
+        if len(published) == 2:
+            raise KeyboardInterrupt
+        real(path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(synth_module, "publish", ctrl_c_before_the_second_rename)
+        assert vitctl("data", "synth", out, "--classes", 4, "--train-per-class", 1, "--val-per-class", 1,
+                      ).exit_code == 130
+    ok("data", "synth", out, "--classes", 5, "--train-per-class", 1, "--val-per-class", 1)
+    ok("data", "synth", tmp_path / "b", "--classes", 5, "--train-per-class", 1, "--val-per-class", 1)
+    for archive in (TRAIN_TAR, VAL_TAR, DEVKIT):
+        assert (out / archive).read_bytes() == (tmp_path / "b" / archive).read_bytes()

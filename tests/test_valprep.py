@@ -4,6 +4,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import scipy.io
 
 from conftest import ok, vitctl
@@ -119,3 +120,74 @@ def test_wrong_archive_as_devkit_is_refused(archives, tmp_path):
     shutil.copy(archives / TRAIN_TAR, tmp_path / "devkit.tar.gz")
     result = vitctl("data", "valprep", val, "--devkit", tmp_path / "devkit.tar.gz")
     assert result.exit_code == 1 and "not an ILSVRC2012 devkit" in result.stderr
+
+
+def _solution(val_labels: dict[str, str]) -> str:
+    return "ImageId,PredictionString\n" + "".join(f"{name[:-5]},{wnid} 1 2 30 40\n"
+                                                  for name, wnid in sorted(val_labels.items()))
+
+
+def test_labels_naming_a_class_train_lacks_are_refused_before_anything_moves(archives, prepared_root, tmp_path):
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--val-tar", archives / VAL_TAR, "--out",
+       tmp_path / "r")
+    val, reference = tmp_path / "r/val", _layout(prepared_root / "val")
+    wrong = dict(reference, **{min(reference): "n01440764"})  # tench: a real WNID, not among the train classes
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text(_solution(wrong))
+    before = sorted(p.name for p in val.iterdir())
+    result = vitctl("data", "valprep", val, "--solution", csv)
+    assert result.exit_code == 1
+    assert f"{csv}: the labels name 1 WNIDs that are not classes under {tmp_path / 'r/train'}: n01440764" \
+        in result.stderr
+    assert "pass the devkit or solution file of the dataset in" in result.stderr and "nothing was moved" \
+        in result.stderr
+    assert sorted(p.name for p in val.iterdir()) == before
+    csv.write_text(_solution(reference))  # the fix: the solution file of this dataset
+    ok("data", "valprep", val, "--solution", csv)
+    assert _layout(val) == reference
+    ok("data", "shard", tmp_path / "r", "--out", tmp_path / "s")
+
+
+def test_without_train_beside_val_any_wnid_is_taken(archives, prepared_root, tmp_path):
+    val, reference = _val_dir(archives, tmp_path), _layout(prepared_root / "val")
+    labels = dict(reference, **{min(reference): "n01440764"})
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text(_solution(labels))
+    ok("data", "valprep", val, "--solution", csv)
+    assert _layout(val) == labels
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "not a CSV text file ('utf-8' codec can't decode"),  # the val tar given as the solution
+    (b"\xff\xfeI\x00m\x00", "not a CSV text file ('utf-8' codec can't decode"),
+    (b"ImageId,Prediction\nILSVRC2012_val_00000001,n02119789\n",
+     "expected the columns ImageId,PredictionString, the header is 'ImageId,Prediction'"),
+])
+def test_a_solution_file_that_is_not_the_csv_is_a_clear_error(archives, prepared_root, tmp_path, content, says):
+    val = _val_dir(archives, tmp_path)
+    bad = tmp_path / "solution.csv"
+    bad.write_bytes((archives / VAL_TAR).read_bytes() if content is None else content)
+    result = vitctl("data", "valprep", val, "--solution", bad)
+    assert result.exit_code == 1 and f"{bad}: {says}" in result.stderr and "Traceback" not in result.stderr
+    assert "fix: pass Kaggle's LOC_val_solution.csv (a CSV text file with the columns ImageId,PredictionString)" \
+        in result.stderr
+    assert not [p for p in val.iterdir() if p.is_dir()]
+    good = tmp_path / "LOC_val_solution.csv"
+    good.write_text(_solution(_layout(prepared_root / "val")))
+    ok("data", "valprep", val, "--solution", good)
+
+
+def test_a_row_without_a_wnid_is_named_and_its_fix_works(archives, prepared_root, tmp_path):
+    val, reference = _val_dir(archives, tmp_path), _layout(prepared_root / "val")
+    rows = _solution(reference).splitlines()
+    image_id = rows[3].split(",")[0]
+    rows[3] = f"{image_id},garbage"
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    result = vitctl("data", "valprep", val, "--solution", csv)
+    assert result.exit_code == 1 and f"{csv}: row 4: no WNID in 'garbage'" in result.stderr
+    assert "fix: begin row 4's PredictionString with the image's WNID (n and 8 digits)" in result.stderr
+    rows[3] = f"{image_id},{reference[image_id + '.JPEG']} 1 2 3 4"
+    csv.write_text("\n".join(rows) + "\n")
+    ok("data", "valprep", val, "--solution", csv)
+    assert _layout(val) == reference

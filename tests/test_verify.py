@@ -186,3 +186,36 @@ def test_verify_shows_its_progress_on_stderr(prepared_shards):
 def test_bad_decode_count_is_a_usage_error(prepared_shards, decode):
     result = vitctl("data", "verify", prepared_shards, "--decode", decode)
     assert result.exit_code == 2 and "Invalid value for '--decode'" in result.stderr
+
+
+SHAPE = "not a manifest `vitctl data shard` wrote: "
+
+
+@pytest.mark.parametrize("manifest, says", [
+    ('{"format": "vitctl-shards/1"}', SHAPE + "manifest.label_convention is missing"),
+    ("[]", SHAPE + "it holds [], not an object"),
+    ('{"format": 1}', "manifest format 1 is not 'vitctl-shards/1'"),
+    ("{not json", "manifest is not valid JSON"),
+    (lambda m: m["splits"]["val"].pop("complete"), SHAPE + "splits.val.complete is missing"),
+    (lambda m: m["splits"]["train"].update(complete=None), SHAPE + "splits.train.complete is null, not true or false"),
+    (lambda m: m["splits"]["train"]["shards"][1].update(samples="16"),
+     SHAPE + 'splits.train.shards[1].samples is "16", not an integer'),
+    (lambda m: m["splits"]["train"]["shards"][0].update(name="../../elsewhere.tar"),
+     SHAPE + "splits.train.shards[0].name '../../elsewhere.tar' is not the name of a train shard"),
+])
+@pytest.mark.parametrize("command", ["index", "verify", "shard"])
+def test_a_manifest_of_the_wrong_shape_is_a_clear_error_and_its_fix_works(prepared_root, shards_copy, tmp_path,
+                                                                          manifest, says, command):
+    if callable(manifest):
+        _edit_manifest(shards_copy, manifest)
+    else:
+        (shards_copy / "manifest.json").write_text(manifest)
+    args = [prepared_root, "--out", shards_copy, "--maxcount", 16] if command == "shard" else [shards_copy]
+    result = vitctl("data", command, *args)
+    assert result.exit_code == 1 and f"{shards_copy / 'manifest.json'}: {says}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "fix: restore it, or shard into a new --out folder (`vitctl data shard ROOT --out NEW`)" in result.stderr
+    new = tmp_path / "new"
+    ok("data", "shard", prepared_root, "--out", new, "--maxcount", 16)
+    ok("data", "index", new)
+    assert "OK" in ok("data", "verify", new).output
