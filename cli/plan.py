@@ -1,5 +1,6 @@
 """`vitctl plan`: the layerwise parallel strategy for a job under a per-GPU memory budget, from a saved profile."""
 
+import math
 from pathlib import Path
 
 import click
@@ -12,13 +13,26 @@ from vitctl.workflows.bench import MODEL_NAMES
 from .console import console, err_console
 
 
+class GiB(click.FloatRange):
+    """A positive, finite memory budget: nan passes FloatRange's comparisons, and the search divides it into steps."""
+
+    def __init__(self) -> None:
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number; give the memory of one GPU in GiB, e.g. 80", param, ctx)
+        return number
+
+
 @click.command()
 @click.option("--model", "model_name", type=click.Choice(MODEL_NAMES), required=True)
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus", type=click.IntRange(min=1),
               help="GPUs per node [default: all visible]. With --profile-only: the local ranks to measure "
                    "collectives among [default: every GPU, or 2 CPU ranks].")
-@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True), help="Memory budget per GPU, GiB.")
+@click.option("--memory-gib", type=GiB(), help="Memory budget per GPU, GiB.")
 @click.option("--batch", type=click.IntRange(min=1), help="Global batch: all data-parallel ranks together.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="The plan file to write (JSON).")
 @click.option("--img-size", type=click.IntRange(min=32), default=224, show_default=True)
@@ -42,6 +56,7 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     gpus = gpus or wf.visible_gpus()
     if not gpus:
         raise click.UsageError("this machine has no GPU: give --gpus, the GPUs per node of the job to plan")
+    wf.check_out(out)
     request = wf.PlanRequest(model_name, img_size, nodes, gpus, memory_gib, batch, profile)
     outcome = wf.plan(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))
     console.print(f"profile: {outcome.profile_path} ({outcome.profile.device}, torch {outcome.profile.torch})",

@@ -42,3 +42,37 @@ def test_a_preset_shows_without_data_which_train_then_asks_for(tmp_path):
     trained = vitctl("train", "--config", "swin_b_pretrain", "--out", tmp_path / "r", "--executor", "local",
                      "--gpus", 0)
     assert trained.exit_code == 1 and "data.path is required (or data.source=synthetic)" in trained.stderr
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"model: [unclosed\n", "is not valid YAML: line 2, column 1: expected ',' or ']'"),
+    (b"model:\n  name: vit_micro\n   img_size: 32\n", "is not valid YAML: line 3, column 12: mapping values are not "
+                                                       "allowed here"),
+    (b"- 1\n", "holds a list at its top level, not a mapping of sections; write it as `section:` lines (model, data,"),
+    (b"model:\n  name: vit_\xff\n", "is not UTF-8 text (line 2, column 13: byte 0xff); save it as UTF-8"),
+], ids=["unclosed", "indent", "list", "latin-1"])
+def test_a_bad_config_file_is_named_with_what_is_wrong(tmp_path, content, message):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    shown = vitctl("config", "show", path)
+    trained = vitctl("train", "--config", path, "--out", tmp_path / "r", "--executor", "local", "--gpus", 0)
+    assert shown.exit_code == trained.exit_code == 1 and shown.stderr == trained.stderr
+    assert shown.stderr.startswith(f"error: config file {path} {message}"), shown.stderr
+    path.write_text("model:\n  name: vit_micro\n")  # the fix the message asks for
+    assert yaml.safe_load(ok("config", "show", path).output)["model"]["name"] == "vit_micro"
+
+
+@pytest.mark.parametrize("name", ["nope.yaml", "configs/nope"])
+def test_a_missing_config_file_is_not_taken_for_a_preset(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    shown = vitctl("config", "show", name)
+    assert shown.exit_code == 1 and shown.stderr == f"error: config file {name} does not exist; check the path, or " \
+                                                    f"pass a preset name\n"
+
+
+def test_an_override_that_is_not_yaml_is_named(tmp_path):
+    shown = vitctl("config", "show", "demo_vit", "--set", "optim.betas=[0.9, 0.95")
+    assert shown.exit_code == 1 and "Traceback" not in shown.stderr
+    assert shown.stderr.startswith("error: override 'optim.betas=[0.9, 0.95': its value is not valid YAML (line 1, "
+                                   "column 11: expected ',' or ']'")
+    ok("config", "show", "demo_vit", "--set", "optim.betas=[0.9, 0.95]")

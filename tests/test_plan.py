@@ -5,6 +5,7 @@ from a saved profile."""
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +374,57 @@ def test_across_nodes_the_search_shards_within_a_node(tmp_path):
     path.write_text(best.strategy.to_json("vit_mini", cluster.world))
     loaded = read_plan(path, ParallelConfig(), len(LAYOUT.blocks))
     assert loaded == best.strategy and strategy_problems(loaded, LAYOUT.shape(), 8, batch // 8) == []
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf"])
+def test_cli_refuses_a_memory_budget_that_is_not_a_finite_number(tmp_path, budget):
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    result = vitctl(*_plan_args(profile_path, out, budget))
+    assert result.exit_code == 2 and "Traceback" not in result.output + result.stderr
+    assert f"Invalid value for '--memory-gib': '{budget}' is not a finite number; give the memory of one GPU in GiB" \
+           in result.output + result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("out", ["notes.txt/plan.json", "notes.txt/plans/plan.json"])
+def test_cli_refuses_an_out_under_a_regular_file_before_searching(tmp_path, out):
+    profile_path, blocker = tmp_path / "profile.json", tmp_path / "notes.txt"
+    profile_path.write_text(hand_made_profile().to_json())
+    blocker.write_text("mine")
+    result = vitctl(*_plan_args(profile_path, tmp_path / out, 80))
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert result.stderr == f"error: cannot write {tmp_path / out}: {blocker} is a file, not a folder; choose " \
+                            f"another --out\n"
+    assert "searched plan" not in result.output and blocker.read_text() == "mine"
+    ok(*_plan_args(profile_path, tmp_path / "plan.json", 80))
+
+
+def test_cli_says_which_folder_it_may_not_write(tmp_path, monkeypatch):
+    """Tests run as root, whom chmod does not stop: the OS's refusal is injected where the plan is written."""
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plans" / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    real_open = open
+
+    def refusing(file, *args, **kwargs):
+        if str(file).startswith(str(out.parent)):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("builtins.open", refusing)
+        result = vitctl(*_plan_args(profile_path, out, 80))
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert result.stderr == f"error: cannot write {out} (Permission denied); choose another --out\n"
+    ok(*_plan_args(profile_path, out, 80))
+
+
+def test_cli_refuses_an_out_folder_it_may_not_write_before_searching(tmp_path, monkeypatch):
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plans" / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    with monkeypatch.context() as patch:  # as a user without write access sees it (root's access is never denied)
+        patch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)
+        result = vitctl(*_plan_args(profile_path, out, 80))
+    assert result.exit_code == 1 and "searched plan" not in result.output
+    assert result.stderr == f"error: cannot write the plan {out}: this user may not write in {tmp_path}; choose " \
+                            f"another --out, or give this user write access to {tmp_path}\n"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import CLASSES, vitctl
+from conftest import CLASSES, ok, vitctl
 from vitctl.trainer import preflight as preflight_module
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.loop import train
@@ -74,3 +74,20 @@ def test_a_torchvision_without_gpu_decode_is_refused_with_a_branch_that_works(pr
         preflight(load_config("demo_vit", sets), 1, torch.device("cuda"))
     preflight(load_config("demo_vit", [*sets, "data.decode=pil-crop"]), 1, torch.device("cuda"))
     preflight(load_config("demo_vit", sets), 1, torch.device("cpu"))  # the CPU decodes with PIL
+
+
+@pytest.mark.parametrize(("out", "says"), [
+    ("notes.txt", "is a file, not a folder"),
+    ("notes.txt/run", "cannot be made: {blocker} is a file, not a folder"),
+])
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["run", "dry-run"])
+def test_an_out_that_is_a_file_is_refused_as_one(tmp_path, out, says, dry_run):
+    blocker, out = tmp_path / "notes.txt", tmp_path / out
+    blocker.write_text("mine")
+    args = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", *TWO_CPU_RANKS, "--steps", 1, *dry_run]
+    result = vitctl(*args, "--out", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert result.stderr == f"error: run folder {out} (--out, train.out_dir) {says.format(blocker=blocker)}; choose " \
+                            f"another --out\n"
+    assert blocker.read_text() == "mine"
+    assert "srun" in ok(*args, "--dry-run", "--out", tmp_path / "run").output  # another --out passes

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ok, vitctl
 from vitctl.workflows import registry
 from vitctl.workflows.process import start_time
 from vitctl.workflows.registry import JobRecord
@@ -89,3 +90,73 @@ def test_a_submission_in_progress_is_left_to_its_submitter(home):
     from vitctl.workflows import status
 
     assert status.state_of(pending).state == "SUBMITTING"
+
+
+def _train_args(out: Path) -> list[object]:
+    return ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--steps", 1, "--out", out,
+            "--executor", "local", "--gpus", 0]
+
+
+@pytest.mark.parametrize("command", [["train"], ["status"], ["jobs"], ["cancel", "123"], ["logs", "123"]])
+def test_a_registry_folder_under_a_regular_file_is_named_with_the_fix(tmp_path, monkeypatch, command):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    monkeypatch.setenv("VITCTL_HOME", str(blocker / "home"))
+    result = vitctl(*(_train_args(tmp_path / "run") if command == ["train"] else command))
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert result.stderr == f"error: cannot keep the job registry in VITCTL_HOME={blocker / 'home'}: {blocker} is a " \
+                            f"file, not a folder; point VITCTL_HOME at a folder this user can write, e.g. `export " \
+                            f"VITCTL_HOME=$HOME/.vitctl`\n"
+    assert not (tmp_path / "run").exists() and blocker.read_text() == "mine"  # nothing launched
+    monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
+    ok("jobs")
+
+
+def test_a_registry_folder_this_user_may_not_write_is_named(home, tmp_path, monkeypatch):
+    """Tests run as root, whom chmod does not stop: the OS's refusal is injected where the lock file opens."""
+    real_open = open
+
+    def refusing(file, *args, **kwargs):
+        if Path(str(file)).name == "jobs.lock":
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("builtins.open", refusing)
+        result = vitctl(*_train_args(tmp_path / "run"))
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert f"error: cannot keep the job registry in VITCTL_HOME={home}: Permission denied ({home / 'jobs.lock'}); " \
+           f"point VITCTL_HOME at a folder this user can write" in result.stderr
+    assert not (tmp_path / "run" / "submitit").exists()  # refused before submitting
+
+
+def test_a_run_folder_is_found_however_its_path_is_written(home, tmp_path, monkeypatch):
+    """Jobs are registered with their absolute run folder; a relative path, ./ or a trailing slash names it too."""
+    ours, theirs = tmp_path / "sweep/runs/pre", tmp_path / "other/runs/pre"
+    for job_id, run_dir in (("7001", ours), ("7002", theirs)):
+        run_dir.mkdir(parents=True)
+        registry.add_record(record(job_id, str(run_dir)))
+    monkeypatch.chdir(tmp_path / "sweep")
+    for written in ("runs/pre", "./runs/pre", "runs/pre/", f"{ours}/", str(ours)):
+        assert [s["job_id"] for s in json.loads(ok("status", written, "--json").output)] == ["7001"], written
+        assert "job 7001 (vit_micro-a) is not running" in ok("cancel", written).output
+        assert "no log yet for rank 0 of job 7001" in vitctl("logs", written).stderr
+    registry.add_record(record("7003", str(ours)))  # the same run folder again (--resume): the newest job is meant
+    assert "job 7003 (vit_micro-a) is not running" in ok("cancel", "runs/pre").output
+    monkeypatch.chdir(tmp_path / "sweep/runs")  # here the bare name is a folder, so a path
+    assert "job 7003 (vit_micro-a) is not running" in ok("cancel", "pre").output
+
+
+def test_a_bare_folder_name_that_names_jobs_in_several_places_is_refused_with_them_listed(home, tmp_path):
+    ours, theirs = tmp_path / "sweep/runs/pretrain", tmp_path / "other/pretrain"
+    registry.add_record(record("7001", str(ours)))
+    registry.add_record(record("7002", str(theirs)))
+    for command in ("cancel", "logs"):
+        result = vitctl(command, "pretrain")
+        assert result.exit_code == 1 and "Traceback" not in result.stderr
+        assert result.stderr == f"error: 'pretrain' names the run folders of 2 jobs in different places: 7001 " \
+                                f"({ours}), 7002 ({theirs}); pass the job id or the full path of the run folder\n"
+    listed = json.loads(ok("status", "pretrain", "--json").output)  # reading both is harmless
+    assert [(s["job_id"], s["run_dir"]) for s in listed] == [("7001", str(ours)), ("7002", str(theirs))]
+    assert "job 7001 (vit_micro-a) is not running" in ok("cancel", "7001").output
+    assert "job 7002 (vit_micro-a) is not running" in ok("cancel", theirs).output

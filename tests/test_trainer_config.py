@@ -1,6 +1,10 @@
+import dataclasses
+import typing
+
 import pytest
 
-from vitctl.trainer.config import PRESETS, ConfigError, load_config, parse_override
+from conftest import vitctl
+from vitctl.trainer.config import PRESETS, ConfigError, RunConfig, load_config, parse_override
 from vitctl.trainer.preflight import preflight
 
 
@@ -99,3 +103,32 @@ def test_unknown_preset_lists_the_known_ones():
 
 def test_parse_override_nests_keys():
     assert parse_override("a.b.c=3") == {"a": {"b": {"c": 3}}}
+
+
+def _float_keys() -> list[tuple[str, int]]:
+    """Every config key that holds floats, dotted, with how many (0: one float, else a list of that many)."""
+    keys = []
+    for section in dataclasses.fields(RunConfig):
+        for name, kind in typing.get_type_hints(section.default_factory).items():
+            tuples = [a for a in (kind, *typing.get_args(kind)) if typing.get_origin(a) is tuple]
+            if tuples:
+                keys.append((f"{section.name}.{name}", len(typing.get_args(tuples[0]))))
+            elif kind is float or float in typing.get_args(kind):
+                keys.append((f"{section.name}.{name}", 0))
+    return keys
+
+
+@pytest.mark.parametrize("bad", [".inf", "-.inf", "nan", "1e999"])
+@pytest.mark.parametrize(("key", "count"), _float_keys(), ids=[key for key, _ in _float_keys()])
+def test_every_float_key_refuses_inf_and_nan_naming_the_key(key, count, bad):
+    value = f"[{', '.join([bad] + ['0.5'] * (count - 1))}]" if count else bad
+    result = vitctl("config", "show", "demo_vit", "--set", f"{key}={value}")
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert f"error: {key} must be {'finite numbers' if count else 'a finite number'}, got " in result.stderr
+
+
+def test_float_keys_cover_the_recipe():
+    keys = {key for key, _ in _float_keys()}
+    assert {"optim.lr", "optim.min_lr", "optim.warmup_lr", "optim.weight_decay", "optim.clip_grad", "optim.betas",
+            "augment.mixup", "augment.cutmix", "augment.reprob", "model.drop_path", "augment.label_smoothing",
+            "train.ema_decay", "train.epochs", "data.mean"} <= keys

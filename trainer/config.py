@@ -1,6 +1,7 @@
 """Typed run configuration: YAML presets, `--set a.b=value` overrides, validation up front."""
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -163,6 +164,9 @@ class RunConfig:
         return yaml.safe_dump(lists, sort_keys=False)
 
 
+_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
 def _coerce(value: Any, kind: Any, key: str) -> Any:
     origin = typing.get_origin(kind)
     if origin in (types.UnionType, typing.Union):
@@ -231,15 +235,22 @@ def parse_override(text: str) -> dict[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form section.key=value")
-    value: Any = yaml.safe_load(raw) if raw else None
+    try:
+        value: Any = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: its value is not valid YAML ({_yaml_problem(e)}); close its "
+                          f"brackets, or quote a value that holds YAML syntax: {key}='...'") from None
     for part in reversed(key.strip().split(".")):
         value = {part: value}
     return value
 
 
 def preset_path(name: str) -> Path:
+    """A YAML file when `name` looks like one (a .yaml/.yml suffix or a folder in it), else a shipped preset."""
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.exists():
+    if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist; check the path, or pass a preset name")
         return path
     path = PRESETS / f"{name}.yaml"
     if not path.exists():
@@ -248,11 +259,37 @@ def preset_path(name: str) -> Path:
     return path
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What the YAML parser objects to, and where (line and column counted from 1)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
+def _read_preset(path: Path) -> dict[str, Any]:
+    """The sections of a preset file; ConfigError naming the file when it is unreadable, not YAML or not a mapping."""
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        line, column = e.object.count(b"\n", 0, e.start) + 1, e.start - e.object.rfind(b"\n", 0, e.start)
+        raise ConfigError(f"config file {path} is not UTF-8 text (line {line}, column {column}: byte "
+                          f"{e.object[e.start]:#04x}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}; fix it there") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror}); pass a readable YAML file") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} holds a {type(values).__name__} at its top level, not a mapping of "
+                          f"sections; write it as `section:` lines ({', '.join(_SECTIONS)}) with `key: value` lines "
+                          f"indented under each, as `vitctl config show demo_vit` prints")
+    return values
+
+
 def load_config(preset: str | None, overrides: list[str] = (), extra: dict[str, Any] | None = None) -> RunConfig:
     """Preset, then `extra` (from CLI flags), then `--set` overrides; validated."""
-    values: dict[str, Any] = {}
-    if preset:
-        values = yaml.safe_load(preset_path(preset).read_text()) or {}
+    values: dict[str, Any] = _read_preset(preset_path(preset)) if preset else {}
     values = _merge(values, extra or {})
     for text in overrides:
         values = _merge(values, parse_override(text))
@@ -304,9 +341,21 @@ def validate(c: RunConfig) -> None:
         (0 < c.augment.min_crop_scale <= 1, "augment.min_crop_scale must be in (0, 1]"),
         (c.optim.warmup_lr >= 0, "optim.warmup_lr must not be negative"),
     ]
-    problems = [message for ok, message in checks if not ok] + _recipe_problems(c)
+    problems = _non_finite(c) + [message for ok, message in checks if not ok] + _recipe_problems(c)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _non_finite(c: RunConfig) -> list[str]:
+    """Every float key holding inf or nan: each would overflow a step count or turn the loss to nan mid-run."""
+    problems = []
+    for section, values in c.to_dict().items():
+        for key, value in values.items():
+            several = isinstance(value, tuple | list)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in (value if several else [value])):
+                problems.append(f"{section}.{key} must be {'finite numbers' if several else 'a finite number'}, got "
+                                f"{list(value) if several else value}")
+    return problems
 
 
 def _one_of(key: str, value: str | None, options: tuple[str, ...]) -> list[str]:

@@ -2,6 +2,7 @@
 Slurm user hears of a bad request at once rather than after the queue wait; each rank calls it again at start,
 where the device is known."""
 
+import os
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     source = None if resuming else _source_error(config)
     model = model_error(config.model)
     problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
-                            None if model else _fp8_width_error(config)) if p]
+                            None if model else _fp8_width_error(config), _out_dir_error(config.train.out_dir)) if p]
     strategy, dims = None, None
     if model is None:
         try:
@@ -100,6 +101,17 @@ def _source_error(config: RunConfig) -> str | None:
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _out_dir_error(out_dir: str) -> str | None:
+    """A file where the run folder, or a folder above it, would have to be: the run could write nothing there."""
+    run_dir = Path(out_dir)
+    blocker = next((p for p in (run_dir, *run_dir.parents) if os.path.lexists(p) and not p.is_dir()), None)
+    if blocker is None:
+        return None
+    kind = "a broken symbolic link" if blocker.is_symlink() and not blocker.exists() else "a file"
+    what = f"is {kind}" if blocker == run_dir else f"cannot be made: {blocker} is {kind}"
+    return f"run folder {run_dir} (--out, train.out_dir) {what}, not a folder; choose another --out"
 
 
 def _mixup_error(config: RunConfig) -> str | None:

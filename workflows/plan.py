@@ -87,7 +87,18 @@ def write_plan(outcome: PlanOutcome, out: Path) -> None:
         raise ConfigError(_no_fit(outcome))
     p = best.prediction
     _write(out, best.strategy.to_json(request.model, outcome.world, predicted={
-        "step_s": round(p.step_s, 4), "peak_gib": round(p.peak_gib, 2), "images_per_s": round(p.images_per_s, 1)}))
+        "step_s": round(p.step_s, 4), "peak_gib": round(p.peak_gib, 2), "images_per_s": round(p.images_per_s, 1)}),
+           "choose another --out")
+
+
+def check_out(out: Path) -> None:
+    """Refuse an --out that cannot be written before the search, whose profile may first take minutes to measure."""
+    existing = next(p for p in out.absolute().parents if os.path.lexists(p))
+    if not existing.is_dir():
+        raise ConfigError(_file_in_the_way(out, existing, "choose another --out"))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write the plan {out}: this user may not write in {existing}; choose another "
+                          f"--out, or give this user write access to {existing}")
 
 
 def _no_fit(outcome: PlanOutcome) -> str:
@@ -134,15 +145,25 @@ def measure_profile(model: str, img_size: int, device: torch.device,
 
 def save_profile(profile: Profile, folder: Path | None = None) -> Path:
     path = (folder or cache_dir()) / profile_file(profile.device, profile.torch, profile.model, profile.img_size)
-    _write(path, profile.to_json())
+    _write(path, profile.to_json(), "point XDG_CACHE_HOME at a folder this user can write, where profiles are cached")
     return path
 
 
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with partial_open(path, "w") as f:
-        f.write(text)
-    publish(path)
+def _write(path: Path, text: str, fix: str) -> None:
+    """Write `path` atomically; ConfigError ending with `fix` when the file system refuses."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with partial_open(path, "w") as f:
+            f.write(text)
+        publish(path)
+    except OSError as e:
+        blocker = next((p for p in path.parents if os.path.lexists(p) and not p.is_dir()), None)
+        raise ConfigError(_file_in_the_way(path, blocker, fix) if blocker else
+                          f"cannot write {path} ({e.strerror}); {fix}") from None
+
+
+def _file_in_the_way(path: Path, blocker: Path, fix: str) -> str:
+    return f"cannot write {path}: {blocker} is a file, not a folder; {fix}"
 
 
 def profile_only(model: str, img_size: int, ranks: int | None) -> Path | None:

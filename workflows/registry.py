@@ -22,6 +22,7 @@ from pathlib import Path
 
 from vitctl.datasets.atomic import fsync_dir
 
+from .errors import LaunchError
 from .process import is_running, start_time, started_at
 
 log = logging.getLogger("vitctl.registry")
@@ -70,10 +71,11 @@ def load_records() -> list[JobRecord]:
     """All records, oldest first. Reads need no lock (writes are atomic); a damaged file or a submission that was
     cut short is mended under the lock."""
     try:
-        records = _parse(registry_path().read_text())
-    except FileNotFoundError:
-        return []
-    except ValueError:
+        text = _read_registry()
+        if text is None:
+            return []
+        records = _parse(text)
+    except ValueError:  # UnicodeDecodeError too
         pass  # damaged: recovered under the lock, below
     else:
         if not any(_interrupted(r) for r in records):
@@ -117,20 +119,66 @@ def reload(record: JobRecord) -> JobRecord:
     return next((r for r in load_records() if r.key == record.key), record)
 
 
+def find_records(key: str) -> list[JobRecord]:
+    """The jobs `key` names, the newest per run folder: a job id; a run folder given as a path (it holds a `/` or is
+    a folder here), matched exactly; else a run folder's last component, which folders in several places may share."""
+    records, where = load_records(), repr(key)
+    if key and os.sep not in key and (by_id := [r for r in records if r.job_id == key]):
+        return by_id[-1:]
+    if os.sep in key or (key and Path(key).is_dir()):
+        folder = Path(key).resolve()
+        matches, where = [r for r in records if Path(r.run_dir).resolve() == folder], f"{key!r} ({folder})"
+    else:
+        matches = [r for r in records if key and Path(r.run_dir).name == key]
+    if not matches:
+        raise UnknownJobError(f"no job {where} in {registry_path()}; `vitctl jobs` lists the known ones")
+    return list({r.run_dir: r for r in matches}.values())  # a folder's later jobs replace its earlier ones
+
+
 def find_record(key: str) -> JobRecord:
-    """By job id, or by run folder (path or its last component); the newest match wins."""
-    for record in reversed(load_records()):
-        if key and key in (record.job_id, record.run_dir, Path(record.run_dir).name):
-            return record
-    raise UnknownJobError(f"no job {key!r} in {registry_path()}; `vitctl jobs` lists the known ones")
+    """The one job `key` names (see find_records); UnknownJobError listing them when a bare folder name names run
+    folders in several places."""
+    found = find_records(key)
+    if len(found) > 1:
+        listed = ", ".join(f"{r.job_id or '(submitting)'} ({r.run_dir})" for r in found)
+        raise UnknownJobError(f"{key!r} names the run folders of {len(found)} jobs in different places: {listed}; "
+                              f"pass the job id or the full path of the run folder")
+    return found[0]
 
 
 @contextlib.contextmanager
 def _locked() -> Iterator[None]:
-    home().mkdir(parents=True, exist_ok=True)
-    with open(home() / "jobs.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+    with contextlib.ExitStack() as held:
+        with _home_errors():  # only the lock's own calls: the caller's block may touch other folders
+            home().mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(open(home() / "jobs.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
         yield
+
+
+@contextlib.contextmanager
+def _home_errors() -> Iterator[None]:
+    """The file system's refusals in the registry's folder as one error that names it and how to move it."""
+    try:
+        yield
+    except OSError as e:
+        folder = home()
+        blocker = next((p for p in (folder, *folder.parents) if os.path.lexists(p) and not p.is_dir()), None)
+        what = f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+        if blocker is not None:
+            what = f"{blocker} is a file, not a folder"
+        where = f"VITCTL_HOME={folder}" if "VITCTL_HOME" in os.environ else f"{folder} (VITCTL_HOME is not set)"
+        raise LaunchError(f"cannot keep the job registry in {where}: {what}; point VITCTL_HOME at a folder this "
+                          f"user can write, e.g. `export VITCTL_HOME=$HOME/.vitctl`") from None
+
+
+def _read_registry() -> str | None:
+    """jobs.json's text; None before the first job."""
+    with _home_errors():
+        try:
+            return registry_path().read_text()
+        except FileNotFoundError:
+            return None
 
 
 def _parse(text: str) -> list[JobRecord]:
@@ -162,15 +210,15 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _save(records: list[JobRecord]) -> None:
     text = json.dumps([asdict(r) for r in records], indent=1) + "\n"
-    _write_atomic(registry_path(), text)
-    _write_atomic(backup_path(), text)
+    with _home_errors():
+        _write_atomic(registry_path(), text)
+        _write_atomic(backup_path(), text)
 
 
 def _read_or_recover() -> list[JobRecord]:
     try:
-        return _parse(registry_path().read_text())
-    except FileNotFoundError:
-        return []
+        text = _read_registry()
+        return [] if text is None else _parse(text)
     except (ValueError, UnicodeDecodeError) as e:
         damage = str(e)
     aside = registry_path().with_name(f"jobs.json.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
