@@ -230,6 +230,18 @@ def test_a_checkpoint_without_a_head_says_how_to_start_one_and_that_works(weight
     assert train(config(tmp_path / "ft", "train.max_steps=1", f"finetune.from_ckpt={source}", *fix))["step"] == 1
 
 
+@pytest.mark.parametrize("reset_head", [None, True])
+def test_weights_of_another_architecture_are_not_told_to_reset_the_head(tmp_path, reset_head):
+    """A new head would leave the rest unfitted: the message names the architecture instead."""
+    source = tmp_path / "other.pth"
+    torch.save({"foo.weight": torch.zeros(3)}, source)
+    with pytest.raises(ConfigError, match=r"does not fit model vit_micro: missing \(5\d\): .*; unexpected \(1\): "
+                                          r"foo\.weight; use weights of a vit_micro, or --model set to the "
+                                          r"architecture they are of$") as error:
+        load_pretrained(micro_model(), source, reset_head, "vit_micro")
+    assert "reset_head" not in str(error.value)
+
+
 def test_a_new_head_is_not_the_pretraining_runs_initial_head(pretrained):
     """Both runs start from train.seed: the finetune's model is built from the same stream as the pretraining's."""
     torch.manual_seed(0)

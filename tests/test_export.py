@@ -1,6 +1,9 @@
 """`vitctl export` and what `finetune --from-ckpt` reads: exports, run folders, checkpoint folders, single-file
 checkpoints of earlier versions."""
 
+import errno
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CLASSES, ok, vitctl
+from vitctl.datasets import atomic
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.loop import train
@@ -91,3 +95,64 @@ def test_a_run_folder_of_single_file_checkpoints_is_not_resumed_but_explained(pr
                                           "continue; start a new run from its weights"):
         train(load_config(None, [*BASE, "model.name=vit_micro", f"data.path={prepared_shards}",
                                  f"train.out_dir={tmp_path / 'run'}"]), resume=True)
+
+
+def test_a_checkpoint_folder_with_another_step_is_refused_and_its_run_folder_takes_the_step(micro_run, tmp_path):
+    folder, out = micro_run / "checkpoints/step-00000003", tmp_path / "w.safetensors"
+    result = vitctl("export", folder, "--step", 2, "--out", out)
+    assert result.exit_code == 1 and not out.exists()
+    assert (f"error: {folder} is the checkpoint of step 3, not of --step 2: drop --step to take this one, or give "
+            f"its run folder {micro_run} with --step 2") in result.stderr, result.stderr
+    assert "step-00000002" in ok("export", micro_run, "--step", 2, "--out", out).output
+    assert "step-00000003" in ok("export", folder, "--step", 3, "--out", out).output
+
+
+def test_out_under_a_file_is_refused_and_moving_the_file_away_lets_it_export(micro_run, tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    out = blocker / "w.safetensors"
+    result = vitctl("export", micro_run, "--out", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert f"error: --out {out}: {blocker} is a file, not a folder; move it away or choose another --out" \
+        in result.stderr, result.stderr
+    blocker.unlink()
+    ok("export", micro_run, "--out", out)
+    assert load_file(out).keys()
+
+
+def test_out_in_a_folder_this_user_may_not_write_is_one_clear_line(micro_run, tmp_path, monkeypatch):
+    out = tmp_path / "ro/w.safetensors"
+
+    def refuse(path, *args, **kwargs):  # what creating a file in a read-only folder raises (root passes chmod)
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(atomic, "open", refuse, raising=False)
+        result = vitctl("export", micro_run, "--out", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert (f"error: --out {out}: cannot write in {out.parent}: permission denied; choose another --out, in a folder "
+            "this user may write to") in result.stderr, result.stderr
+    assert list(out.parent.iterdir()) == []
+    ok("export", micro_run, "--out", tmp_path / "w.safetensors")
+
+
+def _diverged_checkpoint(run: Path, step: int) -> None:
+    """A checkpoint of non-finite weights, as a vitctl that did not check its runs for divergence saved them."""
+    previous = ckpt.list_checkpoints(run)[-1]
+    weights = {name: tensor.clone() for name, tensor in ckpt.consolidated(previous).items()}
+    weights["head.weight"][0, :3] = float("nan")
+    meta = {k: v for k, v in ckpt.read_meta(previous).items() if k not in ("format", "files")} | {"step": step}
+    ckpt.CheckpointWriter(run, 10, True, False).save(step, {"model": weights}, meta)
+
+
+def test_export_refuses_non_finite_weights_and_the_checkpoint_it_names_exports(micro_run, tmp_path):
+    run, out = Path(shutil.copytree(micro_run, tmp_path / "run")), tmp_path / "w.safetensors"
+    _diverged_checkpoint(run, 4)
+    result = vitctl("export", run, "--out", out)
+    assert result.exit_code == 1 and not out.exists() and "Traceback" not in result.output + result.stderr
+    assert (f"error: checkpoint {run / 'checkpoints/step-00000004'} holds non-finite weights (tensor head.weight: 3 "
+            "inf or nan values): its run diverged before it was saved; export the checkpoint before it instead "
+            f"(vitctl export {run} --step 3 --out {out})") in result.stderr, result.stderr
+    fix = re.search(r"\(vitctl (export [^)]*)\)", result.stderr).group(1).split()
+    assert "step-00000003" in ok(*fix).output
+    assert all(torch.isfinite(t).all() for t in load_file(out).values())

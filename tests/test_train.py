@@ -16,7 +16,8 @@ from conftest import CLASSES, ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer import runlock
 from vitctl.trainer.config import ConfigError, load_config
-from vitctl.trainer.loop import train
+from vitctl.trainer.loop import Diverged, Trainer, train
+from vitctl.trainer.metrics import read_metrics
 from vitctl.workflows import registry
 
 TINY = ["model.name=vit_micro", "model.img_size=32", f"model.num_classes={CLASSES}", "model.drop_path=0.1",
@@ -253,3 +254,86 @@ def test_a_run_folder_held_by_a_running_job_is_refused(prepared_shards, tmp_path
         holder.kill()
         holder.wait()
     assert train(tiny(prepared_shards, run, "train.max_steps=1"))["step"] == 1
+
+
+# ---------------------------------------------------------------- divergence: nothing non-finite is checkpointed
+
+DIVERGING = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=256",
+             "--executor", "local", "--gpus", 0, "--set", "train.checkpoint_every=3"]
+
+
+def the_error(result) -> str:
+    """The one `error:` line a failed command printed (no traceback)."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.output + result.stderr
+    assert "Traceback" not in result.output + result.stderr
+    return errors[0]
+
+
+def logged_steps(run: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run) if "loss" in r]
+
+
+def test_a_diverged_run_stops_unsaved_and_resuming_with_a_lower_lr_goes_on(tmp_path):
+    run = tmp_path / "run"
+    ok("train", "--out", run, *DIVERGING, "--steps", 3)
+    args = ["train", "--out", run, *DIVERGING, "--resume", "--steps", 9, "--set", "train.log_every=1"]
+    error = the_error(vitctl(*args, "--set", "optim.lr=1e8"))
+    assert re.search(r"rank 0 raised Diverged: step \d: the training loss is (nan|inf) \(not finite\): the run "
+                     r"diverged, and nothing from this step on is checkpointed\. To go on from the last checkpoint, "
+                     rf"{re.escape(str(run))}/checkpoints/step-00000003, lower the learning rate \(--set optim.lr="
+                     r"\.\.\., now 1e\+08\) and rerun with --resume \(traceback in \S+\)$", error), error
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-00000003"]
+    ok(*args, "--set", "optim.lr=1e-3")
+    assert logged_steps(run) == list(range(3, 10))
+    assert all(torch.isfinite(t).all() for t in final_weights(run).values())
+
+
+def test_a_run_diverged_before_its_first_checkpoint_saves_none_and_a_lower_lr_starts_it_again(tmp_path):
+    """The loss is checked at a checkpoint step that is no log step too."""
+    run = tmp_path / "run"
+    args = ["train", "--out", run, *DIVERGING, "--steps", 4, "--set", "train.log_every=4", "--set",
+            "train.checkpoint_every=2"]
+    error = the_error(vitctl(*args, "--set", "optim.lr=1e8"))
+    assert ("raised Diverged: step 2: the training loss is not finite: the run diverged, and nothing from this step on "
+            "is checkpointed. No checkpoint was saved before it: lower the learning rate (--set optim.lr=..., now "
+            "1e+08) and start again") in error, error
+    assert not (run / "checkpoints").exists()
+    ok(*args)
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step-00000002", "step-00000004"]
+    assert logged_steps(run) == [4]
+
+
+def test_non_finite_weights_after_a_finite_loss_are_never_checkpointed(prepared_shards, tmp_path, monkeypatch):
+    """An update can overflow the weights after the loss it came from was finite: the checkpoint checks them."""
+    step = Trainer._optimizer_step
+
+    def overflowing(self: Trainer) -> torch.Tensor | None:
+        norm = step(self)
+        with torch.no_grad():
+            next(self.par.weights.parameters()).view(-1)[0] = float("inf")
+        return norm
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", overflowing)
+    with pytest.raises(Diverged, match=r"^step 1: the weights hold non-finite values \(inf or nan\) after the update: "
+                                       r"the run diverged, .* No checkpoint was saved before it"):
+        train(tiny(prepared_shards, tmp_path / "r", "train.max_steps=2", "train.log_every=1",
+                   "train.checkpoint_every=1"))
+    assert logged_steps(tmp_path / "r") == [1] and not (tmp_path / "r/checkpoints").exists()
+
+
+# ---------------------------------------------------------------- the metrics of an interrupted attempt
+
+
+def test_a_resume_drops_the_records_logged_past_its_checkpoint(prepared_shards, tmp_path):
+    """What `kill -9` after step 4's log, before its checkpoint, leaves (and a line it cut short): after the resume
+    the log holds each step once."""
+    run = tmp_path / "r"
+    train(tiny(prepared_shards, run, "train.max_steps=3"))  # logs steps 2 and 3, checkpoints step 3
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "epoch": 0, "loss": 99.0}) + '\n{"step": 5, "epo')
+    train(tiny(prepared_shards, run, "train.max_steps=6"), resume=True)
+    records = read_metrics(run)
+    assert logged_steps(run) == [2, 3, 4, 6] and 99.0 not in [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if r.get("event") == "resume"] == [3]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == len(records)

@@ -230,6 +230,8 @@ def consolidated(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
 def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
     """A checkpoint folder from a run folder (its last, or the one of `step`) or a checkpoint folder itself."""
     if is_checkpoint(path):
+        if step is not None and (saved := read_meta(path)["step"]) != step:
+            raise ConfigError(_not_of_step(path, saved, step))
         return path
     found = list_checkpoints(path)
     if not found:
@@ -241,6 +243,13 @@ def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
         raise ConfigError(f"{path} has no checkpoint of step {step}; it has steps "
                           f"{', '.join(str(int(p.name[5:])) for p in found)}")
     return match[0]
+
+
+def _not_of_step(path: Path, saved: int, step: int) -> str:
+    """A checkpoint folder given with the step of another: drop --step, or let its run folder pick the step."""
+    run = path.parent.parent
+    within = f", or give its run folder {run} with --step {step}" if path in list_checkpoints(run) else ""
+    return f"{path} is the checkpoint of step {saved}, not of --step {step}: drop --step to take this one{within}"
 
 
 # ---------------------------------------------------------------- random streams, as tensors

@@ -53,6 +53,10 @@ log = logging.getLogger("vitctl.train")
 LR_REFERENCE_BATCH = 512  # optim.lr is for this global batch and scales linearly (DeiT, Swin)
 
 
+class Diverged(ConfigError):
+    """The loss or the weights became non-finite: the run stops without checkpointing them."""
+
+
 @dataclass
 class Position:
     step: int = 0  # optimizer steps done
@@ -152,6 +156,8 @@ class Trainer:
                                             config.train.async_checkpoint)
         if checkpoints:
             self._restore(checkpoints[-1])
+        else:
+            self.metrics.drop_after(0)  # an earlier attempt here that saved no checkpoint: this run redoes its steps
         self._schedule()
 
     def _read_pretrained(self, model: nn.Module) -> Pretrained | None:
@@ -204,11 +210,42 @@ class Trainer:
             state["rng"] = {f"rank{self.env.rank}": ckpt.rng_state()}
         return state
 
-    def save(self, blocking: bool = False) -> None:
+    def save(self, window: "Window", blocking: bool = False) -> None:
+        """Checkpoint this step, unless the loss since the last log or the weights are not finite (Diverged)."""
+        state = self._state(rng=True)
+        self._refuse_nonfinite(window, state["model"])
         meta = {"step": self.position.step, "position": asdict(self.position), "world_size": self.env.world_size,
                 "mesh": asdict(self.mesh.dims), "layout": self.strategy.layout(self.env.world_size),
                 "config": self.c.to_dict(), "time": time.time()}
-        self.writer.save(self.position.step, self._state(rng=True), meta, blocking)
+        self.writer.save(self.position.step, state, meta, blocking)
+
+    def _refuse_nonfinite(self, window: "Window", weights: dict[str, Any]) -> None:
+        """Raise Diverged on every rank when any rank's loss since the last log or part of the weights is not
+        finite: a finite loss does not make the update after it finite (one all-reduce, at checkpoint steps only)."""
+        parts = [w.to_local() if isinstance(w, DTensor) else w for w in weights.values()]
+        finite = torch.stack([torch.isfinite(p).all() for p in parts])
+        bad = torch.stack([~torch.isfinite(window.sums[0]), ~finite.all()]).float()
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        loss_bad, weights_bad = bad.tolist()
+        if loss_bad:
+            raise self._diverged("the training loss is not finite")
+        if weights_bad:
+            raise self._diverged("the weights hold non-finite values (inf or nan) after the update")
+
+    def _diverged(self, what: str) -> Diverged:
+        """The error that stops a diverged run, naming the way on: a lower learning rate, from the last checkpoint."""
+        self.writer.wait()  # a save still in flight was checked before it began: publish it, it is the way on
+        found, c = ckpt.list_checkpoints(self.run_dir), self.c
+        lower = f"lower the learning rate (--set optim.lr=..., now {c.optim.lr:g})"
+        if c.train.precision == "fp16":
+            lower += " or use --precision bf16 (fp16 overflows where bf16 does not)"
+        if found:
+            way = f"To go on from the last checkpoint, {found[-1]}, {lower} and rerun with --resume"
+        else:
+            way = f"No checkpoint was saved before it: {lower} and start again"
+        return Diverged(f"step {self.position.step}: {what}: the run diverged, and nothing from this step on is "
+                        f"checkpointed. {way}")
 
     def _restore(self, path: Path) -> None:
         meta = ckpt.read_checked(path)
@@ -243,6 +280,7 @@ class Trainer:
                         meta.get("layout", f"{meta['world_size']} ranks"))
         self.position = Position(**meta["position"])
         self.position.epoch, self.position.sample = self.data.plan.start(self.position.epoch, self.position.sample)
+        self.metrics.drop_after(self.position.step)
         self.metrics.write({"step": self.position.step, "event": "resume", "checkpoint": path.name,
                             "from_world_size": meta["world_size"], "world_size": self.env.world_size})
         log.info("resumed from %s at step %d (epoch %d, sample %d)", path, self.position.step, self.position.epoch,
@@ -368,10 +406,12 @@ class Trainer:
             stop = p.step < self.stop_step and vote.agreed(should_stop())
             if stop or p.step % c.train.log_every == 0 or p.step == self.stop_step:
                 loss = self._log(window)
+                if not math.isfinite(loss):  # here the loss is on the host already: no extra sync
+                    raise self._diverged(f"the training loss is {loss} (not finite)")
                 self.writer.poll()
             if stop:  # a signal leaves a grace time (Slurm's KillWait) for the checkpoint alone: no eval
                 vote.close()
-                self.save(blocking=True)
+                self.save(window, blocking=True)
                 self.metrics.write({"step": p.step, "event": "stopped"})
                 self.metrics.close()
                 return {"step": p.step, "loss": loss, "stopped": True}
@@ -380,7 +420,7 @@ class Trainer:
                 if last_eval:
                     self.metrics.write({"step": p.step, "epoch": p.epoch, **last_eval})
             if p.step % c.train.checkpoint_every == 0 or p.step == self.stop_step:
-                self.save(blocking=p.step == self.stop_step)
+                self.save(window, blocking=p.step == self.stop_step)
         vote.close()
         self.writer.wait()
         self.metrics.close()

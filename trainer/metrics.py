@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from vitctl.datasets.atomic import write_text_atomic
+
 log = logging.getLogger("vitctl.metrics")
 METRICS_FILE = "metrics.jsonl"
 # Dense bf16 peak per GPU, from the vendors' datasheets; MFU is reported against it.
@@ -40,6 +42,18 @@ class MetricsWriter:
             except ImportError:
                 pass
 
+    def drop_after(self, step: int) -> None:
+        """Rewrite the log (atomically) without the records past `step`: an attempt that ended before checkpointing
+        them wrote them, and the run writes those steps again. A line cut short by a crash goes too."""
+        if not self.enabled or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line, at in zip(lines, map(_step_of, lines), strict=True) if at is not None and at <= step]
+        if len(kept) < len(lines):
+            write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
+            log.warning("%s: dropped %d records past step %d, which this run writes again", self.path,
+                        len(lines) - len(kept), step)
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -56,6 +70,15 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a record; None for a line that does not parse (cut short) or holds no step."""
+    try:
+        step = json.loads(line).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -263,9 +263,11 @@ def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
 
         details = [f"{name} ({len(keys)}): {few(keys)}" for name, keys in
                    (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)) if keys]
-        if any(k.startswith(HEAD_PREFIXES) for k in missing):
+        if all(k.startswith(HEAD_PREFIXES) for k in missing + unexpected + mismatched):
             details.append("the checkpoint has no classifier head for it: start a new one with "
                            "--set finetune.reset_head=true")
+        else:  # a new head would leave the rest unfitted: these are weights of another architecture
+            details.append(f"use weights of a {model_name}, or --model set to the architecture they are of")
         raise ConfigError(f"finetune.from_ckpt {path} does not fit model {model_name}: " + "; ".join(details))
     return Pretrained(path, state, fresh)
 

@@ -2,15 +2,18 @@
 tensors, which `finetune --from-ckpt` verifies."""
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import save
 
-from vitctl.datasets.atomic import partial_path, publish
-from vitctl.trainer.checkpoint import consolidated, read_meta, resolve_checkpoint
+from vitctl.datasets.atomic import atomic_open
+from vitctl.datasets.oserrors import as_data_error
+from vitctl.trainer.checkpoint import consolidated, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
-from vitctl.trainer.integrity import tensors_sha256
+from vitctl.trainer.integrity import nonfinite, tensors_sha256
 from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import EXPORT_SHA256
 
@@ -26,17 +29,49 @@ class Export:
 
 def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = False) -> Export:
     """The weights (or their EMA) of a run's last checkpoint, or of `step`'s, written atomically to `out`."""
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'model.safetensors'}")
+    _check_out(out)
     source = resolve_checkpoint(run, step)
     meta = read_meta(source)
-    weights = timm_layout(consolidated(source, "ema" if ema else "model"))
-    tensors = {name: tensor.contiguous() for name, tensor in weights.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
+    part = "ema" if ema else "model"
+    weights = consolidated(source, part)
+    if bad := nonfinite(weights):
+        raise ConfigError(_nonfinite(source, part, bad, out))
+    tensors = {name: tensor.contiguous() for name, tensor in timm_layout(weights).items()}
     model = meta["config"]["model"]
-    save_file(tensors, str(partial_path(out)), metadata={
-        "format": "pt", "vitctl_model": json.dumps(model), "vitctl_step": str(meta["step"]),
-        "vitctl_weights": "ema" if ema else "model", "vitctl_checkpoint": str(source.resolve()),
-        EXPORT_SHA256: tensors_sha256(tensors)})
-    publish(out)
+    _write(out, tensors, {"format": "pt", "vitctl_model": json.dumps(model), "vitctl_step": str(meta["step"]),
+                          "vitctl_weights": part, "vitctl_checkpoint": str(source.resolve()),
+                          EXPORT_SHA256: tensors_sha256(tensors)})
     return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"])
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out that cannot become a file: a folder, or a path under something that is not a folder."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'model.safetensors'}")
+    blocker = next((p for p in out.parents if os.path.lexists(p)), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"--out {out}: {blocker} is a file, not a folder; move it away or choose another --out")
+
+
+def _write(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors file, under a temporary name until complete and durable; an OS refusal as one line."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(out) as f:
+            f.write(save(tensors, metadata))
+    except OSError as e:
+        what = as_data_error(e, out.parent).what
+        raise ConfigError(f"--out {out}: cannot write in {out.parent}: {what}; choose another --out, in a folder "
+                          "this user may write to on a file system with free space") from None
+
+
+def _nonfinite(source: Path, part: str, bad: tuple[str, int], out: Path) -> str:
+    """What a diverged checkpoint holds, and the export of the checkpoint before it (where its run has one)."""
+    name, count = bad
+    earlier = [p for p in list_checkpoints(source.parent.parent) if p.name < source.name]
+    what = (f"checkpoint {source} holds non-finite {'EMA ' if part == 'ema' else ''}weights (tensor {name}: {count} "
+            "inf or nan values): its run diverged before it was saved")
+    if not earlier:
+        return f"{what}, and its run folder holds no earlier checkpoint; train again with a lower optim.lr"
+    command = f"vitctl export {source.parent.parent} --step {int(earlier[-1].name[5:])} --out {out}"
+    return f"{what}; export the checkpoint before it instead ({command}{' --ema' if part == 'ema' else ''})"
