@@ -50,7 +50,8 @@ def test_a_preset_shows_without_data_which_train_then_asks_for(tmp_path):
                                                        "allowed here"),
     (b"- 1\n", "holds a list at its top level, not a mapping of sections; write it as `section:` lines (model, data,"),
     (b"model:\n  name: vit_\xff\n", "is not UTF-8 text (line 2, column 13: byte 0xff); save it as UTF-8"),
-], ids=["unclosed", "indent", "list", "latin-1"])
+    (b"model: vit_micro\n", "has sections that are not mappings of keys (model: 'vit_micro'); indent `key: value`"),
+], ids=["unclosed", "indent", "list", "latin-1", "flat-section"])
 def test_a_bad_config_file_is_named_with_what_is_wrong(tmp_path, content, message):
     path = tmp_path / "bad.yaml"
     path.write_bytes(content)
@@ -60,6 +61,15 @@ def test_a_bad_config_file_is_named_with_what_is_wrong(tmp_path, content, messag
     assert shown.stderr.startswith(f"error: config file {path} {message}"), shown.stderr
     path.write_text("model:\n  name: vit_micro\n")  # the fix the message asks for
     assert yaml.safe_load(ok("config", "show", path).output)["model"]["name"] == "vit_micro"
+
+
+def test_a_section_that_is_not_a_mapping_is_named_when_a_flag_sets_that_section_too(tmp_path):
+    path = tmp_path / "flat.yaml"
+    path.write_text("model: 5\n")
+    result = vitctl("train", "--config", path, "--model", "vit_micro", "--out", tmp_path / "r", "--executor", "local",
+                    "--gpus", 0, "--dry-run")
+    assert result.exit_code == 1 and f"config file {path} has sections that are not mappings of keys (model: 5)" \
+        in result.stderr
 
 
 @pytest.mark.parametrize("name", ["nope.yaml", "configs/nope"])

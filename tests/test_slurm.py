@@ -193,7 +193,7 @@ def test_missing_paths_and_unwritable_run_folder_are_refused(prepared_shards, tm
     blocker = tmp_path / "file"
     blocker.write_text("")
     result = vitctl("train", "--data", prepared_shards, "--out", blocker / "run", *RUN, *SLURM_2x2)
-    assert result.exit_code == 1 and "is not writable" in result.stderr
+    assert result.exit_code == 1 and f"cannot be made: {blocker} is a file, not a folder" in result.stderr
     assert registry.load_records() == []
 
 

@@ -284,6 +284,11 @@ def _read_preset(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} holds a {type(values).__name__} at its top level, not a mapping of "
                           f"sections; write it as `section:` lines ({', '.join(_SECTIONS)}) with `key: value` lines "
                           f"indented under each, as `vitctl config show demo_vit` prints")
+    # checked here, not only when built: a CLI flag that sets a section (--model) would replace it unseen
+    flat = [f"{name}: {value!r}" for name, value in values.items() if not isinstance(value, dict | None)]
+    if flat:
+        raise ConfigError(f"config file {path} has sections that are not mappings of keys ({', '.join(flat)}); indent "
+                          f"`key: value` lines under each section, as `vitctl config show demo_vit` prints")
     return values
 
 
