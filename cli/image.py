@@ -19,7 +19,8 @@ def image() -> None:
 @click.option("--base", default=wf.DEFAULT_BASE, show_default=True,
               help="Image with a CUDA build of torch and its nvcc: an NGC PyTorch image, or the offline base that "
                    "containers/base/build-base builds (localhost/vitctl-base:torch2.11.0).")
-@click.option("--tag", help="Name of the image [default: localhost/vitctl:VERSION].")
+@click.option("--tag", callback=lambda ctx, param, tag: _checked_tag(tag),
+              help="Name of the image [default: localhost/vitctl:VERSION].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=wf.ImageRequest.out,
               show_default=True, help="Folder for NAME.oci.tar and NAME.sqsh.")
 @click.option("--arch-list", default=wf.DEFAULT_ARCHS, show_default=True,
@@ -45,3 +46,9 @@ def build(base: str, tag: str | None, out: Path, arch_list: str, apex_archive: P
                   f"squashfs:    {built.outputs.squashfs} ({built.squashfs_bytes / gib:.2f} GiB)\n"
                   f"run it: vitctl train ... --executor slurm --container-image {built.outputs.squashfs}",
                   highlight=False, soft_wrap=True)
+
+
+def _checked_tag(tag: str | None) -> str | None:
+    if tag is not None and (problem := wf.tag_problem(tag)):
+        raise click.BadParameter(problem)
+    return tag

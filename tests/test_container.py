@@ -143,6 +143,19 @@ def test_image_build_dry_run_prints_the_commands(tmp_path):
     assert not (tmp_path / "img").exists()
 
 
+@pytest.mark.parametrize("tag", ["", "Vitctl:ci", "MyTeam/vitctl", "localhost/vitctl:", "vitctl:ci tag", "a//b"])
+def test_a_tag_buildah_would_refuse_is_refused_before_the_build(tmp_path, tag):
+    result = vitctl("image", "build", "--dry-run", "--tag", tag, "--out", tmp_path / "img")
+    assert result.exit_code == 2 and f"{tag!r} is not an image name: lowercase name components" in result.stderr
+    assert not (tmp_path / "img").exists()
+
+
+@pytest.mark.parametrize("tag", ["vitctl", "localhost/vitctl:ci", "nvcr.io/nvidia/pytorch:25.10-py3",
+                                 "registry.example.org:5000/team/vit_ctl:v1.2_rc-3", "gpuhost:5000/vitctl"])
+def test_tags_buildah_takes_pass(tmp_path, tag):
+    assert f" -t {tag} " in ok("image", "build", "--dry-run", "--tag", tag, "--out", tmp_path / "img").output
+
+
 def test_missing_build_tools_are_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     result = vitctl("image", "build", "--out", tmp_path)

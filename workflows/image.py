@@ -2,6 +2,7 @@
 that pyxis runs (`srun --container-image=/path/NAME.sqsh`), laid out as `enroot import` lays out its images."""
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -22,6 +23,21 @@ DEFAULT_ARCHS = "8.0;9.0;10.0"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 # enroot keeps what its images need to start in /etc; zstd unpacks fast and squashfs-tools has had it for years.
 SQUASH_OPTIONS = ("-comp", "zstd", "-Xcompression-level", "3", "-wildcards", "-e", "dev/*")
+
+
+# An image reference as buildah parses it: lowercase path components, an optional tag, and first an optional registry
+# host (localhost, a dotted name, or a name with a port: any other first component is a path component)
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST = r"(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+|[A-Za-z0-9-]+(?=:\d))(?::\d+)?"
+IMAGE_REFERENCE = re.compile(rf"(?:{_HOST}/)?{_COMPONENT}(?:/{_COMPONENT})*(?::\w[\w.-]{{0,127}})?")
+
+
+def tag_problem(tag: str) -> str | None:
+    """Why buildah would refuse `tag` as an image name (after the base image's pull and minutes of build), or None."""
+    if IMAGE_REFERENCE.fullmatch(tag):
+        return None
+    return (f"{tag!r} is not an image name: lowercase name components (letters, digits, . _ -) separated by /, a "
+            "registry host first if any, a :tag last if any, e.g. localhost/vitctl:0.1.0")
 
 
 @dataclass(frozen=True)
