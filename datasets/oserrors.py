@@ -27,12 +27,21 @@ def as_data_error(e: OSError, folder: Path) -> DataError:
     return DataError(what, where, fix)
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The part of `path` (itself or a folder above it) that exists and is not a folder, or None."""
+    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    return None if existing is None or existing.is_dir() else existing
+
+
+def what_it_is(blocker: Path) -> str:
+    """`file_in_the_way`'s find, for a message: "X is a file" or "X is a broken symbolic link"."""
+    return f"{blocker} is {'a broken symbolic link' if blocker.is_symlink() and not blocker.exists() else 'a file'}"
+
+
 def make_folder(path: Path, option: str) -> None:
     """Create the folder `path` (given as `option`) and its parents; a file or a broken link in the way is bad input."""
-    blocker = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
-    if blocker is not None and not blocker.is_dir():
-        kind = "a broken symbolic link" if blocker.is_symlink() and not blocker.exists() else "a file"
-        raise DataError(f"{blocker} is {kind}, not a folder", str(path),
+    if blocker := file_in_the_way(path):
+        raise DataError(f"{what_it_is(blocker)}, not a folder", str(path),
                         f"choose another {option}: each part of its path must be a folder or not exist yet")
     path.mkdir(parents=True, exist_ok=True)
 

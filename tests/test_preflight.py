@@ -77,7 +77,7 @@ def test_a_torchvision_without_gpu_decode_is_refused_with_a_branch_that_works(pr
 
 
 @pytest.mark.parametrize(("out", "says"), [
-    ("notes.txt", "is a file, not a folder"),
+    ("notes.txt", "cannot be made: {blocker} is a file, not a folder"),
     ("notes.txt/run", "cannot be made: {blocker} is a file, not a folder"),
 ])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["run", "dry-run"])

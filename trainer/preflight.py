@@ -2,12 +2,12 @@
 Slurm user hears of a bad request at once rather than after the queue wait; each rank calls it again at start,
 where the device is known."""
 
-import os
 from pathlib import Path
 
 import torch
 
 from vitctl.datasets.index import index_path
+from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
 from .config import ConfigError, RunConfig
 from .data import dali_installed
@@ -105,13 +105,11 @@ def _source_error(config: RunConfig) -> str | None:
 
 def _out_dir_error(out_dir: str) -> str | None:
     """A file where the run folder, or a folder above it, would have to be: the run could write nothing there."""
-    run_dir = Path(out_dir)
-    blocker = next((p for p in (run_dir, *run_dir.parents) if os.path.lexists(p) and not p.is_dir()), None)
+    blocker = file_in_the_way(Path(out_dir))
     if blocker is None:
         return None
-    kind = "a broken symbolic link" if blocker.is_symlink() and not blocker.exists() else "a file"
-    what = f"is {kind}" if blocker == run_dir else f"cannot be made: {blocker} is {kind}"
-    return f"run folder {run_dir} (--out, train.out_dir) {what}, not a folder; choose another --out"
+    return f"run folder {out_dir} (--out, train.out_dir) cannot be made: {what_it_is(blocker)}, not a folder; choose " \
+           "another --out"
 
 
 def _mixup_error(config: RunConfig) -> str | None:

@@ -2,7 +2,6 @@
 tensors, which `finetune --from-ckpt` verifies."""
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import torch
 from safetensors.torch import save
 
 from vitctl.datasets.atomic import atomic_open
-from vitctl.datasets.oserrors import as_data_error
+from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is
 from vitctl.trainer.checkpoint import consolidated, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
@@ -48,9 +47,8 @@ def _check_out(out: Path) -> None:
     """Refuse an --out that cannot become a file: a folder, or a path under something that is not a folder."""
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'model.safetensors'}")
-    blocker = next((p for p in out.parents if os.path.lexists(p)), None)
-    if blocker is not None and not blocker.is_dir():
-        raise ConfigError(f"--out {out}: {blocker} is a file, not a folder; move it away or choose another --out")
+    if blocker := file_in_the_way(out.parent):
+        raise ConfigError(f"--out {out}: {what_it_is(blocker)}, not a folder; move it away or choose another --out")
 
 
 def _write(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

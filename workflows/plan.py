@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vitctl.datasets.atomic import partial_open, publish
+from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.parallel.env import init_distributed
 from vitctl.trainer.planner.cost import Cluster
@@ -93,9 +94,9 @@ def write_plan(outcome: PlanOutcome, out: Path) -> None:
 
 def check_out(out: Path) -> None:
     """Refuse an --out that cannot be written before the search, whose profile may first take minutes to measure."""
-    existing = next(p for p in out.absolute().parents if os.path.lexists(p))
-    if not existing.is_dir():
-        raise ConfigError(_file_in_the_way(out, existing, "choose another --out"))
+    if blocker := file_in_the_way(out.absolute().parent):
+        raise ConfigError(_file_in_the_way(out, blocker, "choose another --out"))
+    existing = next(p for p in out.absolute().parents if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write the plan {out}: this user may not write in {existing}; choose another "
                           f"--out, or give this user write access to {existing}")
@@ -157,13 +158,13 @@ def _write(path: Path, text: str, fix: str) -> None:
             f.write(text)
         publish(path)
     except OSError as e:
-        blocker = next((p for p in path.parents if os.path.lexists(p) and not p.is_dir()), None)
+        blocker = file_in_the_way(path.parent)
         raise ConfigError(_file_in_the_way(path, blocker, fix) if blocker else
                           f"cannot write {path} ({e.strerror}); {fix}") from None
 
 
 def _file_in_the_way(path: Path, blocker: Path, fix: str) -> str:
-    return f"cannot write {path}: {blocker} is a file, not a folder; {fix}"
+    return f"cannot write {path}: {what_it_is(blocker)}, not a folder; {fix}"
 
 
 def profile_only(model: str, img_size: int, ranks: int | None) -> Path | None:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from vitctl.datasets.atomic import fsync_dir
+from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
 from .errors import LaunchError
 from .process import is_running, start_time, started_at
@@ -163,10 +164,9 @@ def _home_errors() -> Iterator[None]:
         yield
     except OSError as e:
         folder = home()
-        blocker = next((p for p in (folder, *folder.parents) if os.path.lexists(p) and not p.is_dir()), None)
         what = f"{e.strerror} ({e.filename})" if e.filename else e.strerror
-        if blocker is not None:
-            what = f"{blocker} is a file, not a folder"
+        if blocker := file_in_the_way(folder):
+            what = f"{what_it_is(blocker)}, not a folder"
         where = f"VITCTL_HOME={folder}" if "VITCTL_HOME" in os.environ else f"{folder} (VITCTL_HOME is not set)"
         raise LaunchError(f"cannot keep the job registry in {where}: {what}; point VITCTL_HOME at a folder this "
                           f"user can write, e.g. `export VITCTL_HOME=$HOME/.vitctl`") from None

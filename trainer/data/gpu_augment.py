@@ -46,6 +46,11 @@ def augment_batch(images: Tensor, drawn: dict[str, np.ndarray], recipe: Recipe) 
                                  recipe.mean, recipe.std, recipe.remode)
 
 
+def model_input(views: Tensor, drawn: dict[str, np.ndarray] | None, recipe: Recipe) -> Tensor:
+    """Cropped uint8 views -> the model's float32 input: evaluation's normalisation (drawn None), or augment_batch."""
+    return normalize(views, recipe) if drawn is None else augment_batch(views, drawn, recipe)
+
+
 def _finish(images: Tensor, jitter: Tensor | None, boxes: Tensor | None, seeds: Tensor | None,
             mean: tuple[float, ...], std: tuple[float, ...], remode: str) -> Tensor:
     if jitter is not None:

@@ -16,7 +16,7 @@ from PIL import Image
 
 from .augment import Recipe, TimmTransforms, normalize_pil
 from .crop_resize import crop_resize, resize_crop
-from .gpu_augment import augment_batch, normalize
+from .gpu_augment import model_input
 
 PIL_RESAMPLE = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
 
@@ -188,5 +188,5 @@ def _views(images: list[torch.Tensor], recipe: Recipe, draws: dict[str, np.ndarr
         boxes = np.concatenate([draws["anchor"], draws["shape"]], axis=1)
         views = crop_resize(images, boxes, draws["mirror"], recipe.size, recipe.interpolation)
     views = views.round_().clamp_(0, 255).to(torch.uint8)
-    return normalize(views, recipe) if draws is None else augment_batch(views, draws, recipe)
+    return model_input(views, draws, recipe)
 

@@ -22,7 +22,7 @@ from vitctl.datasets.errors import DataError
 
 from .augment import Recipe, TimmTransforms
 from .draws import draw_for_size, stack_draws
-from .gpu_augment import augment_batch, normalize
+from .gpu_augment import model_input
 from .images import decode_jpegs, decode_pil, eval_view_pil, sample_rng, train_view_pil, views_gpu
 from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
@@ -208,5 +208,5 @@ def _on_device(images, draws: dict[str, np.ndarray] | None, spec: LoaderSpec) ->
         return views_gpu(images, spec.recipe, spec.device, draws)
     images = images.to(spec.device, non_blocking=True)
     if spec.branch == "pil-crop":
-        return normalize(images, spec.recipe) if draws is None else augment_batch(images, draws, spec.recipe)
+        return model_input(images, draws, spec.recipe)
     return images
