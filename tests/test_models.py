@@ -114,7 +114,23 @@ def test_mismatched_architecture_names_the_keys(tmp_path):
 
 def test_bad_image_size_for_the_window_is_a_config_error():
     with pytest.raises(ConfigError, match="multiple of the window"):
+        ours("swin_t", img_size=256)
+    with pytest.raises(ConfigError, match="not a multiple of 32"):
         ours("swin_t", img_size=200)
+
+
+@pytest.mark.parametrize(("name", "window"),
+                         [("swin_micro", 4), ("swin_micro", 7), ("swin_t", 12), ("vit_micro", None)])
+def test_a_refused_image_size_names_the_nearest_that_builds(name, window):
+    suggested = set()
+    for size in range(17, 500, 5):
+        try:
+            ours(name, img_size=size, window_size=window)
+        except ConfigError as e:
+            suggested.add(int(str(e).rsplit(" ", 1)[1]))
+    assert suggested
+    for size in suggested:
+        ours(name, img_size=size, window_size=window)(torch.zeros(1, 3, size, size))
 
 
 def test_mac_counts_match_published_figures():

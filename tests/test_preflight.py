@@ -15,7 +15,11 @@ TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
 @pytest.mark.parametrize(("overrides", "message"), [
     (["model.name=vit_x"], "model.name 'vit_x' is unknown"),
     (["model.img_size=36"], "model vit_micro: image size 36 is not a multiple of the patch size 8"),
-    (["model.name=swin_t", "model.img_size=200"], "model swin_t: image size 200 with window 7 gives feature maps"),
+    (["model.name=swin_t", "model.img_size=200"], "model swin_t: image size 200 is not a multiple of 32 (the patch "
+                                                  "size 4 times 2 for each of its 3 patch mergings); the nearest size "
+                                                  "that works with window 7 is 224"),
+    (["model.name=swin_t", "model.img_size=256"], "model swin_t: image size 256 with window 7 gives feature maps "
+                                                  "[64, 32, 16, 8]"),
     (["train.fused=all,mlp=bogus"], "--fused: mlp has no implementation 'bogus'"),
     (["train.fused=al"], "--fused: unknown op 'al'"),
     (["model.num_classes=1000"], f"pass --set model.num_classes={CLASSES}"),

@@ -120,11 +120,31 @@ class Head(nn.Module):
 
 
 def geometry_error(img_size: int, window: int, depths: tuple[int, ...]) -> str | None:
+    problem = _geometry_problem(img_size, window, depths)
+    if problem is None:
+        return None
+    stride = _stride(depths)  # stride x window always works
+    sizes = range(stride, max(2 * img_size, stride * window) + stride, stride)
+    nearest = min((size for size in sizes if not _geometry_problem(size, window, depths)),
+                  key=lambda size: (abs(size - img_size), size))
+    return f"{problem}; the nearest size that works with window {window} is {nearest}"
+
+
+def _geometry_problem(img_size: int, window: int, depths: tuple[int, ...]) -> str | None:
+    stride = _stride(depths)
+    if img_size % stride:
+        return (f"image size {img_size} is not a multiple of {stride} (the patch size 4 times 2 for each of its "
+                f"{len(depths) - 1} patch mergings)")
     resolutions = [img_size // 4 // 2**i for i in range(len(depths))]
-    if img_size % (4 * 2 ** (len(depths) - 1)) or any(r > window and r % window for r in resolutions):
+    if any(r > window and r % window for r in resolutions):
         return (f"image size {img_size} with window {window} gives feature maps {resolutions}; each must be a "
-                f"multiple of the window (e.g. 224 with window 7, 384 with window 12)")
+                f"multiple of the window")
     return None
+
+
+def _stride(depths: tuple[int, ...]) -> int:
+    """Pixels per token of the last stage: the patch size 4, doubled by each patch merging."""
+    return 4 * 2 ** (len(depths) - 1)
 
 
 class SwinTransformer(nn.Module):

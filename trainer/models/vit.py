@@ -65,7 +65,8 @@ class PreLogits(nn.Module):
 
 def geometry_error(img_size: int, patch: int) -> str | None:
     if img_size % patch:
-        return f"image size {img_size} is not a multiple of the patch size {patch}"
+        nearest = max(patch, round(img_size / patch) * patch)
+        return f"image size {img_size} is not a multiple of the patch size {patch}; the nearest that is: {nearest}"
     return None
 
 
