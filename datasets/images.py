@@ -9,10 +9,14 @@ from .errors import DataError
 _SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
 JPEG_QUALITY = 95
+# What Pillow raises for image bytes it cannot decode: OSError (UnidentifiedImageError, truncated or broken data),
+# SyntaxError (some plugins' bad headers), DecompressionBombError (more pixels than Image.MAX_IMAGE_PIXELS allows).
+PIL_ERRORS = (OSError, SyntaxError, Image.DecompressionBombError)
 
 
-def jpeg_components(data: bytes) -> int | None:
-    """Colour components of a JPEG read from its frame header (1 gray, 3 YCbCr/RGB, 4 CMYK); None if not JPEG."""
+def jpeg_frame(data: bytes) -> tuple[int, int, int] | None:
+    """(colour components, width, height) of a JPEG from its frame header (components: 1 gray, 3 YCbCr/RGB, 4 CMYK);
+    None if not JPEG."""
     if data[:3] != b"\xff\xd8\xff":
         return None
     pos, end = 2, len(data)
@@ -26,12 +30,28 @@ def jpeg_components(data: bytes) -> int | None:
         if marker in _STANDALONE:
             pos += 2
             continue
-        if marker in _SOF_MARKERS:
-            return data[pos + 9] if pos + 9 < end else None
+        if marker in _SOF_MARKERS:  # FF Cn, length (2), precision (1), height (2), width (2), components (1)
+            if pos + 9 >= end:
+                return None
+            height, width = int.from_bytes(data[pos + 5:pos + 7], "big"), int.from_bytes(data[pos + 7:pos + 9], "big")
+            return data[pos + 9], width, height
         if marker == 0xDA:  # start of scan before any frame header
             return None
         pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
     return None
+
+
+def jpeg_components(data: bytes) -> int | None:
+    """Colour components of a JPEG read from its frame header (1 gray, 3 YCbCr/RGB, 4 CMYK); None if not JPEG."""
+    frame = jpeg_frame(data)
+    return None if frame is None else frame[0]
+
+
+def _pillow_refuses(width: int, height: int) -> bool:
+    """Whether Image.open refuses an image of this size as a possible decompression bomb (more than twice
+    Image.MAX_IMAGE_PIXELS; None disables the guard)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return limit is not None and width * height > 2 * limit
 
 
 def has_jpeg_end(data: bytes) -> bool:
@@ -48,8 +68,9 @@ def to_rgb_jpeg(data: bytes, source: str) -> tuple[bytes, str | None]:
 
     Raises DataError for an image that cannot be read (corrupt or truncated).
     """
-    components = jpeg_components(data)
-    if components == 3:
+    frame = jpeg_frame(data)
+    # a JPEG Pillow would refuse to open goes the slow way, to be refused here rather than where it is trained on
+    if frame is not None and frame[0] == 3 and not _pillow_refuses(*frame[1:]):
         if not has_jpeg_end(data):
             raise DataError("truncated JPEG (no end-of-image marker)", source)
         return data, None
@@ -61,6 +82,6 @@ def to_rgb_jpeg(data: bytes, source: str) -> tuple[bytes, str | None]:
             image.convert("RGB").save(out, format="JPEG", quality=JPEG_QUALITY)
     except UnidentifiedImageError:  # its message holds the repr of the BytesIO, a different address each run
         raise DataError("unreadable image (not in any format Pillow reads)", source) from None
-    except (OSError, SyntaxError, ValueError) as e:
+    except (*PIL_ERRORS, ValueError) as e:
         raise DataError(f"unreadable image ({e})", source) from None
     return out.getvalue(), kind

@@ -79,7 +79,8 @@ def _type_problem(obj: Any, keys: dict[str, type], where: str) -> str | None:
     return None
 
 
-def _shard_problem(entry: Any, split: str, where: str) -> str | None:
+def _shard_problem(entry: Any, split: str, where: str, labels: frozenset[str]) -> str | None:
+    """What is wrong with a shard entry, `labels` the classes' labels as encode_labels writes them."""
     problem = _type_problem(entry, _SHARD, where)
     if problem:
         return problem
@@ -89,6 +90,10 @@ def _shard_problem(entry: Any, split: str, where: str) -> str | None:
     if not all(isinstance(s, dict) and isinstance(s.get("source"), str) and isinstance(s.get("reason"), str)
                for s in entry["skipped"]):
         return f"{where}.skipped holds an entry without a source and a reason"
+    # a label past the classes (the class list edited) reaches the loss as an index out of its bounds
+    stray = min(set(entry.get("labels", "").split()) - labels, default=None)
+    if stray is not None:
+        return f"{where}.labels holds {stray!r}, not a label of the {len(labels)} classes (0 to {len(labels) - 1})"
     return None
 
 
@@ -97,11 +102,12 @@ def _shape_problem(manifest: dict[str, Any]) -> str | None:
     problem = _type_problem(manifest, _TOP, "manifest")
     if problem or not all(isinstance(c, str) for c in manifest["classes"]):
         return problem or "manifest.classes is not a list of WNIDs"
+    labels = frozenset(map(str, range(len(manifest["classes"]))))
     for split, info in manifest["splits"].items():
         where = f"splits.{split}"
         problem = _type_problem(info, _SPLIT, where) or next(
-            filter(None, (_shard_problem(e, split, f"{where}.shards[{i}]") for i, e in enumerate(info["shards"]))),
-            None)
+            filter(None, (_shard_problem(e, split, f"{where}.shards[{i}]", labels)
+                          for i, e in enumerate(info["shards"]))), None)
         if problem:
             return problem
     return None

@@ -11,6 +11,7 @@ from PIL import Image, UnidentifiedImageError
 
 from . import manifest as mf
 from .errors import DataError
+from .images import PIL_ERRORS
 from .index import index_path, parse_index, shard_samples
 from .oserrors import os_errors_explained
 from .parallel import run_tasks
@@ -119,7 +120,7 @@ def decode_check(shard: Path, offset: int, size: int, label: int, classes: int, 
                 return f"image {member} at offset {offset} is {image.format} {image.mode}, expected an RGB JPEG"
     except UnidentifiedImageError:  # its message holds the repr of the BytesIO
         return f"image {member} at offset {offset} does not decode (not in any format Pillow reads)"
-    except (OSError, SyntaxError) as e:
+    except PIL_ERRORS as e:
         return f"image {member} at offset {offset} does not decode ({e})"
     if not 0 <= label < classes:
         return f"image {member} at offset {offset} has label {label}, outside 0..{classes - 1}"

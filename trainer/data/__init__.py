@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, RunConfig
+from ..config import RunConfig
 from .augment import recipe_of
 from .loader import Batch, EvalBatches, LoaderSpec, TrainBatches
 from .plan import EpochPlan
-from .shards import read_table, split_shards
+from .shards import SplitMissing, read_table, split_shards
 from .synthetic import SyntheticBatches
 
 log = logging.getLogger("vitctl.data")
@@ -69,7 +69,7 @@ def build_data(config: RunConfig, dp_rank: int, dp_size: int, device: torch.devi
 def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, dp_rank: int, dp_size: int) -> EvalBatches | None:
     try:
         shards, _ = split_shards(folder, "val")
-    except ConfigError:
+    except SplitMissing:
         log.warning("data: no complete val split in %s; skipping evaluation", folder)
         return None
     return EvalBatches(read_table(folder, shards), spec, batch, dp_rank, dp_size)

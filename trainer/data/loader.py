@@ -19,6 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
 from vitctl.datasets.errors import DataError
+from vitctl.datasets.images import PIL_ERRORS
 
 from .augment import Recipe, TimmTransforms
 from .draws import draw_for_size, stack_draws
@@ -60,7 +61,7 @@ class ShardReader:
         the user as its last line, and PIL's names no file."""
         try:
             yield
-        except (OSError, SyntaxError) as error:
+        except PIL_ERRORS as error:
             shard = Path(self.table.paths[int(self.table.shard[row])])
             reason = "not in any format Pillow reads" if isinstance(error, UnidentifiedImageError) else str(error)
             raise DataError(f"the JPEG at offset {int(self.table.offset[row])} does not decode ({reason})", str(shard),

@@ -1,5 +1,6 @@
 """A split's shards from the manifest, and the table of their samples (from our index files)."""
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -8,6 +9,7 @@ import numpy as np
 
 from vitctl.datasets import manifest as mf
 from vitctl.datasets.index import index_path, parse_index
+from vitctl.datasets.shard import shard_command
 
 from ..config import ConfigError
 
@@ -26,15 +28,45 @@ class SampleTable:
         return len(self.label)
 
 
+class SplitMissing(ConfigError):
+    """The manifest has no complete split of that name (training goes on without evaluation when it is val)."""
+
+
 def split_shards(folder: Path, split: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The manifest's entries for a split's shards (name, samples, labels, ...), and the class list."""
+    """The manifest's entries for a split's shards (name, samples, labels, ...), and the class list; each shard is
+    checked to be on disk at the size the manifest records (a stat: reading them all is `vitctl data verify`'s job)."""
     manifest = mf.load(folder)
     if manifest is None:
         raise ConfigError(f"data.path {folder}: no manifest.json; prepare it with `vitctl data shard` and `index`")
-    info = manifest["splits"].get(split)
-    if info is None or not info["complete"]:
-        raise ConfigError(f"data.path {folder}: the {split} split is missing or incomplete; run `vitctl data shard`")
+    info, quoted = manifest["splits"].get(split), shlex.quote(str(folder))
+    if info is None:
+        raise SplitMissing(f"data.path {folder}: the {split} split is missing; shard it with `vitctl data shard ROOT "
+                           f"--out {quoted} --split {split}` (ROOT: the --out of `vitctl data extract`) and `vitctl "
+                           f"data index {quoted}`")
+    # a split whose shard list was cut short would train on fewer samples without a word
+    if not info["complete"] or len(info["shards"]) != info["planned_shards"]:
+        raise SplitMissing(f"data.path {folder}: the {split} split is incomplete ({len(info['shards'])} of "
+                           f"{info['planned_shards']} shards recorded); finish it with "
+                           f"`{shard_command(folder, split, info)} && vitctl data index {quoted}`")
+    changed = [problem for entry in info["shards"] if (problem := _changed(folder, entry))]
+    if changed:
+        # an index then points into other bytes, and the manifest's labels may be another shard's
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise ConfigError(f"data.path {folder}: {changed[0]}{more}: the shards changed since `vitctl data shard` "
+                          f"wrote them; `vitctl data verify {quoted}` names every damaged shard and the command that "
+                          "writes it again")
     return info["shards"], manifest["classes"]
+
+
+def _changed(folder: Path, entry: dict[str, Any]) -> str | None:
+    """How the shard differs from its manifest entry by its size alone, or None."""
+    path = folder / entry["name"]
+    if not path.is_file():
+        return f"shard {entry['name']} is missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"shard {entry['name']} is {size} bytes, the manifest records {entry['bytes']}"
+    return None
 
 
 def read_table(folder: Path, shards: list[dict[str, Any]]) -> SampleTable:
@@ -54,9 +86,10 @@ def read_table(folder: Path, shards: list[dict[str, Any]]) -> SampleTable:
                                   f"reshard {folder} with `vitctl data shard`")
             rows.append((i, *parts["jpg"]))
         shard_labels = mf.decode_labels(entry["labels"]) if "labels" in entry else _read_labels(path, samples)
-        if len(shard_labels) != len(samples):
-            raise ConfigError(f"{path}: the manifest lists {len(shard_labels)} labels, the index {len(samples)} "
-                              f"samples; run `vitctl data verify {folder}`")
+        # the manifest's count is what preflight checks the batch against, the index's what is trained on
+        if not len(shard_labels) == entry["samples"] == len(samples):
+            raise ConfigError(f"{path}: the manifest records {entry['samples']} samples and {len(shard_labels)} "
+                              f"labels, its index {idx.name} {len(samples)} samples; run `vitctl data verify {folder}`")
         labels += shard_labels
         paths.append(str(path))
     table = np.array(rows, dtype=np.int64).reshape(-1, 3)

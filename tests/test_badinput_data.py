@@ -1,0 +1,168 @@
+"""Bad input on the data side that earlier sweeps left open: images Pillow refuses as too large, and shard folders
+changed after `vitctl data shard` wrote them (a shard deleted, cut short or replaced, the manifest's shard list,
+classes or counts edited). Each test follows the fix the message names."""
+
+import hashlib
+import io
+import json
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from test_train import tiny
+from test_verify import _edit_manifest, _fix_commands, _follow
+
+from conftest import CLASSES, ok, vitctl
+from vitctl.datasets.errors import DataError
+from vitctl.trainer.config import ConfigError
+from vitctl.trainer.data.augment import Recipe
+from vitctl.trainer.data.loader import LoaderSpec, TrainBatches
+from vitctl.trainer.data.plan import EpochPlan
+from vitctl.trainer.data.shards import read_table, split_shards
+from vitctl.trainer.loop import train
+
+TOO_LARGE = re.escape("Image size (400000000 pixels) exceeds limit of 178956970 pixels")
+
+
+def _claiming_20000_square(jpeg: bytes) -> bytes:
+    """The JPEG with its frame header claiming 20000 x 20000 pixels: Image.open refuses it before decoding."""
+    data = bytearray(jpeg)
+    sof = re.search(rb"\xff[\xc0-\xc2]", data).start()
+    data[sof + 5:sof + 9] = (20000).to_bytes(2, "big") * 2
+    with pytest.raises(Image.DecompressionBombError):
+        Image.open(io.BytesIO(data))
+    return bytes(data)
+
+
+def _jpeg(mode: str) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, (40, 30), 90).save(out, format="JPEG")
+    return out.getvalue()
+
+
+def test_an_image_pillow_refuses_as_too_large_is_named_by_shard_and_skipped_when_asked(root_copy, tmp_path):
+    wnid = sorted(p.name for p in (root_copy / "train").iterdir())[0]
+    for name, mode in (("big_rgb", "RGB"), ("big_gray", "L")):  # an RGB JPEG is kept as it is, the others converted
+        (root_copy / "train" / wnid / f"{name}.JPEG").write_bytes(_claiming_20000_square(_jpeg(mode)))
+    command = ["data", "shard", root_copy, "--out", tmp_path / "s", "--split", "train", "--maxcount", 16]
+    failed = vitctl(*command, "--on-bad-image", "fail")
+    assert failed.exit_code == 1 and "Traceback" not in failed.stderr
+    assert re.search(rf"error: {re.escape(str(root_copy / 'train' / wnid))}/big_(rgb|gray)\.JPEG: unreadable image "
+                     rf"\({TOO_LARGE}", failed.stderr), failed.stderr
+    assert "fix: rerun the same command with --on-bad-image skip to leave it out" in failed.stderr
+    skipped = ok(*command, "--on-bad-image", "skip").output
+    for name in ("big_rgb", "big_gray"):
+        assert re.search(rf"train/{wnid}/{name}\.JPEG: unreadable image \({TOO_LARGE}", skipped), skipped
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert sorted(s["source"] for e in manifest["splits"]["train"]["shards"] for s in e["skipped"]) == [
+        f"train/{wnid}/big_gray.JPEG", f"train/{wnid}/big_rgb.JPEG"]
+
+
+def test_an_image_too_large_for_pillow_inside_a_shard_is_named_by_verify_and_the_loader(shards_copy):
+    """As an earlier vitctl sharded it (it kept RGB JPEGs unopened): verify and training name it, no traceback."""
+    table = read_table(shards_copy, split_shards(shards_copy, "train")[0])
+    shard, offset, size = Path(table.paths[table.shard[0]]), int(table.offset[0]), int(table.size[0])
+    raw = bytearray(shard.read_bytes())
+    raw[offset:offset + size] = _claiming_20000_square(bytes(raw[offset:offset + size]))
+    shard.write_bytes(bytes(raw))
+    _edit_manifest(shards_copy, lambda m: next(e for e in m["splits"]["train"]["shards"] if e["name"] == shard.name)
+                   .update(sha256=hashlib.sha256(raw).hexdigest()))
+    verified = vitctl("data", "verify", shards_copy, "--decode", 10_000)
+    assert verified.exit_code == 1 and "Traceback" not in verified.output + verified.stderr
+    assert re.search(rf"FAIL {shard.name}: image \S+\.jpg at offset {offset} does not decode \({TOO_LARGE}",
+                     verified.output), verified.output
+    plan = EpochPlan(len(table), len(table), 0, 1, seed=0)
+    batches = TrainBatches(table, LoaderSpec(Recipe(32), 0, 0, torch.device("cpu"), "pil"), plan)
+    with pytest.raises(DataError, match=rf"{re.escape(str(shard))}: the JPEG at offset {offset} does not decode "
+                                        rf"\({TOO_LARGE}"):
+        next(batches(0, 0))
+
+
+def _train_dry_run(shards: Path, out: Path, classes: int = CLASSES):
+    """`vitctl train --dry-run`: the checks done before anything is launched, nothing launched."""
+    return vitctl("train", "--config", "demo_vit", "--data", shards, "--executor", "local", "--gpus", 0, "--steps", 1,
+                  "--batch", 4, "--set", f"model.num_classes={classes}", "--out", out, "--dry-run")
+
+
+def _cut_short(shards: Path) -> None:
+    shard = shards / "imagenet-train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:-4096])
+
+
+def _replaced_by_another(shards: Path) -> None:
+    """Shard 0 and its index replaced by shard 3 and its index: without a check it trains on shard 0's labels."""
+    for ext in ("tar", "idx"):
+        shutil.copy(shards / f"imagenet-train-000003.{ext}", shards / f"imagenet-train-000000.{ext}")
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda s: (s / "imagenet-train-000001.tar").unlink(), "shard imagenet-train-000001.tar is missing"),
+    (_cut_short, r"shard imagenet-train-000001.tar is \d+ bytes, the manifest records \d+"),
+    (_replaced_by_another, r"shard imagenet-train-000000.tar is \d+ bytes, the manifest records \d+"),
+], ids=["deleted", "cut-short", "replaced"])
+def test_training_on_shards_changed_after_sharding_is_refused_before_launch(shards_copy, tmp_path, change, says):
+    change(shards_copy)
+    result = _train_dry_run(shards_copy, tmp_path / "run")
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    found = re.search(rf"error: data.path {re.escape(str(shards_copy))}: {says}: the shards changed since `vitctl "
+                      r"data shard` wrote them; `(vitctl data verify \S+)` names every damaged shard", result.stderr)
+    assert found, result.stderr
+    verified = vitctl(*shlex.split(found[1])[1:])
+    assert verified.exit_code == 1
+    _follow(_fix_commands(verified.output))
+    ok("data", "verify", shards_copy)
+    assert _train_dry_run(shards_copy, tmp_path / "run").exit_code == 0
+
+
+def test_a_shard_list_cut_short_in_a_complete_split_is_refused_with_the_command_that_finishes_it(shards_copy,
+                                                                                                  tmp_path):
+    _edit_manifest(shards_copy, lambda m: m["splits"]["train"]["shards"].pop())
+    result = _train_dry_run(shards_copy, tmp_path / "run")
+    assert result.exit_code == 1, result.output
+    found = re.search(r"the train split is incomplete \(3 of 4 shards recorded\); finish it with `([^`]+)`",
+                      result.stderr)
+    assert found, result.stderr
+    _follow([shlex.split(part) for part in found[1].split(" && ")])
+    assert _train_dry_run(shards_copy, tmp_path / "run").exit_code == 0
+
+
+def test_a_class_list_edited_shorter_than_the_labels_is_refused_by_train_and_verify(prepared_root, shards_copy,
+                                                                                     tmp_path):
+    _edit_manifest(shards_copy, lambda m: m["classes"].pop())
+    says = (f"error: {shards_copy / 'manifest.json'}: not a manifest `vitctl data shard` wrote: "
+            rf"splits.train.shards\[\d\].labels holds '{CLASSES - 1}', not a label of the {CLASSES - 1} classes "
+            rf"\(0 to {CLASSES - 2}\)\nfix: restore it, or shard into a new --out folder")
+    for result in (_train_dry_run(shards_copy, tmp_path / "run", CLASSES - 1), vitctl("data", "verify", shards_copy)):
+        assert result.exit_code == 1 and re.search(says, result.stderr), result.output + result.stderr
+    new = tmp_path / "new"
+    ok("data", "shard", prepared_root, "--out", new, "--maxcount", 16)
+    ok("data", "index", new)
+    assert _train_dry_run(new, tmp_path / "run").exit_code == 0
+
+
+def test_a_val_shard_deleted_is_named_when_training_starts_not_at_the_first_eval(shards_copy, tmp_path):
+    (shards_copy / "imagenet-val-000000.tar").unlink()
+    with pytest.raises(ConfigError, match=r"shard imagenet-val-000000.tar is missing: the shards changed since"):
+        train(tiny(shards_copy, tmp_path / "run", "train.max_steps=1"))
+    _follow(_fix_commands(vitctl("data", "verify", shards_copy).output))
+    train(tiny(shards_copy, tmp_path / "run", "train.max_steps=1"))
+
+
+def test_a_sample_count_edited_in_the_manifest_is_named_when_training_starts(prepared_root, shards_copy, tmp_path):
+    """The manifest's counts are what preflight checks the batch against: 100 in place of 12 let a batch larger than
+    the split through, which ended in a ZeroDivisionError."""
+    _edit_manifest(shards_copy, lambda m: m["splits"]["train"]["shards"][3].update(samples=100))
+    with pytest.raises(ConfigError, match=r"imagenet-train-000003.tar: the manifest records 100 samples and 12 labels, "
+                                          r"its index imagenet-train-000003.idx 12 samples; run `vitctl data verify"):
+        train(tiny(shards_copy, tmp_path / "run", "train.max_steps=1", "data.batch_size=64"))
+    verified = vitctl("data", "verify", shards_copy)
+    assert "FAIL imagenet-train-000003.tar: 12 samples, manifest says 100" in verified.output
+    assert "shard into a new --out folder" in verified.output  # its advice, followed:
+    new = tmp_path / "new"
+    ok("data", "shard", prepared_root, "--out", new, "--maxcount", 16)
+    ok("data", "index", new)
+    train(tiny(new, tmp_path / "run", "train.max_steps=1"))
