@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import click
 from rich.live import Live
@@ -112,19 +113,34 @@ def logs(job: str, rank: int, follow: bool) -> None:
     """A task's log: its stdout and stderr (the trainer's log, where errors end up), merged in time order."""
     record = registry.find_record(job)
     paths = status.log_paths(record, rank)
-    if not follow and not any(p.exists() for p in paths):
-        state = status.state_of(record)
-        raise registry.UnknownJobError(
-            f"no log yet for rank {rank} of job {record.job_id} ({state.state}): it appears in {record.folder} once "
-            f"the job starts; `vitctl logs {record.job_id} --rank {rank} --follow` waits for it")
+    if not any(p.exists() for p in paths):
+        _no_log(record, rank, follow)
     click.echo(f"==> rank {rank} of job {record.job_id}: {paths[0]} and {paths[1].name}, merged by time <==")
     tail = status.LogTail(list(paths))
     while True:
-        ended = not follow or status.state_of(record).finished
+        ended = not follow or not status.state_of(record).live  # UNKNOWN too: nothing will write to it
         click.echo(tail.read(final=ended), nl=False)
         if ended:
             break
         time.sleep(1)
+
+
+def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
+    """Why a task has no log: its folder is gone, the job ended without starting it, or (unless following, which
+    waits for it) it has not started yet."""
+    state = status.state_of(record)
+    where = f"job {record.job_id} ({state.state})"
+    if not Path(record.folder).is_dir():
+        raise registry.UnknownJobError(
+            f"the logs of {where} are gone: its folder {record.folder} no longer exists (the run folder was moved or "
+            "deleted); if you moved it, the logs are in the submitit folder of its new place")
+    if not state.live:
+        raise registry.UnknownJobError(f"{where} ended without a log for rank {rank} in {record.folder}: that rank "
+                                       f"never started{f' ({state.note})' if state.note else ''}")
+    if not follow:
+        raise registry.UnknownJobError(
+            f"no log yet for rank {rank} of {where}: it appears in {record.folder} once the job starts; "
+            f"`vitctl logs {record.job_id} --rank {rank} --follow` waits for it")
 
 
 @click.command()

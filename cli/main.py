@@ -36,6 +36,7 @@ with _quiet_interrupt():
     from rich.markup import escape
 
     from vitctl.datasets.errors import DataError
+    from vitctl.workflows.errors import Interrupted
     from vitctl.workflows.registry import UnknownJobError
     from vitctl.workflows.train import ConfigError, LaunchError
 
@@ -57,6 +58,9 @@ class VitctlGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except Interrupted as e:  # a local job stopped on Ctrl-C: where it stopped, and how to go on
+            err_console.print(f"interrupted: {escape(str(e))}", highlight=False, soft_wrap=True)
+            ctx.exit(INTERRUPTED)
         except (DataError, ConfigError, LaunchError, UnknownJobError) as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)

@@ -32,7 +32,7 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     strategy, dims = None, None
     if model is None:
         try:
-            strategy = strategy_from_config(config.parallel, model_shape(config.model).n_blocks)
+            strategy = strategy_from_config(config.parallel, model_shape(config.model).n_blocks, config.model.name)
         except ConfigError as e:
             problems.append(str(e))
     if strategy is not None:

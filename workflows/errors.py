@@ -3,3 +3,7 @@
 
 class LaunchError(RuntimeError):
     """A job could not be submitted, signalled or cancelled, or a local job failed."""
+
+
+class Interrupted(LaunchError):
+    """A local job stopped because the `vitctl train` waiting for it was interrupted (Ctrl-C, SIGTERM)."""

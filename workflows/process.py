@@ -17,6 +17,19 @@ def start_time(pid: int) -> int | None:
     return None if state in ("Z", "X") else int(started)
 
 
+def children(pid: int) -> list[int]:
+    """The PIDs of the processes whose parent is `pid` (/proc/PID/stat field 4)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if int(text[text.rindex(")") + 2:].split()[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def is_running(pid: int, started: int | None) -> bool:
     """Process `pid` is alive and is the one that started at `started` (not a later process given the same PID)."""
     return started is not None and start_time(pid) == started

@@ -36,6 +36,8 @@ PENDING_REASONS = {
     "JobHeldAdmin": "held by an administrator",
 }
 RANK_FAILED = re.compile(r"^[\w.]*RankFailed: ")
+# What torch.distributed's gloo says on a rank whose peer died: the peer is the one to name.
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer")
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}")  # logging's asctime
 
 
@@ -134,7 +136,7 @@ def local_state(record: JobRecord) -> JobState:
                                          f"was found in {record.folder}")
     if is_running(int(record.job_id), record.started):
         return JobState("RUNNING", time.time() - record.submitted, "cancel requested" if record.cancelled else "")
-    result = _result(Path(record.folder) / f"{record.job_id}_0_result.pkl")
+    result = _result(_result_path(record, 0))
     if result is not None:
         (outcome, value), ended = result
         elapsed = ended - record.submitted
@@ -173,7 +175,7 @@ def rank_failures(record: JobRecord) -> list[tuple[int, str]]:
     """(rank, its error in one line) of each rank that raised, the first to fail first."""
     found = []
     for rank in range(record.ranks):
-        result = _result(Path(record.folder) / f"{record.job_id}_{rank}_result.pkl")
+        result = _result(_result_path(record, rank))
         if result is not None and result[0][0] == "error":
             lines = [line for line in str(result[0][1]).splitlines() if line.strip()] or ["no message"]
             last = RANK_FAILED.sub("", lines[-1])  # "rank N raised ..."; other errors come from submitit
@@ -182,12 +184,21 @@ def rank_failures(record: JobRecord) -> list[tuple[int, str]]:
 
 
 def failure(record: JobRecord) -> str:
-    """Why a job failed: the first rank's error and the log that holds its traceback."""
+    """Why a job failed: the first rank's error and the log that holds its traceback; a rank that ended without a
+    word (killed) comes first when the errors of the others only say they lost it."""
     failures = rank_failures(record)
-    if failures:
+    silent = [rank for rank in range(record.ranks) if _result(_result_path(record, rank)) is None]
+    if failures and not (silent and all(PEER_LOST.search(message) for _, message in failures)):
         rank, message = failures[0]
         return f"{message} (traceback in {log_paths(record, rank)[1]})"
+    if silent and failures:
+        return (f"rank {silent[0]} ended without reporting an error (killed, or out of memory?), and rank "
+                f"{failures[0][0]} then lost its connection to it; see {log_paths(record, silent[0])[1]}")
     return f"no rank reported an error (killed, or out of memory?); see {log_paths(record, 0)[1]}"
+
+
+def _result_path(record: JobRecord, rank: int) -> Path:
+    return Path(record.folder) / f"{record.job_id}_{rank}_result.pkl"
 
 
 def progress(record: JobRecord) -> dict[str, Any]:

@@ -7,6 +7,7 @@ within the grace time, and Slurm requeues or ends it. An error in a rank is repo
 stays in the rank's log.
 """
 
+import contextlib
 import itertools
 import json
 import os
@@ -19,7 +20,7 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,9 @@ from vitctl.trainer import checkpoint, runlock
 from vitctl.trainer.config import ConfigError
 
 from . import registry, status
-from .errors import LaunchError
+from .errors import Interrupted, LaunchError
 from .job import TrainJob
-from .process import start_time, this_process
+from .process import children, start_time, this_process
 from .registry import JobRecord
 from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
@@ -221,7 +222,8 @@ def validate_slurm(request: LaunchRequest) -> str:
     return name
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> None:
+def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
+    """Make the run folder and check it is writable; its checkpoints to resume (ConfigError if not `resume`)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".vitctl-write-test"
@@ -229,7 +231,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"run folder {run_dir} is not writable ({e.strerror}); choose another --out") from None
-    checkpoint.checkpoints_to_resume(run_dir, resume)
+    return checkpoint.checkpoints_to_resume(run_dir, resume)
 
 
 def container_mounts(config: dict[str, Any], request: LaunchRequest) -> str:
@@ -335,13 +337,32 @@ def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str])
                        request.gpus_per_node, time.time(), command=command, submitter=list(this_process()))
     claim_run_dir(record)
     try:
-        submitted = make_executor(request, folder, name, job.config).submit(TrainTask(job))
+        with _terminal_interrupts_ignored(request.executor == "local"):
+            submitted = make_executor(request, folder, name, job.config).submit(TrainTask(job))
     except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError, OSError) as e:
         registry.remove_record(record.key)
         raise LaunchError(f"submission failed: {e}") from None
     job_id = str(submitted.job_id)
     started = start_time(int(job_id)) if request.executor == "local" else None
     return registry.update_record(record.key, job_id=job_id, submitter=None, started=started), submitted
+
+
+@contextlib.contextmanager
+def _terminal_interrupts_ignored(active: bool) -> Iterator[None]:
+    """Processes started in the block ignore SIGINT: an ignored signal stays ignored across exec, and Python then
+    raises no KeyboardInterrupt. A Ctrl-C in the terminal, sent to its whole process group, so reaches only this
+    vitctl, which stops the local job the way `vitctl cancel` does (wait_local); without this, submitit's controller
+    printed its traceback and killed the ranks before they could checkpoint."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if active else None
+    try:
+        yield
+    finally:
+        if active:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 class TracebackFilter:
@@ -364,28 +385,54 @@ class TracebackFilter:
 
 def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -> dict[str, Any]:
     """Follow rank 0's log until a local job ends; rank 0's result, or LaunchError saying why it did not end well.
-    Once a rank has failed, the others get FAILED_RANK_GRACE_S to end before they are stopped (they may be
-    waiting for it in a collective)."""
-    log, hide, stop_at = LogTail([log_paths(record, 0)[1]]), TracebackFilter(), None
+    Ctrl-C or SIGTERM stops the job as `vitctl cancel` does (its ranks checkpoint) and raises Interrupted once it
+    has ended; a second one leaves it stopping on its own."""
+    log, interrupted = LogTail([log_paths(record, 0)[1]]), False
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM to this vitctl: as Ctrl-C, not a silent exit
+    try:
+        try:
+            _follow(submitted, record, log, echo)
+        except KeyboardInterrupt:
+            interrupted = True
+            status.cancel(registry.reload(record))
+            echo(f"stopping job {record.job_id}: its ranks checkpoint after the step they are in (interrupt again "
+                 "to leave it stopping on its own)")
+            try:
+                _follow(submitted, record, log, echo)
+            except KeyboardInterrupt:
+                raise Interrupted(f"job {record.job_id} is still stopping on its own: `vitctl status "
+                                  f"{record.job_id}` shows when it has ended (its log: {log_paths(record, 0)[1]})"
+                                  ) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    state = state_of(registry.reload(record))  # `vitctl cancel` or an interrupt may have marked it meanwhile
+    if state.state == "COMPLETED":
+        return submitted.results()[0]
+    if interrupted and state.state == "CANCELLED":
+        raise Interrupted(f"job {record.job_id} was stopped: {state.note} (its log: {log_paths(record, 0)[1]})")
+    if state.state in ("INTERRUPTED", "CANCELLED"):
+        raise LaunchError(f"job {record.job_id} was stopped ({state.state.lower()}): {state.note}")
+    raise LaunchError(f"job {record.job_id} failed: {state.note}")
+
+
+def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str], None]) -> None:
+    """Echo the log's new lines without tracebacks until the job ends. Once a rank has failed, the others get
+    FAILED_RANK_GRACE_S to end before they are killed (they may be waiting for it in a collective)."""
+    hide, stop_at = TracebackFilter(), None
     while True:
         done = submitted.done()
         shown = [line for line in log.read(final=done).splitlines() if hide.keep(line)]
         if shown:
             echo("\n".join(shown))
         if done:
-            break
+            return
         if stop_at is None and rank_failures(record):
             stop_at = time.monotonic() + FAILED_RANK_GRACE_S
         if stop_at is not None and time.monotonic() > stop_at:
-            submitted.cancel()  # once: a second SIGINT would cut short the controller's stopping of the ranks
+            for rank in children(int(record.job_id)):  # the controller ignores SIGINT: its ranks are ended here
+                os.kill(rank, signal.SIGKILL)
             stop_at = float("inf")
         time.sleep(0.5)
-    state = state_of(registry.reload(record))  # `vitctl cancel` may have marked it meanwhile
-    if state.state == "COMPLETED":
-        return submitted.results()[0]
-    if state.state in ("INTERRUPTED", "CANCELLED"):
-        raise LaunchError(f"job {record.job_id} was stopped ({state.state.lower()}): {state.note}")
-    raise LaunchError(f"job {record.job_id} failed: {state.note}")
 
 
 def command_line() -> list[str]:

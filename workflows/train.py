@@ -82,16 +82,34 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
                           f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
                           f"{request.tasks}")
     if dry_run:
-        checkpoint.checkpoints_to_resume(run_dir, resume)  # the script's ranks resume: only with --resume
+        refuse_other_kind(checkpoint.checkpoints_to_resume(run_dir, resume), config)  # the ranks resume
         return sbatch_script(config.to_dict(), request, name)
     refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
-    check_run_dir(run_dir, resume)
+    refuse_other_kind(check_run_dir(run_dir, resume), config)
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
     job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
     record, submitted = submit(job, request, name, command_line())
     if request.executor == "local":
         wait_local(submitted, record, echo)
     return record
+
+
+def refuse_other_kind(checkpoints: list[Path], config: RunConfig) -> None:
+    """ConfigError if --resume would continue a pretraining run as a finetune, or the reverse: a resumed run takes
+    its weights from its own checkpoint, and finetune.from_ckpt would be ignored without a word."""
+    if not checkpoints:
+        return
+    source = checkpoint.read_meta(checkpoints[-1])["config"].get("finetune", {}).get("from_ckpt")
+    wanted = config.finetune.from_ckpt
+    if bool(source) == bool(wanted):
+        return
+    run_dir = checkpoints[-1].parent.parent
+    if wanted:
+        raise ConfigError(f"{run_dir} holds the checkpoints of a pretraining run (`vitctl train`): --resume would "
+                          f"continue that run and ignore --from-ckpt {wanted}; choose another --out to finetune, or "
+                          f"continue that run with `vitctl train --resume`")
+    raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: continue it with `vitctl finetune "
+                      f"--from-ckpt {source} --resume`, or choose another --out to pretrain")
 
 
 def run_one_rank(config: RunConfig) -> dict[str, Any]:

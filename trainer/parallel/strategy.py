@@ -77,17 +77,18 @@ class Strategy:
         return json.dumps(plan, indent=2) + "\n"
 
 
-def strategy_from_config(config: ParallelConfig, n_blocks: int) -> Strategy:
-    """The global strategy of `parallel.*`, or the plan file it names."""
+def strategy_from_config(config: ParallelConfig, n_blocks: int, model: str | None = None) -> Strategy:
+    """The global strategy of `parallel.*`, or the plan file it names (for `model`, when given)."""
     if config.plan:
-        return read_plan(Path(config.plan), config, n_blocks)
+        return read_plan(Path(config.plan), config, n_blocks, model)
     block = BlockStrategy(fsdp=config.fsdp, checkpoint=config.checkpoint)
     return Strategy(tp=config.tp, pp=config.pp, dp_shard=config.dp_shard, microbatches=config.microbatches,
                     schedule=config.schedule, virtual_stages=config.virtual_stages, stages=tuple(config.stages),
                     blocks=(block,) * n_blocks, fsdp_rest=config.fsdp)
 
 
-def read_plan(path: Path, config: ParallelConfig, n_blocks: int) -> Strategy:
+def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | None = None) -> Strategy:
+    """The plan file's strategy; ConfigError if it is not a plan, or one for another model than `model`."""
     where = f"parallel.plan {path}"
     defaults = ParallelConfig()
     given = [key for key in ("tp", "pp", "fsdp", "checkpoint", "microbatches", "schedule", "virtual_stages", "stages")
@@ -116,6 +117,9 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int) -> Strategy:
     if len(blocks) != n_blocks:
         raise ConfigError(f"{where} gives strategies for {len(blocks)} blocks but model has {n_blocks}; "
                           f"it was planned for {plan.get('model')!r}")
+    if model and plan.get("model", model) != model:  # same depth, other widths: its memory and times are not ours
+        raise ConfigError(f"{where} was planned for {plan['model']!r}, not for model {model}; plan this model "
+                          f"(vitctl plan --model {model} ... --out {path}), or train {plan['model']} with it")
     return strategy
 
 

@@ -1,0 +1,160 @@
+"""Jobs given hostile input or interrupted: Ctrl-C and SIGTERM of a waiting `vitctl train`, a rank killed, logs of a
+job whose folder is gone, a plan of another model, --resume across pretraining and finetuning. Each ends in one
+message (no traceback), and the fix it names is followed."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ok, vitctl
+from vitctl.workflows import registry
+
+VITCTL = str(Path(sys.executable).parent / "vitctl")
+QUICK = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64", "--batch", "4",
+         "--executor", "local", "--gpus", "0"]
+
+
+def _start(out: Path, steps: int) -> subprocess.Popen:
+    """`vitctl train` of two CPU ranks in a session of its own (a terminal's process group), logging every step."""
+    return subprocess.Popen([VITCTL, "train", *QUICK, "--tasks-per-node", "2", "--steps", str(steps), "--set",
+                             "train.log_every=1", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=os.environ, start_new_session=True)
+
+
+def _wait_for_step(out: Path, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if any(f" step={step} " in log.read_text() for log in out.glob("submitit/*_0_log.err")):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"rank 0 never logged step {step}")
+
+
+def _rank_pid(out: Path, rank: int) -> int:
+    """The PID of one rank of the job into `out` (a child of submitit's controller, whose PID is the job id)."""
+    controller = registry.find_record(str(out)).job_id
+    for stat in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            environ = stat.read_bytes().split(b"\0")
+            parent = int((stat.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if parent == int(controller) and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise AssertionError(f"no rank {rank} of job {controller}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("whom", "signum"), [("group", signal.SIGINT), ("vitctl", signal.SIGTERM)])
+def test_ctrl_c_or_sigterm_stops_a_local_job_with_a_checkpoint_and_resume_goes_on(tmp_path, whom, signum):
+    """Ctrl-C reaches the whole process group; before, submitit's controller printed a KeyboardInterrupt traceback
+    and killed the ranks before they checkpointed, and a SIGTERM to vitctl left silently (143), the job running on."""
+    out = tmp_path / "run"
+    job = _start(out, 40)
+    _wait_for_step(out, 2)
+    os.killpg(job.pid, signum) if whom == "group" else os.kill(job.pid, signum)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 130 and "Traceback" not in stderr, stderr
+    record = registry.find_record(str(out))
+    log = Path(record.folder) / f"{record.job_id}_0_log.err"
+    said = re.fullmatch(rf"interrupted: job {record.job_id} was stopped: checkpointed at step (\d+) on a signal: "
+                        rf"--resume continues from there \(its log: {re.escape(str(log))}\)", stderr.splitlines()[-1])
+    assert said, stderr.splitlines()[-1]
+    assert (out / f"checkpoints/step-{int(said[1]):08d}").is_dir()
+    assert not Path(f"/proc/{record.job_id}").exists()  # the controller has ended: nothing left running
+    if whom == "group":  # the fix it names
+        ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 40, "--out", out, "--resume")
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert steps[-1]["step"] == 40 and any(s.get("event") == "resume" for s in steps)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_path):
+    out = tmp_path / "run"
+    job = _start(out, 400)
+    _wait_for_step(out, 2)
+    os.kill(_rank_pid(out, 1), signal.SIGKILL)
+    _, stderr = job.communicate(timeout=120)
+    record = registry.find_record(str(out))
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert job.returncode == 1 and "Traceback" not in stderr, stderr
+    log = f"{record.folder}/{record.job_id}_1_log.err"
+    assert errors == [f"error: job {record.job_id} failed: rank 1 ended without reporting an error (killed, or out of "
+                      f"memory?), and rank 0 then lost its connection to it; see {log}"]
+
+
+def _ended_local_job(run: Path) -> registry.JobRecord:
+    """A local job that has ended: its controller's PID belongs to no process (PID 1 started at another time)."""
+    (run / "submitit").mkdir(parents=True)
+    record = registry.JobRecord("1", "local", f"vit_micro-{run.name}", str(run), str(run / "submitit"), 1, 2, 0,
+                                time.time(), started=-1)
+    registry.add_record(record)
+    return record
+
+
+def test_logs_of_a_job_whose_run_folder_is_gone_say_so_and_follow_does_not_wait(tmp_path):
+    """Before: 'no log yet ... once the job starts; --follow waits for it', and --follow waited forever."""
+    run = tmp_path / "gone"
+    record = _ended_local_job(run)
+    (run / "submitit" / "1_0_log.err").write_text("2026-11-25 04:50:14,211 [rank 0] vitctl.train: run\n")
+    moved = Path(shutil.move(run, tmp_path / "moved"))
+    for follow in ([], ["--follow"]):
+        done = subprocess.run([VITCTL, "logs", record.job_id, *follow], capture_output=True, text=True, timeout=60,
+                              env=os.environ)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip() == (
+            f"error: the logs of job 1 (UNKNOWN) are gone: its folder {run}/submitit no longer exists (the run folder "
+            "was moved or deleted); if you moved it, the logs are in the submitit folder of its new place")
+    assert (moved / "submitit/1_0_log.err").read_text().endswith("vitctl.train: run\n")  # where the fix points
+
+
+def test_logs_of_an_ended_job_that_wrote_none_say_it_never_started(tmp_path):
+    record = _ended_local_job(tmp_path / "run")
+    result = vitctl("logs", record.job_id, "--rank", 1)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"error: job 1 (FAILED) ended without a log for rank 1 in {record.folder}: that "
+                                     f"rank never started (no rank reported an error (killed, or out of memory?); see "
+                                     f"{record.folder}/1_0_log.err)")
+
+
+def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):
+    """vit_mini and vit_micro both have 4 blocks: the block count let the plan through, unseen."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "model": "vit_mini", "world_size": 2, "tp": 1, "pp": 1, "dp_shard": -1,
+                                "microbatches": 1, "schedule": "1f1b", "virtual_stages": 1, "fsdp_rest": False,
+                                "groups": [{"blocks": 4, "fsdp": False, "checkpoint": "none"}]}))
+    run = [*QUICK, "--tasks-per-node", 2, "--out", tmp_path / "run", "--plan", plan, "--dry-run"]
+    result = vitctl("train", *run)
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: parallel.plan {plan} was planned for 'vit_mini', not for model vit_micro; plan this model (vitctl "
+        f"plan --model vit_micro ... --out {plan}), or train vit_mini with it")
+    ok("train", *run, "--model", "vit_mini")  # the other way it names
+
+
+@pytest.mark.slow
+def test_resume_across_pretraining_and_finetuning_is_refused_before_launch(tmp_path):
+    """Before, `finetune --resume` into a pretraining run's folder continued that run, --from-ckpt unread."""
+    one_rank = [*QUICK, "--set", "data.workers=0"]
+    pretrain, finetune = tmp_path / "pretrain", tmp_path / "finetune"
+    ok("train", *one_rank, "--steps", 1, "--out", pretrain)
+    ok("finetune", *one_rank, "--steps", 1, "--out", finetune, "--from-ckpt", pretrain)
+    result = vitctl("finetune", *one_rank, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, "--resume")
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: {pretrain} holds the checkpoints of a pretraining run (`vitctl train`): --resume would continue that "
+        f"run and ignore --from-ckpt {finetune}; choose another --out to finetune, or continue that run with "
+        f"`vitctl train --resume`")
+    result = vitctl("train", *one_rank, "--steps", 2, "--out", finetune, "--resume")
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: {finetune} holds the checkpoints of a finetune from {pretrain}: continue it with `vitctl finetune "
+        f"--from-ckpt {pretrain} --resume`, or choose another --out to pretrain")
+    ok("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")  # the fixes
+    ok("train", *one_rank, "--steps", 2, "--out", pretrain, "--resume")
+    assert (finetune / "checkpoints/step-00000002").is_dir() and (pretrain / "checkpoints/step-00000002").is_dir()
