@@ -16,5 +16,8 @@ def config() -> None:
               help="Override any config value, as `vitctl train --set` does (repeatable).")
 def show(preset: str, overrides: tuple[str, ...]) -> None:
     """Print the config PRESET (a preset name or a YAML file, as --config takes) resolves to, defaults included; the
-    output loads back as a preset file."""
-    click.echo(wf.resolved_yaml(preset, list(overrides)), nl=False)
+    output loads back as a preset file. Exits 1 after printing it if `vitctl train` would refuse it."""
+    text, problems = wf.resolved_yaml(preset, list(overrides))
+    click.echo(text, nl=False)
+    if problems:
+        raise wf.ConfigError(f"vitctl train would refuse this config: {'; '.join(problems)}")

@@ -2,6 +2,7 @@
 bad presets and keys get the messages `vitctl train` gives."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -86,3 +87,17 @@ def test_an_override_that_is_not_yaml_is_named(tmp_path):
     assert shown.stderr.startswith("error: override 'optim.betas=[0.9, 0.95': its value is not valid YAML (line 1, "
                                    "column 11: expected ',' or ']'")
     ok("config", "show", "demo_vit", "--set", "optim.betas=[0.9, 0.95]")
+
+
+def test_a_config_train_would_refuse_is_shown_then_refused_as_train_refuses_it(tmp_path):
+    sets = ["--set", "model.name=swin_micro", "--set", "model.img_size=200", "--set", "train.fused=bogus"]
+    shown = vitctl("config", "show", "demo_vit", *sets)
+    assert shown.exit_code == 1 and "Traceback" not in shown.stderr
+    assert yaml.safe_load(shown.stdout)["model"]["img_size"] == 200  # printed all the same, to edit
+    assert shown.stderr.startswith("error: vitctl train would refuse this config: model swin_micro: image size 200 ")
+    assert "; --fused: unknown op 'bogus'" in shown.stderr
+    trained = vitctl("train", "--config", "demo_vit", *sets, "--set", "data.source=synthetic",
+                     "--out", tmp_path / "r", "--executor", "local", "--gpus", 0)
+    assert trained.exit_code == 1 and "image size 200" in trained.stderr and "unknown op 'bogus'" in trained.stderr
+    nearest = re.search(r"the nearest size that works with window 7 is (\d+);", shown.stderr).group(1)
+    ok("config", "show", "demo_vit", "--set", "model.name=swin_micro", "--set", f"model.img_size={nearest}")

@@ -25,16 +25,8 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     """Raises one ConfigError listing every problem; returns the parallel strategy. `device` None: the ranks' device
     is not known here (a Slurm job's nodes), so its checks wait for the ranks. `resuming`: the weights come from the
     run's own checkpoint, not from finetune.from_ckpt."""
-    source = None if resuming else _source_error(config)
-    model = model_error(config.model)
-    problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
-                            None if model else _fp8_width_error(config), _out_dir_error(config.train.out_dir)) if p]
-    strategy, dims = None, None
-    if model is None:
-        try:
-            strategy = strategy_from_config(config.parallel, model_shape(config.model).n_blocks, config.model.name)
-        except ConfigError as e:
-            problems.append(str(e))
+    problems, strategy = _config_checks(config, resuming)
+    dims = None
     if strategy is not None:
         found = strategy_problems(strategy, model_shape(config.model), world_size, config.data.batch_size)
         problems += found + _combination_problems(config, strategy)
@@ -46,6 +38,26 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     if problems:
         raise ConfigError("; ".join(problems))
     return strategy
+
+
+def config_problems(config: RunConfig) -> list[str]:
+    """The problems the config shows on its own, before ranks, devices and data are known (`vitctl config show`)."""
+    return _config_checks(config, resuming=False)[0]
+
+
+def _config_checks(config: RunConfig, resuming: bool) -> tuple[list[str], Strategy | None]:
+    """The config's own problems, and its parallel strategy where the model and plan allow one."""
+    source = None if resuming else _source_error(config)
+    model = model_error(config.model)
+    problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
+                            None if model else _fp8_width_error(config), _out_dir_error(config.train.out_dir)) if p]
+    strategy = None
+    if model is None:
+        try:
+            strategy = strategy_from_config(config.parallel, model_shape(config.model).n_blocks, config.model.name)
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems, strategy
 
 
 def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:

@@ -9,7 +9,7 @@ import torch
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import ConfigError, RunConfig, load_config
 from vitctl.trainer.metrics import read_metrics
-from vitctl.trainer.preflight import preflight
+from vitctl.trainer.preflight import config_problems, preflight
 
 from . import registry
 from .errors import LaunchError
@@ -45,9 +45,11 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     return config
 
 
-def resolved_yaml(preset: str, overrides: list[str]) -> str:
-    """The config `vitctl train --config PRESET --set ...` would run, every key included, as YAML."""
-    return load_config(preset, overrides).to_yaml()
+def resolved_yaml(preset: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """The config `vitctl train --config PRESET --set ...` would run, every key included, as YAML; and the problems
+    `vitctl train` would refuse it for whatever the ranks, devices and data."""
+    config = load_config(preset, overrides)
+    return config.to_yaml(), config_problems(config)
 
 
 def visible_gpus() -> int:
