@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CLASSES, ok, vitctl
+from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.data.shards import read_table, split_shards
 from vitctl.workflows import registry, status
@@ -54,11 +55,18 @@ def finished_job(tmp_path_factory) -> registry.JobRecord:
 def test_an_error_in_a_rank_is_one_line_naming_its_log(finished_job, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(Path(finished_job.run_dir) / "checkpoints", run / "checkpoints")
-    result = vitctl("train", *QUICK, "--tasks-per-node", 2, "--steps", 4, "--out", run, "--resume",
-                    "--set", "model.num_classes=7")
+    changed = vitctl("train", *QUICK, "--tasks-per-node", 2, "--steps", 4, "--out", run, "--resume",
+                     "--set", "model.num_classes=7")  # seen in the checkpoint's meta.json before launch
+    assert changed.exit_code == 1 and changed.stderr.startswith("error: ")
+    assert re.search(r"was trained with model settings other than this run's: model.num_classes=\d+ \(now 7\)",
+                     changed.stderr), changed.stderr
+    assert not (run / "submitit").exists()
+    shard = next(ckpt.list_checkpoints(run)[-1].glob("*.distcp"))  # its bytes are checked by the ranks
+    shard.write_bytes(shard.read_bytes()[::-1])
+    result = vitctl("train", *QUICK, "--tasks-per-node", 2, "--steps", 4, "--out", run, "--resume")
     assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and re.search(r"failed: rank \d raised ConfigError: .* was trained with model", errors[0])
+    assert len(errors) == 1 and re.search(r"failed: rank \d raised ConfigError: checkpoint .* is damaged", errors[0])
     log = Path(re.search(r"\(traceback in (\S+)\)$", errors[0])[1])
     assert "Traceback (most recent call last)" in log.read_text()
     listed = json.loads(ok("status", registry.find_record(str(run)).job_id, "--json").output)[0]

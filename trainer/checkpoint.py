@@ -9,12 +9,17 @@ must be on a filesystem every node sees (as Slurm clusters' shared filesystems a
 files.
 """
 
+import contextlib
+import errno
 import json
 import logging
+import os
+import pickle
 import random
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from vitctl.datasets.atomic import fsync_dir, write_json_atomic
+from vitctl.datasets.oserrors import as_data_error
 
 from .config import ConfigError
 from .integrity import files_sha256
@@ -34,6 +42,8 @@ FORMAT = "vitctl-checkpoint/2"
 META = "meta.json"
 NAME = re.compile(r"step-(\d{8})")
 LEGACY_NAME = re.compile(r"step-(\d{8})\.pt")  # single-file checkpoints of vitctl 0.1's first releases
+# What meta.json must hold, and of which type: it is not checksummed itself (it holds the checksums).
+META_KEYS = {"step": int, "position": dict, "world_size": int, "mesh": dict, "config": dict, "config.model": dict}
 # DCP warns at every save and load in one process (also from an async save's thread): that is what a 1-rank run means.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -59,9 +69,32 @@ def legacy_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if LEGACY_NAME.fullmatch(p.name)) if folder.is_dir() else []
 
 
+def _lacks(folder: Path) -> str:
+    """What a step folder lacks of a checkpoint, '' when nothing."""
+    lost = [name for name in (META, ".metadata") if not (folder / name).is_file()]
+    return f"{' and '.join(lost)} {'are' if len(lost) > 1 else 'is'} missing" if lost else ""
+
+
+def _own_files(folder: Path) -> list[Path]:
+    """The files in a checkpoint folder that DCP and vitctl write."""
+    return [p for p in folder.iterdir() if p.name in (META, ".metadata") or p.suffix == ".distcp"]
+
+
+def _refuse_incomplete(run_dir: Path, found: list[Path]) -> None:
+    """A save names its folder only once meta.json and .metadata are written, so a newer step folder that holds part
+    of a checkpoint without them is damaged (a file deleted, a copy cut short): taking the checkpoint before it
+    unsaid would go back in time, and a resumed run would write over it. A step folder without any is passed over."""
+    folder = checkpoint_dir(run_dir)
+    steps = sorted(p for p in folder.iterdir() if NAME.fullmatch(p.name) and p.is_dir()) if folder.is_dir() else []
+    named = [p for p in steps if _own_files(p)]
+    if named and named[-1] not in found:
+        raise ConfigError(_damaged(named[-1], _lacks(named[-1])))
+
+
 def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
     """The run folder's checkpoints; refuses to start afresh over them (that would mix two runs)."""
     found, legacy = list_checkpoints(run_dir), legacy_checkpoints(run_dir)
+    _refuse_incomplete(run_dir, found)
     if (found or legacy) and not resume:
         last = (found or legacy)[-1]
         raise ConfigError(f"{run_dir} already holds checkpoints (last: {last.name}); pass --resume to continue that "
@@ -78,9 +111,46 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads((path / META).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(_damaged(path, f"{META} is not readable JSON ({e})")) from None
+    if not isinstance(meta, dict):
+        raise ConfigError(_damaged(path, f"{META} holds {type(meta).__name__}, not an object"))
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path} is not a vitctl checkpoint ({FORMAT})")
+    if problems := _meta_problems(meta):
+        raise ConfigError(_damaged(path, f"{META}: {', '.join(problems)}"))
     return meta
+
+
+def _meta_problems(meta: dict[str, Any]) -> list[str]:
+    """meta.json's keys that are missing or of another type (checkpoints written before checksums have no files)."""
+    values = {key: meta.get(key) for key in META_KEYS if key != "config.model"}
+    if isinstance(meta.get("config"), dict):  # else config's own problem says enough
+        values["config.model"] = meta["config"].get("model")
+    problems = [f"{key} is missing" if value is None else f"{key} is not a {META_KEYS[key].__name__}"
+                for key, value in values.items() if not isinstance(value, META_KEYS[key])]
+    files = meta.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int)
+                                               and isinstance(f.get("sha256"), str) for f in files.values()):
+        problems.append("files is not a list of sizes and sha256 digests")
+    return problems
+
+
+def model_change(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """None if the checkpoint's model config is this run's; else the keys set otherwise, and the two ways on: resume
+    with the model as it was saved, or finetune a new run from its weights (which fits a new head, a resolution)."""
+    keys = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if not keys:
+        return None
+
+    def sets(model: dict[str, Any]) -> str:  # as YAML reads them back: null, true, false
+        return " ".join(f"--set model.{k}=" + ("null" if model.get(k) is None else str(model[k]).lower()
+                                               if isinstance(model[k], bool) else str(model[k])) for k in keys)
+
+    way = f"rerun with {sets(saved)} to go on with the model it saved"
+    if "name" not in keys:
+        way += (f", or start a new run from its weights: `vitctl finetune --from-ckpt {path} --out NEW {sets(now)}` "
+                "(with the other options of this command)")
+    differ = ", ".join(f"model.{k}={saved.get(k)} (now {now.get(k)})" for k in keys)
+    return f"{path} was trained with model settings other than this run's: {differ}; --resume cannot change them: {way}"
 
 
 def read_checked(path: Path) -> dict[str, Any]:
@@ -126,6 +196,60 @@ def _damaged(path: Path, what: str) -> str:
             f"this one aside ({aside}): --resume, `vitctl export` and --from-ckpt of the run folder then take it")
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written: the run stops, the checkpoints written before stay as they were."""
+
+
+def _nbytes(state: Any) -> int:
+    """The bytes of the tensors in a (nested) state: about what this rank's save writes."""
+    if isinstance(state, dict):
+        return sum(_nbytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_nbytes(value) for value in state)
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The error, what caused it, and what failed on each rank of a DCP CheckpointException, outermost first."""
+    found: list[BaseException] = []
+    pending = [error]
+    while pending:
+        e = pending.pop(0)
+        if e is None or any(e is seen for seen in found):
+            continue
+        found.append(e)
+        pending += [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else []
+        pending += [e.__cause__, e.__context__]
+    return found
+
+
+def _innermost(error: BaseException) -> str:
+    """The error at the root of `error` as `Name: its first line` (DCP's own message is a traceback per rank)."""
+    inner = next(e for e in reversed(_causes(error)) if not isinstance(e, CheckpointException))
+    text = str(inner).strip()
+    return f"{type(inner).__name__}: {text.splitlines()[0]}" if text else type(inner).__name__
+
+
+def _write_failed(path: Path, error: BaseException, full: bool) -> str:
+    """Why the save of `path` failed and how to go on. torch's writer reports a full disk as a RuntimeError ("unexpected
+    pos"), without errno: `full` (less space left than the save needed) tells it apart."""
+    causes = _causes(error)
+    os_error = next((e for e in causes if isinstance(e, OSError) and e.errno), None)
+    if os_error is None and full:
+        os_error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    what = as_data_error(os_error, path.parent).what if os_error is not None else _innermost(error)
+    no_room = os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT)
+    mend = (f"free space in {path.parent} (or move the run folder to a device with room)" if no_room else
+            "mend what stopped the write (the run's log holds its traceback)")
+    earlier = list_checkpoints(path.parent.parent)
+    way = (f"its last checkpoint, {earlier[-1].name}, is intact: {mend}, then rerun the same command with --resume to "
+           "go on from it" if earlier else f"it had saved no checkpoint yet: {mend}, then run it again")
+    return (f"cannot write checkpoint {path.name} in {path.parent}: {what}. Nothing of it was kept, and the run "
+            f"stopped; {way}")
+
+
 def _partial(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
@@ -144,18 +268,19 @@ class CheckpointWriter:
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], blocking: bool = False) -> None:
         self.wait()
         path = self.folder / f"step-{step:08d}"
-        tmp = _partial(path)
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash at this step in an earlier attempt
-            tmp.mkdir(parents=True)
-        if dist.is_initialized():
-            dist.barrier()
-        if self.async_save and not blocking:
-            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                           no_dist=not dist.is_initialized()), path, meta)
-            return
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-        self._publish(path, meta)
+        tmp, size = _partial(path), _nbytes(state)
+        with self._writing(path, size):
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a crash at this step in an earlier attempt
+                tmp.mkdir(parents=True)
+            if dist.is_initialized():
+                dist.barrier()
+            if self.async_save and not blocking:
+                self.pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                               no_dist=not dist.is_initialized()), path, meta, size)
+                return
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+            self._publish(path, meta)
 
     def poll(self) -> None:
         if self.pending is not None and self.pending[0].done():
@@ -163,10 +288,25 @@ class CheckpointWriter:
 
     def wait(self) -> None:
         if self.pending is not None:
-            future, path, meta = self.pending
+            future, path, meta, size = self.pending
             self.pending = None
-            future.result()
-            self._publish(path, meta)
+            with self._writing(path, size):
+                future.result()
+                self._publish(path, meta)
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path, size: int) -> Iterator[None]:
+        """A save that fails (a full disk, a quota, an I/O error) raises CheckpointWriteError, its unfinished folder
+        removed: that frees the space, without which the rank could not even report the error (its log and result
+        are written to the run folder too)."""
+        try:
+            yield
+        except (OSError, RuntimeError, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            existing = next(p for p in (self.folder, *self.folder.parents) if p.exists())
+            full = shutil.disk_usage(existing).free < size
+            if self.is_main:
+                shutil.rmtree(_partial(path), ignore_errors=True)
+            raise CheckpointWriteError(_write_failed(path, e, full)) from e
 
     def _publish(self, path: Path, meta: dict[str, Any]) -> None:
         if not self.is_main:
@@ -181,8 +321,28 @@ class CheckpointWriter:
         tmp.rename(path)
         fsync_dir(self.folder)
         for old in list_checkpoints(self.folder.parent)[:-self.keep]:
-            shutil.rmtree(old)
+            _remove_old(old)
         log.info("checkpoint %s", path)
+
+
+def _remove_old(checkpoint: Path) -> None:
+    """Keep-last-K's removal of `checkpoint`: the files DCP and vitctl wrote in it (meta.json first, so that a removal
+    cut short leaves no checkpoint), never anyone else's, nothing through a symbolic link. What it cannot remove is
+    logged, not raised: the new checkpoint is complete either way, and the run goes on."""
+    if checkpoint.is_symlink():
+        log.warning("%s is a symbolic link, not a checkpoint folder of this run: left it (and what it points to) "
+                    "as it is; train.keep_checkpoints no longer counts it", checkpoint)
+        return
+    try:
+        for own in sorted(_own_files(checkpoint), key=lambda p: p.name != META):  # meta.json first
+            own.unlink()
+        checkpoint.rmdir()
+    except OSError as e:
+        why = e.strerror
+        if e.errno == errno.ENOTEMPTY:
+            why = f"it holds files vitctl did not write ({', '.join(sorted(p.name for p in checkpoint.iterdir()))})"
+        log.warning("could not remove the old checkpoint %s (train.keep_checkpoints): %s; move out what you need of "
+                    "it, then delete it", checkpoint, why)
 
 
 def remove_partial(run_dir: Path) -> None:
@@ -196,16 +356,36 @@ def remove_partial(run_dir: Path) -> None:
 def load(path: Path, state: dict[str, Any]) -> None:
     """Fill `state` (the same structure a save was given, on this run's layout) from the checkpoint: DCP reads
     each rank's part, resharding as needed."""
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with _reading(path):
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """DCP's failure to read a checkpoint as one line (its CheckpointException is a BaseException, which a rank would
+    not even report): damage where meta.json holds no checksums (written before vitctl took them) to rule it out."""
+    try:
+        yield
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        if read_meta(path).get("files"):  # read_checked found every file as it was saved
+            raise ConfigError(f"DCP cannot read checkpoint {path} ({_innermost(e)}), although its files match the "
+                              "checksums taken when it was saved: please report it, with the traceback") from e
+        raise ConfigError(_damaged(path, f"DCP cannot read it ({_innermost(e)})")) from e
+
+
+def _stored(path: Path) -> dict[str, Any]:
+    """What the checkpoint's .metadata says it holds: each saved key's metadata."""
+    with _reading(path):
+        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def saved_keys(path: Path) -> set[str]:
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return set(_stored(path))
 
 
 def shape_mismatches(path: Path, model: dict[str, torch.Tensor]) -> list[str]:
     """The model tensors whose saved (whole) shape differs from this run's, as 'name saved -> now'."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = _stored(path)
     found = []
     for name, tensor in model.items():
         meta = stored.get(f"model.{name}")
@@ -218,12 +398,13 @@ def consolidated(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Whole tensors of one part of a checkpoint (`model` or `ema`), named as the model names its parameters;
     gathered from every rank's shards by one process, after the checkpoint's checksums are verified."""
     read_checked(path)
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in _stored(path).items()
              if key.startswith(f"{prefix}.") and isinstance(meta, TensorStorageMetadata)}
     if not state:
-        raise ConfigError(f"{path} holds no {prefix} weights")
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        raise ConfigError(f"{path} holds no EMA weights: its run was trained without train.ema_decay; drop --ema to "
+                          "export its weights" if prefix == "ema" else f"{path} holds no {prefix} weights")
+    with _reading(path):
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return {key.removeprefix(f"{prefix}."): tensor for key, tensor in state.items()}
 
 
@@ -233,16 +414,31 @@ def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
         if step is not None and (saved := read_meta(path)["step"]) != step:
             raise ConfigError(_not_of_step(path, saved, step))
         return path
+    if NAME.fullmatch(path.name) and path.is_dir():
+        raise ConfigError(_damaged(path, _lacks(path)))
     found = list_checkpoints(path)
     if not found:
-        raise ConfigError(f"{path} is neither a checkpoint folder nor a run folder with checkpoints")
+        raise ConfigError(_no_checkpoint(path))
     if step is None:
+        _refuse_incomplete(path, found)
         return found[-1]
     match = [p for p in found if int(NAME.fullmatch(p.name).group(1)) == step]
     if not match:
         raise ConfigError(f"{path} has no checkpoint of step {step}; it has steps "
                           f"{', '.join(str(int(p.name[5:])) for p in found)}")
     return match[0]
+
+
+def _no_checkpoint(path: Path) -> str:
+    """A folder holding no checkpoint, and where the checkpoints the user meant are, as far as can be told."""
+    if path.name == "checkpoints" and (found := list_checkpoints(path.parent)):
+        return (f"{path} is the checkpoints folder of the run {path.parent}: pass the run folder (its last checkpoint) "
+                f"or one checkpoint folder, such as {found[-1]}")
+    what = f"{path} is neither a checkpoint folder nor a run folder with checkpoints"
+    if unfinished := sorted(checkpoint_dir(path).glob(".step-*.partial")):
+        return (f"{what}: its run stopped before its first checkpoint was complete ({unfinished[-1].name} is the "
+                "save it left unfinished); resume it (--resume) until it saves one, or pass another run")
+    return what
 
 
 def _not_of_step(path: Path, saved: int, step: int) -> str:

@@ -249,9 +249,8 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         meta = ckpt.read_checked(path)
-        if meta["config"]["model"] != self.c.to_dict()["model"]:
-            raise ConfigError(f"{path} was trained with model {meta['config']['model']}, "
-                              f"not {self.c.to_dict()['model']}; use another --out")
+        if changed := ckpt.model_change(path, meta["config"]["model"], self.c.to_dict()["model"]):
+            raise ConfigError(changed)
         same_layout = meta["world_size"] == self.env.world_size and meta["mesh"] == asdict(self.mesh.dims)
         keys = ckpt.saved_keys(path)
         by_name = not any(key.startswith("optimizer.param_groups.0.") for key in keys)  # vitctl <= 0.1: by index

@@ -75,10 +75,18 @@ def _file_kind(path: Path) -> str:
         return "zip"
     if head.startswith(LEGACY_MAGIC):
         return "legacy"
-    if path.suffix == ".safetensors" or (8 + int.from_bytes(head[:8], "little") <= size and head[8:9] == b"{"):
+    if looks_like_safetensors(path):
         return "safetensors"
     raise ConfigError(f"finetune.from_ckpt {path} is not a checkpoint: neither a torch.save file nor a safetensors "
                       f"file (it starts with {head[:12]!r}); {ACCEPTED}")
+
+
+def looks_like_safetensors(path: Path) -> bool:
+    """By the name, or the first bytes: a little-endian header length that fits in the file, then the JSON header."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return path.suffix == ".safetensors" or (8 + int.from_bytes(head[:8], "little") <= path.stat().st_size
+                                             and head[8:9] == b"{")
 
 
 def read_state_dict(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
@@ -197,6 +205,21 @@ def interpolate_bias_table(table: torch.Tensor, rows: int) -> torch.Tensor:
     return grid.reshape(-1, new * new).T.contiguous().to(table.dtype)
 
 
+def _is_square(n: int) -> bool:
+    return n > 0 and math.isqrt(n) ** 2 == n
+
+
+def _resizable(key: str, value: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether `value` is a table the interpolation fits to `target`: ViT's class token and a square grid of patches
+    (not DeiT's second, distillation token, nor a grid without class token), or a square Swin table of as many heads.
+    Any other stays as it is, and read_pretrained names it a shape mismatch."""
+    if key == "pos_embed":
+        return (value.ndim == 3 and value.shape[0] == 1 and value.shape[2] == target.shape[2]
+                and _is_square(value.shape[1] - 1))
+    return (key.endswith("relative_position_bias_table") and value.ndim == 2 and value.shape[1] == target.shape[1]
+            and _is_square(value.shape[0]))
+
+
 def adapt(state: dict[str, torch.Tensor], model: nn.Module, reset_head: bool | None) -> tuple[dict, list[str]]:
     """The state resized to the model; returns it and the keys left to the model's initialisation."""
     target = model.state_dict()
@@ -205,15 +228,10 @@ def adapt(state: dict[str, torch.Tensor], model: nn.Module, reset_head: bool | N
     state = {k: v for k, v in state.items() if not k.endswith(("relative_position_index", "attn_mask"))}
     fresh = []
     for key, value in list(state.items()):
-        if key not in target or value.shape == target[key].shape:
-            continue
-        if key == "pos_embed":
-            state[key] = interpolate_pos_embed(value, target[key].shape[1])
-        elif key.endswith("relative_position_bias_table"):
-            state[key] = interpolate_bias_table(value, target[key].shape[0])
-        else:
-            continue
-        log.info("resized %s %s -> %s", key, tuple(value.shape), tuple(state[key].shape))
+        if key in target and value.shape != target[key].shape and _resizable(key, value, target[key]):
+            state[key] = (interpolate_pos_embed(value, target[key].shape[1]) if key == "pos_embed" else
+                          interpolate_bias_table(value, target[key].shape[0]))
+            log.info("resized %s %s -> %s", key, tuple(value.shape), tuple(state[key].shape))
     head_differs = any(k.startswith(HEAD_PREFIXES) and (k not in target or state[k].shape != target[k].shape)
                        for k in state)
     if reset_head or (reset_head is None and head_differs):
@@ -261,8 +279,10 @@ def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
         def few(keys: list[str]) -> str:
             return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
 
+        shapes = [f"{k} {tuple(state[k].shape)} -> {tuple(target[k].shape)}" for k in mismatched]
         details = [f"{name} ({len(keys)}): {few(keys)}" for name, keys in
-                   (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)) if keys]
+                   (("missing", missing), ("unexpected", unexpected), ("shape mismatch, file -> model", shapes))
+                   if keys]
         if all(k.startswith(HEAD_PREFIXES) for k in missing + unexpected + mismatched):
             details.append("the checkpoint has no classifier head for it: start a new one with "
                            "--set finetune.reset_head=true")

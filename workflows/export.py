@@ -10,11 +10,11 @@ from safetensors.torch import save
 
 from vitctl.datasets.atomic import atomic_open
 from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is
-from vitctl.trainer.checkpoint import consolidated, list_checkpoints, read_meta, resolve_checkpoint
+from vitctl.trainer.checkpoint import consolidated, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
 from vitctl.trainer.models.layers import timm_layout
-from vitctl.trainer.pretrained import EXPORT_SHA256
+from vitctl.trainer.pretrained import EXPORT_SHA256, looks_like_safetensors
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,20 @@ def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = Fa
 
 
 def _check_out(out: Path) -> None:
-    """Refuse an --out that cannot become a file: a folder, or a path under something that is not a folder."""
+    """Refuse an --out that cannot become a file (a folder, a path under something that is not a folder), or whose
+    writing would destroy something: a file that is not an export (writing over an earlier export is how a damaged one
+    is replaced), or anything in a checkpoint folder (its own files, or a file keep-last-K would trip over)."""
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'model.safetensors'}")
     if blocker := file_in_the_way(out.parent):
         raise ConfigError(f"--out {out}: {what_it_is(blocker)}, not a folder; move it away or choose another --out")
+    if inside := next((p for p in out.absolute().parents if is_checkpoint(p)), None):
+        raise ConfigError(f"--out {out} lies in the checkpoint folder {inside}, which holds what training wrote "
+                          "there alone: writing there could destroy the checkpoint; choose an --out outside "
+                          f"{inside.parent}")
+    if out.is_file() and out.stat().st_size and not looks_like_safetensors(out):
+        raise ConfigError(f"--out {out} exists and is not a safetensors file: writing over it would destroy it; "
+                          "choose another --out, or move the file away first")
 
 
 def _write(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

@@ -84,10 +84,10 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
                           f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
                           f"{request.tasks}")
     if dry_run:
-        refuse_other_kind(checkpoint.checkpoints_to_resume(run_dir, resume), config)  # the ranks resume
+        check_resumable(checkpoint.checkpoints_to_resume(run_dir, resume), config)  # the ranks resume
         return sbatch_script(config.to_dict(), request, name)
     refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
-    refuse_other_kind(check_run_dir(run_dir, resume), config)
+    check_resumable(check_run_dir(run_dir, resume), config)
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
     job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
     record, submitted = submit(job, request, name, command_line())
@@ -96,12 +96,16 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     return record
 
 
-def refuse_other_kind(checkpoints: list[Path], config: RunConfig) -> None:
-    """ConfigError if --resume would continue a pretraining run as a finetune, or the reverse: a resumed run takes
-    its weights from its own checkpoint, and finetune.from_ckpt would be ignored without a word."""
+def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
+    """ConfigError if --resume would continue a pretraining run as a finetune or the reverse (finetune.from_ckpt would
+    be ignored without a word), or with other model settings than it saved (the ranks would refuse, on Slurm only
+    after the queue wait)."""
     if not checkpoints:
         return
-    source = checkpoint.read_meta(checkpoints[-1])["config"].get("finetune", {}).get("from_ckpt")
+    saved = checkpoint.read_meta(checkpoints[-1])["config"]
+    if changed := checkpoint.model_change(checkpoints[-1], saved["model"], config.to_dict()["model"]):
+        raise ConfigError(changed)
+    source = saved.get("finetune", {}).get("from_ckpt")
     wanted = config.finetune.from_ckpt
     if bool(source) == bool(wanted):
         return

@@ -1,0 +1,247 @@
+"""Checkpoints, --resume, export and finetune with damaged, hostile or interrupted input: a full disk during a save, a
+step folder that lost a file, a meta.json of the wrong shape, an --out that would destroy something, a position table
+of another layout, another model on --resume. Each gets one message whose fix, followed, works."""
+
+import json
+import logging
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import test_checkpoint_input as base
+import torch
+
+from conftest import ok, vitctl
+from vitctl.trainer import checkpoint as ckpt
+from vitctl.trainer.config import ConfigError, ModelConfig
+from vitctl.trainer.loop import train
+from vitctl.trainer.models import build_model
+from vitctl.trainer.ops import resolve
+from vitctl.trainer.pretrained import load_pretrained, read_state_dict
+
+SETS, config, follow = base.SETS, base.config, base.follow
+pretrained, run_copy = base.pretrained, base.run_copy  # fixtures: a run with checkpoints of steps 2 and 3, a copy
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def no_traceback(result) -> None:
+    assert "Traceback" not in result.output + result.stderr, result.output + result.stderr
+
+
+# ---------------------------------------------------------------- a disk that fills up during a save
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of `size` bytes (root only), grown by calling the fixture's value again; unmounted after the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+
+    def mount(size: int, remount: bool = False) -> Path:
+        options = f"{'remount,' if remount else ''}size={size}"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        return disk
+
+    yield mount
+    subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_stops_the_run_keeps_the_last_checkpoint_and_resume_goes_on(pretrained, small_disk):
+    """torch's writer reports the full disk as `RuntimeError: unexpected pos`, and the rank's log and result lie on
+    the same disk: before, the job ended in `no rank reported an error (killed, or out of memory?)`, its unfinished
+    save filling the disk."""
+    saved = sum(f.stat().st_size for f in ckpt.list_checkpoints(pretrained)[-1].iterdir())
+    run = small_disk(2 * saved + 4 * 2**20) / "run"  # room for the checkpoints of steps 2 and 4, not for step 6's
+    result = vitctl("train", "--out", run, "--executor", "local", "--gpus", 0, "--steps", 6, *SETS)
+    assert result.exit_code == 1, result.output + result.stderr
+    no_traceback(result)
+    assert (f"rank 0 raised CheckpointWriteError: cannot write checkpoint step-00000006 in {run / 'checkpoints'}: no "
+            "space left on the device. Nothing of it was kept, and the run stopped; its last checkpoint, "
+            f"step-00000004, is intact: free space in {run / 'checkpoints'} (or move the run folder to a device with "
+            "room), then rerun the same command with --resume") in result.stderr, result.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    ckpt.read_checked(run / "checkpoints/step-00000004")  # intact: it matches its checksums
+    small_disk(4 * saved + 4 * 2**20, remount=True)  # space freed
+    ok("train", "--out", run, "--executor", "local", "--gpus", 0, "--steps", 6, *SETS, "--resume")
+    assert ckpt.list_checkpoints(run)[-1].name == "step-00000006"
+    assert [e["checkpoint"] for e in events(run) if e.get("event") == "resume"] == ["step-00000004"]
+
+
+# ---------------------------------------------------------------- a step folder that lost a file
+
+
+@pytest.mark.parametrize("lost", ["meta.json", ".metadata"])
+def test_a_last_checkpoint_that_lost_a_file_is_named_not_skipped(run_copy, tmp_path, lost):
+    """Before, export, --from-ckpt and --resume took step 2 without a word, and the resumed run wrote over step 3."""
+    last, out = run_copy / "checkpoints/step-00000003", tmp_path / "w.safetensors"
+    (last / lost).unlink()
+    expected = (f"error: checkpoint {last} is damaged: {lost} is missing. To go on from the previous checkpoint, "
+                f"step-00000002, move this one aside (mv {last} {last}.damaged)")
+    for result in (vitctl("export", run_copy, "--out", out), vitctl("export", last, "--out", out),
+                   vitctl("train", "--out", run_copy, "--resume", "--executor", "local", "--gpus", 0, *SETS)):
+        assert result.exit_code == 1 and expected in result.stderr, result.stderr
+        no_traceback(result)
+    assert not out.exists() and not (run_copy / "submitit").exists()  # nothing was launched
+    shutil.move(*follow(expected, "mv"))
+    assert "step-00000002" in ok("export", run_copy, "--out", out).output
+    assert train(config(run_copy, "train.max_steps=4"), resume=True)["step"] == 4
+    assert [e["checkpoint"] for e in events(run_copy) if e.get("event") == "resume"] == ["step-00000002"]
+
+
+@pytest.mark.parametrize(("meta", "what"), [
+    ([], "meta.json holds list, not an object"),
+    ({"format": ckpt.FORMAT}, "meta.json: step is missing, position is missing, world_size is missing, mesh is "
+                              "missing, config is missing"),
+    ("files", "meta.json: files is not a list of sizes and sha256 digests"),
+])
+def test_a_meta_json_of_the_wrong_shape_is_damage_not_a_traceback(run_copy, tmp_path, meta, what):
+    """Before: KeyError: 'config' (export), AttributeError: 'list' object has no attribute 'get'."""
+    last, out = run_copy / "checkpoints/step-00000003", tmp_path / "w.safetensors"
+    if meta == "files":
+        meta = json.loads((last / "meta.json").read_text()) | {"files": {"__0_0.distcp": 3}}
+    (last / "meta.json").write_text(json.dumps(meta))
+    result = vitctl("export", run_copy, "--out", out)
+    assert result.exit_code == 1 and f"error: checkpoint {last} is damaged: {what}. To go on" in result.stderr, \
+        result.stderr
+    no_traceback(result)
+    shutil.move(*follow(result.stderr, "mv"))
+    assert "step-00000002" in ok("export", run_copy, "--out", out).output
+
+
+def test_a_checkpoint_without_checksums_that_dcp_cannot_read_is_damage(run_copy, tmp_path):
+    """Checkpoints of vitctl releases before checksums are checked by DCP alone, whose CheckpointException is a
+    BaseException: before, a traceback (export) or `no rank reported an error` (a job)."""
+    last = run_copy / "checkpoints/step-00000003"
+    meta = json.loads((last / "meta.json").read_text())
+    del meta["files"]
+    (last / "meta.json").write_text(json.dumps(meta))
+    (last / "__0_0.distcp").write_bytes((last / "__0_0.distcp").read_bytes()[:1000])
+    result = vitctl("export", run_copy, "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 1 and f"error: checkpoint {last} is damaged: DCP cannot read it (" in result.stderr, \
+        result.stderr
+    no_traceback(result)
+    with pytest.raises(ConfigError, match="is damaged: DCP cannot read it"):
+        read_state_dict(run_copy)
+    shutil.move(*follow(result.stderr, "mv"))
+    assert "step-00000002" in ok("export", run_copy, "--out", tmp_path / "w.safetensors").output
+
+
+def test_the_checkpoints_folder_and_a_run_without_a_finished_checkpoint_are_named(pretrained, tmp_path):
+    out = tmp_path / "w.safetensors"
+    result = vitctl("export", pretrained / "checkpoints", "--out", out)
+    assert result.exit_code == 1, result.stderr
+    assert (f"error: {pretrained / 'checkpoints'} is the checkpoints folder of the run {pretrained}: pass the run "
+            "folder (its last checkpoint) or one checkpoint folder") in result.stderr, result.stderr
+    ok("export", pretrained, "--out", out)
+    (tmp_path / "killed/checkpoints/.step-00000002.partial").mkdir(parents=True)
+    result = vitctl("export", tmp_path / "killed", "--out", out)
+    assert result.exit_code == 1 and "its run stopped before its first checkpoint was complete " \
+        "(.step-00000002.partial is the save it left unfinished)" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- keep-last-K and files that are not its own
+
+
+def test_keep_last_k_removes_its_own_files_only(run_copy, caplog):
+    """Before, shutil.rmtree took a user's file kept in an old checkpoint folder with it."""
+    notes = run_copy / "checkpoints/step-00000002/eval.txt"
+    notes.write_text("top-1 71.2")
+    with caplog.at_level(logging.WARNING, logger="vitctl.checkpoint"):
+        train(config(run_copy, "train.max_steps=4", "train.keep_checkpoints=1"), resume=True)
+    assert notes.read_text() == "top-1 71.2" and sorted(p.name for p in notes.parent.iterdir()) == ["eval.txt"]
+    assert [p.name for p in ckpt.list_checkpoints(run_copy)] == ["step-00000004"]
+    assert f"could not remove the old checkpoint {notes.parent} (train.keep_checkpoints): it holds files vitctl did " \
+           "not write (eval.txt)" in caplog.text
+    assert read_state_dict(run_copy).keys()  # the folder left behind is no checkpoint, and no damaged one
+
+
+# ---------------------------------------------------------------- export: an --out that would destroy something
+
+
+def test_export_does_not_write_over_a_checkpoint_or_a_file_that_is_not_an_export(pretrained, tmp_path):
+    """Before, `--out RUN/checkpoints/step-00000003/meta.json` replaced the checkpoint's meta.json (it was lost),
+    and `--out model.pth` a user's torch.save file."""
+    last = ckpt.list_checkpoints(pretrained)[-1]
+    before = (last / "meta.json").read_bytes()
+    for out in (last / "meta.json", last / "w.safetensors"):
+        result = vitctl("export", pretrained, "--out", out)
+        assert result.exit_code == 1 and (f"error: --out {out} lies in the checkpoint folder {last}, which holds "
+                                          "what training wrote there alone: writing there could destroy the "
+                                          "checkpoint; choose an --out outside") in result.stderr, result.stderr
+    assert (last / "meta.json").read_bytes() == before and not (last / "w.safetensors").exists()
+    mine = tmp_path / "model.pth"
+    torch.save({"w": torch.ones(2)}, mine)
+    result = vitctl("export", pretrained, "--out", mine)
+    assert result.exit_code == 1 and (f"error: --out {mine} exists and is not a safetensors file: writing over it "
+                                      "would destroy it; choose another --out") in result.stderr, result.stderr
+    assert torch.equal(torch.load(mine)["w"], torch.ones(2))
+    again = tmp_path / "w.safetensors"  # an earlier export is written over: that is how a damaged one is replaced
+    ok("export", pretrained, "--out", again)
+    ok("export", pretrained, "--out", again)
+
+
+def test_export_ema_of_a_run_without_ema_says_to_drop_it(pretrained, tmp_path):
+    result = vitctl("export", pretrained, "--ema", "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 1 and ("holds no EMA weights: its run was trained without train.ema_decay; drop "
+                                      "--ema to export its weights") in result.stderr, result.stderr
+    ok("export", pretrained, "--out", tmp_path / "w.safetensors")
+
+
+# ---------------------------------------------------------------- finetune: position tables of another layout
+
+
+def _distilled(weights: dict) -> dict:
+    """DeiT's layout: a distillation token beside the class token, both with a position."""
+    return weights | {"dist_token": weights["cls_token"], "pos_embed": torch.cat([weights["pos_embed"][:, :1],
+                                                                                  weights["pos_embed"]], dim=1)}
+
+
+@pytest.mark.parametrize("layout", [_distilled, lambda w: w | {"pos_embed": w["pos_embed"][:, 1:]}],
+                         ids=["distillation-token", "no-class-token"])
+def test_a_position_table_of_another_layout_is_a_shape_mismatch_not_a_traceback(pretrained, tmp_path, layout):
+    """Before: RuntimeError: Sizes of tensors must match (the interpolation took it for a class token and a grid)."""
+    source = tmp_path / "other.pth"
+    torch.save(layout(ckpt.consolidated(ckpt.list_checkpoints(pretrained)[-1])), source)
+    with pytest.raises(ConfigError, match=r"does not fit model vit_micro: .*shape mismatch, file -> model \(1\): "
+                                          r"pos_embed \(1, 1[68], 96\) -> \(1, 37, 96\); use weights of a vit_micro"):
+        load_pretrained(build_model(ModelConfig(name="vit_micro", num_classes=5, img_size=48),
+                                    resolve("none", torch.device("cpu"))), source, None, "vit_micro")
+
+
+def test_finetune_of_a_distilled_checkpoint_at_another_size_is_one_line(pretrained, tmp_path):
+    source = tmp_path / "deit.pth"
+    torch.save(_distilled(ckpt.consolidated(ckpt.list_checkpoints(pretrained)[-1])), source)
+    result = vitctl("finetune", "--from-ckpt", source, "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0,
+                    "--steps", 1, *SETS, "--set", "model.img_size=48")
+    assert result.exit_code == 1 and "pos_embed (1, 18, 96) -> (1, 37, 96)" in result.stderr, result.stderr
+    assert "RuntimeError" not in result.stderr
+
+
+# ---------------------------------------------------------------- --resume with another model
+
+
+def test_resume_with_another_model_names_the_keys_and_both_ways_on_work(run_copy, tmp_path):
+    """Before: `was trained with model {...}, not {...}; use another --out`, two dicts to compare by eye."""
+    with pytest.raises(ConfigError) as error:
+        train(config(run_copy, "train.max_steps=4", "model.num_classes=7"), resume=True)
+    message = str(error.value)
+    last = run_copy / "checkpoints/step-00000003"
+    assert (f"{last} was trained with model settings other than this run's: model.num_classes=5 (now 7); --resume "
+            "cannot change them: rerun with --set model.num_classes=5 to go on with the model it saved, or start a "
+            f"new run from its weights: `vitctl finetune --from-ckpt {last} --out NEW --set model.num_classes=7`") \
+        in message
+    resume_sets = re.search(r"rerun with ((?:--set \S+ )+)", message).group(1).split()[1::2]
+    assert train(config(run_copy, "train.max_steps=4", "model.num_classes=7", *resume_sets), resume=True)["step"] == 4
+    finetune = shlex.split(message.split("`")[1])  # vitctl finetune --from-ckpt C --out NEW --set ...
+    finetune[finetune.index("NEW")] = str(tmp_path / "ft")
+    ok("finetune", *SETS, *finetune[2:], "--executor", "local", "--gpus", 0, "--steps", 1)  # its --set comes last
+    assert json.loads((ckpt.list_checkpoints(tmp_path / "ft")[-1] / "meta.json").read_text())["config"]["model"][
+        "num_classes"] == 7
