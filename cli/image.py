@@ -1,5 +1,6 @@
 """`vitctl image build`: the prebuilt container image, as an OCI archive and as a squashfs that pyxis runs."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -19,11 +20,12 @@ def image() -> None:
 @click.option("--base", default=wf.DEFAULT_BASE, show_default=True,
               help="Image with a CUDA build of torch and its nvcc: an NGC PyTorch image, or the offline base that "
                    "containers/base/build-base builds (localhost/vitctl-base:torch2.11.0).")
-@click.option("--tag", callback=lambda ctx, param, tag: _checked_tag(tag),
+@click.option("--tag", callback=lambda ctx, param, tag: _checked(tag, wf.tag_problem),
               help="Name of the image [default: localhost/vitctl:VERSION].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=wf.ImageRequest.out,
               show_default=True, help="Folder for NAME.oci.tar and NAME.sqsh.")
 @click.option("--arch-list", default=wf.DEFAULT_ARCHS, show_default=True,
+              callback=lambda ctx, param, archs: _checked(archs, wf.arch_list_problem),
               help="TORCH_CUDA_ARCH_LIST: the GPU archs the ops and apex are compiled for.")
 @click.option("--apex", "apex_archive", type=click.Path(dir_okay=False, path_type=Path),
               help="apex's source as a .tar.gz, for builds without access to its git repository "
@@ -37,6 +39,7 @@ def build(base: str, tag: str | None, out: Path, arch_list: str, apex_archive: P
     request = wf.ImageRequest(base, tag or f"localhost/vitctl:{vitctl_version()}", out, arch_list,
                               apex_archive.absolute() if apex_archive else None, max_jobs)
     if dry_run:
+        wf.check_request(request)
         click.echo("\n".join(wf.plan(request)))
         return
     built = wf.build(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))
@@ -48,7 +51,8 @@ def build(base: str, tag: str | None, out: Path, arch_list: str, apex_archive: P
                   highlight=False, soft_wrap=True)
 
 
-def _checked_tag(tag: str | None) -> str | None:
-    if tag is not None and (problem := wf.tag_problem(tag)):
-        raise click.BadParameter(problem)
-    return tag
+def _checked(value: str | None, problem: Callable[[str], str | None]) -> str | None:
+    """`value` if `problem` finds none in it: what buildah or the build would refuse is refused before it starts."""
+    if value is not None and (found := problem(value)):
+        raise click.BadParameter(found)
+    return value

@@ -3,8 +3,11 @@ Containerfile, a busybox base whose python3, pip and vitctl only record their ar
 squashfs, the launch flags for pyxis, the version check at rank start and the no-JIT rule. The full image is built and
 tested by `make image image-test` (containers/README.md)."""
 
+import io
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -125,7 +128,7 @@ def test_enroot_layout_of_a_tiny_rootfs(tmp_path):
 
 
 def test_image_build_dry_run_prints_the_commands(tmp_path):
-    apex = tmp_path / "apex-x.tar.gz"
+    apex = _apex_archive(tmp_path)
     out = ok("image", "build", "--dry-run", "--base", "localhost/vitctl-base:torch2.11.0", "--tag",
              "localhost/vitctl:ci", "--out", tmp_path / "img", "--arch-list", "9.0", "--apex", apex).output
     lines = out.splitlines()
@@ -133,7 +136,7 @@ def test_image_build_dry_run_prints_the_commands(tmp_path):
     for part in ["--isolation chroot", "-f containers/Containerfile",
                  "--build-arg BASE_IMAGE=localhost/vitctl-base:torch2.11.0", "--build-arg TORCH_CUDA_ARCH_LIST=9.0",
                  f"--build-arg VITCTL_VERSION={vitctl_version()}",
-                 "--build-arg APEX_ARCHIVE=containers/vendor/apex-x.tar.gz"]:
+                 "--build-arg APEX_ARCHIVE=containers/vendor/apex-test.tar.gz"]:
         assert part in bud, part
     img = tmp_path / "img"  # each output written under a .partial name, renamed once complete
     assert f"push localhost/vitctl:ci oci-archive:{img}/vitctl-ci.oci.tar.partial:localhost/vitctl:ci" in out
@@ -154,6 +157,90 @@ def test_a_tag_buildah_would_refuse_is_refused_before_the_build(tmp_path, tag):
                                  "registry.example.org:5000/team/vit_ctl:v1.2_rc-3", "gpuhost:5000/vitctl"])
 def test_tags_buildah_takes_pass(tmp_path, tag):
     assert f" -t {tag} " in ok("image", "build", "--dry-run", "--tag", tag, "--out", tmp_path / "img").output
+
+
+@pytest.mark.parametrize("archs", ["foo", "9.0;bogus", "", "9,0", "9.0;;10.0", "native", "Ampere+PTX"])
+def test_an_arch_list_torch_would_refuse_is_refused_before_the_build(tmp_path, archs):
+    result = vitctl("image", "build", "--dry-run", "--arch-list", archs, "--out", tmp_path / "img")
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    assert f"Invalid value for '--arch-list': {archs!r}: " in result.stderr
+    assert "not a CUDA arch torch compiles for; TORCH_CUDA_ARCH_LIST is entries such as 8.0, 9.0, 9.0a, 10.0 or " \
+           "8.6+PTX (or names: Ampere, Hopper, Blackwell) separated by ; or spaces, e.g. --arch-list '8.0;9.0;10.0'" \
+           in " ".join(result.stderr.split())
+    assert not (tmp_path / "img").exists()
+    ok("image", "build", "--dry-run", "--arch-list", "8.0;9.0;10.0", "--out", tmp_path / "img")  # the example
+
+
+@pytest.mark.parametrize("archs", ["8.0;9.0;10.0", "9.0", "9.0a 10.0", "8.6+PTX;9.0", "Ampere Hopper", "12.0a"])
+def test_arch_lists_torch_takes_pass(tmp_path, archs):
+    bud = ok("image", "build", "--dry-run", "--arch-list", archs, "--out", tmp_path / "img").output
+    assert shlex.join(["--build-arg", f"TORCH_CUDA_ARCH_LIST={archs}"]) in bud
+
+
+def _tar_gz(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _bad_apex(kind: str, tmp: Path) -> tuple[Path, str]:
+    """An --apex archive the build would fail on, and what the refusal says of it."""
+    if kind == "text":
+        return Path("/etc/passwd"), "not a gzip-compressed tar, which the build unpacks with tar -xzf (Not a gzipped"
+    if kind == "empty":
+        (tmp / "empty.tar.gz").touch()
+        return tmp / "empty.tar.gz", "not a gzip-compressed tar, which the build unpacks with tar -xzf (empty file)"
+    if kind == "plain tar":
+        with tarfile.open(tmp / "apex.tar", "w") as tar:
+            tar.add(_apex_archive(tmp), arcname="apex.tar.gz")
+        return tmp / "apex.tar", "not a gzip-compressed tar"
+    if kind == "cut short":
+        whole = _tar_gz(tmp / "whole.tar.gz", {"apex/setup.py": b"#", "apex/csrc.cu": os.urandom(100_000)})
+        (tmp / "cut.tar.gz").write_bytes(whole.read_bytes()[:60_000])
+        return tmp / "cut.tar.gz", "(Compressed file ended before the end-of-stream marker was reached)"
+    layout = {"setup.py on top": "setup.py", "setup.py two folders down": "NVIDIA/apex/setup.py"}[kind]
+    return _tar_gz(tmp / "apex.tar.gz", {layout: b"#"}), "holds no setup.py one folder down (FOLDER/setup.py), where " \
+        "the build looks for apex's after unpacking it with tar --strip-components=1"
+
+
+@pytest.mark.parametrize("kind", ["text", "empty", "plain tar", "cut short", "setup.py on top",
+                                  "setup.py two folders down"])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_an_apex_archive_the_build_cannot_unpack_is_refused_before_the_build(tmp_path, monkeypatch, kind, dry_run):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no buildah: nothing could be built
+    archive, what = _bad_apex(kind, tmp_path)
+    result = vitctl("image", "build", *(["--dry-run"] if dry_run else []), "--apex", archive, "--out", tmp_path / "img")
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())
+    assert message.startswith(f"error: --apex {archive}: ") and what in message
+    ref = re.search(r"ARG APEX_REF=(\w+)", (image.REPO / image.CONTAINERFILE).read_text())[1]
+    assert message.endswith(f"; pass apex's source as GitHub archives it, one folder holding setup.py (e.g. "
+                            f"https://github.com/NVIDIA/apex/archive/{ref}.tar.gz, or tar -czf apex.tar.gz apex/)")
+    assert not (tmp_path / "img").exists() and not list((image.REPO / image.VENDOR).glob("*.tar*"))
+    (tmp_path / "fixed").mkdir()
+    fixed = _apex_archive(tmp_path / "fixed")  # the fix: one folder apex/ holding setup.py, as tar -czf packs it
+    ok("image", "build", "--dry-run", "--apex", fixed, "--out", tmp_path / "img")
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_build(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for out, blocker in [("notes.txt/img", "notes.txt is a file"), ("gone/img", "gone is a broken symbolic link")]:
+        result = vitctl("image", "build", "--dry-run", "--out", tmp_path / out)
+        assert result.exit_code == 1 and "Traceback" not in result.stderr
+        assert result.stderr == f"error: --out {tmp_path / out}: {tmp_path / blocker}, not a folder; move it away " \
+                                f"or choose another --out\n"
+    with monkeypatch.context() as patch:  # as a user without write access sees it (root's access is never denied)
+        patch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)
+        result = vitctl("image", "build", "--dry-run", "--out", tmp_path / "img")
+    assert result.exit_code == 1
+    assert result.stderr == f"error: --out {tmp_path / 'img'}: this user may not write in {tmp_path}; choose " \
+                            f"another --out, or give this user write access to {tmp_path}\n"
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "img").exists()
+    ok("image", "build", "--dry-run", "--out", tmp_path / "img")
 
 
 def test_missing_build_tools_are_a_clear_error(tmp_path, monkeypatch):

@@ -3,7 +3,9 @@ when it is tight; never over the budget; nothing when nothing fits), its dynamic
 plan file it writes, the profiler on CPU (blocks, and collectives among gloo ranks), and the command run offline
 from a saved profile."""
 
+import functools
 import itertools
+import json
 import random
 from pathlib import Path
 
@@ -428,3 +430,63 @@ def test_cli_refuses_an_out_folder_it_may_not_write_before_searching(tmp_path, m
     assert result.exit_code == 1 and "searched plan" not in result.output
     assert result.stderr == f"error: cannot write the plan {out}: this user may not write in {tmp_path}; choose " \
                             f"another --out, or give this user write access to {tmp_path}\n"
+
+
+# A local dry run of vit_micro (4 blocks) on one rank: read_plan runs in preflight, before anything is launched
+TRAIN_WITH_PLAN = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64",
+                   "--batch", 4, "--executor", "local", "--gpus", 0, "--dry-run"]
+BLOCKS = "is missing (a whole number of at least 1, e.g. \"blocks\": 4)"
+
+
+@pytest.mark.parametrize(("path", "value", "problem"), [
+    (["fsdp_rest"], "no", 'fsdp_rest holds "no", not true or false, e.g. "fsdp_rest": false'),
+    (["stages"], "12", 'stages holds "12", not a list of whole numbers, e.g. "stages": [6, 6]'),
+    (["stages"], [2, "2"], 'stages holds [2, "2"], not a list of whole numbers, e.g. "stages": [6, 6]'),
+    (["tp"], "1", 'tp holds "1", not a whole number, e.g. "tp": 2'),
+    (["pp"], 1.0, 'pp holds 1.0, not a whole number, e.g. "pp": 2'),
+    (["microbatches"], True, 'microbatches holds true, not a whole number, e.g. "microbatches": 4'),
+    (["dp_shard"], "-1", 'dp_shard holds "-1", not a whole number, e.g. "dp_shard": -1'),
+    (["virtual_stages"], 1.5, 'virtual_stages holds 1.5, not a whole number, e.g. "virtual_stages": 1'),
+    (["schedule"], 1, 'schedule holds 1, not a string, e.g. "schedule": "1f1b"'),
+    (["model"], ["vit_micro"], 'model holds ["vit_micro"], not a string, e.g. "model": "vit_b16"'),
+    (["tp"], None, 'tp is missing (a whole number, e.g. "tp": 2)'),
+    (["groups"], {"blocks": 4}, 'groups holds {"blocks": 4}, not a list, e.g. "groups": [{"blocks": 4, "fsdp": true, '
+                                '"checkpoint": "selective"}]'),
+    (["groups", 1], 4, 'groups[1] holds 4, not an object (e.g. {"blocks": 4, "fsdp": true, "checkpoint": '
+                       '"selective"})'),
+    (["groups", 1, "fsdp"], "no", 'groups[1].fsdp (blocks 2-3) holds "no", not true or false, e.g. "fsdp": true'),
+    (["groups", 0, "checkpoint"], 1, 'groups[0].checkpoint (blocks 0-1) holds 1, not a string, e.g. "checkpoint": '
+                                     '"selective"'),
+    (["groups", 0, "blocks"], 2.0, 'groups[0].blocks holds 2.0, not a whole number of at least 1, e.g. "blocks": 4'),
+    (["groups", 1, "blocks"], None, f"groups[1].blocks {BLOCKS}"),
+])
+def test_a_hand_written_plan_with_a_value_of_the_wrong_type_is_refused(tmp_path, path, value, problem):
+    """Values were converted loosely: "fsdp_rest": "no" became true, "stages": "12" the stages [1, 2]."""
+    written = Strategy(blocks=(BlockStrategy(),) * 2 + (BlockStrategy(checkpoint="selective"),) * 2)
+    plan = json.loads(written.to_json("vit_micro", 1))
+    *parents, key = path
+    holder = functools.reduce(lambda held, k: held[k], parents, plan)
+    if value is None:
+        del holder[key]
+    else:
+        holder[key] = value
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    result = vitctl(*TRAIN_WITH_PLAN, "--out", tmp_path / "run", "--plan", plan_file)
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert result.stderr == f"error: parallel.plan {plan_file}: {problem}; fix these, or write the plan again with " \
+                            f"`vitctl plan`\n"
+    plan_file.write_text(written.to_json("vit_micro", 1))  # the plan as `vitctl plan` writes it, which trains
+    ok(*TRAIN_WITH_PLAN, "--out", tmp_path / "run", "--plan", plan_file)
+
+
+def test_every_value_of_the_wrong_type_is_named_at_once(tmp_path):
+    plan = json.loads(Strategy(blocks=(BlockStrategy(),) * 4).to_json("vit_micro", 1))
+    plan["fsdp_rest"], plan["groups"][0]["fsdp"] = "no", "no"
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    result = vitctl(*TRAIN_WITH_PLAN, "--out", tmp_path / "run", "--plan", plan_file)
+    assert result.exit_code == 1 and result.stderr == (
+        f'error: parallel.plan {plan_file}: fsdp_rest holds "no", not true or false, e.g. "fsdp_rest": false; '
+        f'groups[0].fsdp (blocks 0-3) holds "no", not true or false, e.g. "fsdp": true; fix these, or write the plan '
+        f"again with `vitctl plan`\n")

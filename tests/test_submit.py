@@ -16,7 +16,7 @@ from vitctl.trainer.config import ConfigError
 from vitctl.trainer.data.shards import read_table, split_shards
 from vitctl.workflows import registry, status
 from vitctl.workflows.process import start_time
-from vitctl.workflows.submit import parse_time, rendezvous_port
+from vitctl.workflows.submit import TracebackFilter, parse_time, rendezvous_port
 
 
 @pytest.mark.parametrize(("text", "minutes"), [("30", 30), ("4:00:00", 240), ("1-12", 2160), ("1-00:00:00", 1440),
@@ -90,6 +90,8 @@ def test_an_image_damaged_after_sharding_is_named_in_one_line_and_the_fix_named_
     result = vitctl(*run, "--out", tmp_path / "run")
     assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    # rank 0's log is echoed without the worker's error, its causes and the separators of their chain
+    assert [line for line in result.stderr.splitlines() if not TracebackFilter.LOG_RECORD.match(line)] == errors
     found = re.search(r"failed: rank 0 raised DataError: (\S+\.tar): the JPEG at offset (\d+) does not decode \(not in "
                       r"any format Pillow reads\); fix: `(vitctl data verify \S+)` names each damaged shard", errors[0])
     assert len(errors) == 1 and found, errors
@@ -102,6 +104,65 @@ def test_an_image_damaged_after_sharding_is_named_in_one_line_and_the_fix_named_
         for command in fix.split(" && "):
             ok(*shlex.split(command)[1:])
     ok(*run, "--out", tmp_path / "again")
+
+
+# A rank whose loader fails as DALI's does: the worker's error arrives without its frames (the chain's first cause,
+# printed without a "Traceback" line), DALI raises again from it, and an error while handling that ends the rank
+CHAINED_RANK = """
+import logging, pickle, sys
+from vitctl.workflows.submit import RankFailed, train_rank
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s [rank 0] %(name)s: %(message)s")  # as the trainer's
+log = logging.getLogger("vitctl.train")
+
+
+def worker():
+    try:
+        raise ValueError("cannot identify image file")
+    except ValueError as e:
+        raise RuntimeError("x.tar: the JPEG at offset 1536 does not decode\\nfix: `vitctl data verify x`") from e
+
+
+def job(should_stop):
+    log.info("step=0 event=start")
+    print("an ordinary line, not a log record", file=sys.stderr)
+    print("note: one that looks like an exception line", file=sys.stderr)
+    log.info("step=1 loss=6.9")
+    try:
+        worker()
+    except RuntimeError as e:
+        arrived = pickle.loads(pickle.dumps(e))  # as from a worker process: without frames or cause
+    try:
+        raise Exception("\\n\\nException traceback received from worker thread:\\n\\n...") from arrived
+    except Exception:
+        raise LookupError("the batch of step 2")
+
+
+class Running:
+    is_set = staticmethod(lambda: False)
+
+
+try:
+    train_rank(job, Running())
+except RankFailed as error:
+    logging.getLogger("submitit").exception("Submitted job triggered an exception")  # as submitit does
+    print(error)
+"""
+
+
+def test_a_chained_traceback_in_a_rank_s_log_is_hidden_whole_and_the_log_lines_kept():
+    rank = subprocess.run([sys.executable, "-c", CHAINED_RANK], capture_output=True, text=True)
+    log = rank.stderr.splitlines()
+    assert "RuntimeError: x.tar: the JPEG at offset 1536 does not decode" in log  # a cause without "Traceback"
+    assert "The above exception was the direct cause of the following exception:" in log
+    assert "During handling of the above exception, another exception occurred:" in log
+    hide = TracebackFilter()
+    shown = [line for i, line in enumerate(log) for line in hide.shown([line], final=i == len(log) - 1)]  # read live
+    assert [TracebackFilter.LOG_RECORD.sub("", line) for line in shown] == [
+        "vitctl.train: step=0 event=start", "an ordinary line, not a log record",
+        "note: one that looks like an exception line", "vitctl.train: step=1 loss=6.9",
+        "submitit: Submitted job triggered an exception"]
+    assert rank.stdout.splitlines()[-1] == "rank 0 raised LookupError: the batch of step 2"  # vitctl's one line
 
 
 @pytest.mark.slow

@@ -1,16 +1,24 @@
 """`vitctl image build`: containers/Containerfile built by buildah, then written as an OCI archive and as the squashfs
 that pyxis runs (`srun --container-image=/path/NAME.sqsh`), laid out as `enroot import` lays out its images."""
 
+import gzip
 import json
+import logging
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import tarfile
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
 from .errors import LaunchError
 from .provenance import git_commit, vitctl_version
@@ -38,6 +46,49 @@ def tag_problem(tag: str) -> str | None:
         return None
     return (f"{tag!r} is not an image name: lowercase name components (letters, digits, . _ -) separated by /, a "
             "registry host first if any, a :tag last if any, e.g. localhost/vitctl:0.1.0")
+
+
+def arch_list_problem(arch_list: str) -> str | None:
+    """Why torch would refuse `arch_list` as TORCH_CUDA_ARCH_LIST when the build compiles the ops (minutes into the
+    build), or None."""
+    # torch reads spaces as ';' and expands names (Ampere: 8.0;8.6+PTX) within an entry: each entry stands alone
+    bad = list(dict.fromkeys(e for e in re.split("[ ;]", arch_list) if not _torch_compiles_for(e)))
+    if not bad:
+        return None
+    named = ", ".join("an empty entry (two separators in a row, or one at an end)" if not e else repr(e) for e in bad)
+    return (f"{arch_list!r}: {named} {'is' if len(bad) == 1 else 'are'} not a CUDA arch torch compiles for; "
+            "TORCH_CUDA_ARCH_LIST is entries such as 8.0, 9.0, 9.0a, 10.0 or 8.6+PTX (or names: Ampere, Hopper, "
+            f"Blackwell) separated by ; or spaces, e.g. --arch-list '{DEFAULT_ARCHS}'")
+
+
+def _torch_compiles_for(entry: str) -> bool:
+    """Whether torch's extension build takes `entry` alone as TORCH_CUDA_ARCH_LIST."""
+    if entry in ("", "native"):  # torch reads both as "the GPUs here", and the build sees none
+        return False
+    # its import warns when this machine has no CUDA runtime, which the check does not need
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    from torch.utils import cpp_extension
+
+    with _environment("TORCH_CUDA_ARCH_LIST", entry):
+        try:
+            cpp_extension._get_cuda_arch_flags()
+        except ValueError:
+            return False
+    return True
+
+
+@contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """The environment variable `name` set to `value` within the block, as it was after it."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
 
 
 @dataclass(frozen=True)
@@ -181,13 +232,45 @@ def check_tools() -> None:
                           "(as root; containers/README.md)")
 
 
+def check_request(request: ImageRequest) -> None:
+    """Refuse an --apex archive or an --out that the build would fail on only after minutes to an hour."""
+    if request.apex_archive:
+        check_apex_archive(request.apex_archive)
+    out = request.out.absolute()
+    if blocker := file_in_the_way(out):
+        raise LaunchError(f"--out {request.out}: {what_it_is(blocker)}, not a folder; move it away or choose another "
+                          "--out")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LaunchError(f"--out {request.out}: this user may not write in {existing}; choose another --out, or give "
+                          f"this user write access to {existing}")
+
+
+def check_apex_archive(archive: Path) -> None:
+    """The Containerfile unpacks the archive with `tar -xzf --strip-components=1` and runs the setup.py it finds on
+    top: refuse an archive that is no gzip-compressed tar, is cut short, or holds no setup.py one folder down."""
+    ref = re.search(r"^ARG APEX_REF=(\w+)", (REPO / CONTAINERFILE).read_text(), re.MULTILINE)[1]
+    fix = (f"pass apex's source as GitHub archives it, one folder holding setup.py (e.g. "
+           f"https://github.com/NVIDIA/apex/archive/{ref}.tar.gz, or tar -czf apex.tar.gz apex/)")
+    if not archive.is_file():
+        raise LaunchError(f"--apex {archive}: no such file (an archive of apex's source, e.g. apex-{ref[:12]}.tar.gz)")
+    try:
+        with gzip.open(archive) as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
+            tops = [m for m in tar if m.isfile() and [p for p in m.name.split("/") if p][1:] == ["setup.py"]]
+            stream.read()  # to the end of the gzip stream: a copy cut short after the last member is found too
+    except (OSError, EOFError, tarfile.TarError, zlib.error) as e:
+        raise LaunchError(f"--apex {archive}: not a gzip-compressed tar, which the build unpacks with tar -xzf "
+                          f"({e}); {fix}") from None
+    if not tops:
+        raise LaunchError(f"--apex {archive}: holds no setup.py one folder down (FOLDER/setup.py), where the build "
+                          f"looks for apex's after unpacking it with tar --strip-components=1; {fix}")
+
+
 def build(request: ImageRequest, echo: Callable[[str], None]) -> BuiltImage:
     """Build the image, write the OCI archive and the squashfs; the archive of apex is staged in the build context
     only while the build runs."""
+    check_request(request)
     check_tools()
-    if request.apex_archive and not request.apex_archive.is_file():
-        raise LaunchError(f"--apex {request.apex_archive}: no such file (an archive of apex's source, e.g. "
-                          "apex-6424da3b4faa.tar.gz)")
     done = outputs(request)
     done.oci_archive.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

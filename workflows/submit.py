@@ -369,18 +369,41 @@ class TracebackFilter:
     """Hides the Python tracebacks of a log followed live: a failed rank is reported once, in one line, and its
     traceback stays in the log file. A traceback ends where the trainer's logging writes again."""
 
-    START = re.compile(r"(\[rank\d+\]: )?Traceback \(most recent call last\):")
+    PREFIX = r"(\[rank\d+\]: )?"
+    START = re.compile(rf"{PREFIX}Traceback \(most recent call last\):")
+    SEPARATOR = re.compile(rf"{PREFIX}(The above exception was the direct cause of the following exception:|During "
+                           r"handling of the above exception, another exception occurred:)")
     LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[rank \d+\] ")
+    # A chain's first cause has no "Traceback" line when it was never raised in this process (DALI raises again
+    # from a worker's error): from a line that may be its `module.Name: message`, lines are held back until a
+    # separator shows that they were (and hides them) or a log record or traceback shows that they were not.
+    EXCEPTION_LINE = re.compile(rf"{PREFIX}[A-Za-z_][\w.]*(: |$)")
 
     def __init__(self) -> None:
         self.hiding = False
+        self.held: list[str] = []
 
-    def keep(self, line: str) -> bool:
-        if self.START.match(line):
-            self.hiding = True
-        elif self.hiding and self.LOG_RECORD.match(line):
-            self.hiding = False
-        return not self.hiding
+    def shown(self, lines: list[str], final: bool = False) -> list[str]:
+        """Those of the log's next `lines` to show; `final`: the log has ended, and nothing is held back any longer."""
+        shown = []
+        for line in lines:
+            if self.SEPARATOR.match(line):
+                self.hiding, self.held = True, []
+            elif self.START.match(line):
+                shown += self._release()
+                self.hiding = True
+            elif self.LOG_RECORD.match(line):
+                self.hiding = False
+                shown += [*self._release(), line]
+            elif not self.hiding and (self.held or self.EXCEPTION_LINE.match(line)):
+                self.held.append(line)
+            elif not self.hiding:
+                shown.append(line)
+        return shown + (self._release() if final else [])
+
+    def _release(self) -> list[str]:
+        held, self.held = self.held, []
+        return held
 
 
 def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -> dict[str, Any]:
@@ -421,7 +444,7 @@ def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str
     hide, stop_at = TracebackFilter(), None
     while True:
         done = submitted.done()
-        shown = [line for line in log.read(final=done).splitlines() if hide.keep(line)]
+        shown = hide.shown(log.read(final=done).splitlines(), final=done)
         if shown:
             echo("\n".join(shown))
         if done:

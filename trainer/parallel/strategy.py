@@ -102,18 +102,16 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
         raise ConfigError(f"{where} does not exist; write one with `vitctl plan ... --out {path}`") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where} cannot be read as JSON ({e}); write it again with `vitctl plan`") from None
-    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
+    if not isinstance(plan, dict) or type(plan.get("version")) is not int or plan["version"] != PLAN_VERSION:
         raise ConfigError(f"{where} is not a version-{PLAN_VERSION} plan; write it again with `vitctl plan`")
-    try:
-        blocks = tuple(BlockStrategy(fsdp=bool(g["fsdp"]), checkpoint=str(g["checkpoint"]))
-                       for g in plan["groups"] for _ in range(int(g["blocks"])))
-        strategy = Strategy(tp=int(plan["tp"]), pp=int(plan["pp"]), dp_shard=int(plan.get("dp_shard", -1)),
-                            microbatches=int(plan["microbatches"]), schedule=str(plan["schedule"]),
-                            virtual_stages=int(plan.get("virtual_stages", 1)),
-                            stages=tuple(int(s) for s in plan.get("stages", ())),
-                            blocks=blocks, fsdp_rest=bool(plan.get("fsdp_rest", False)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{where} lacks or mistypes {e}; write it again with `vitctl plan`") from None
+    if problems := _plan_problems(plan):
+        raise ConfigError(f"{where}: {'; '.join(problems)}; fix these, or write the plan again with `vitctl plan`")
+    blocks = tuple(BlockStrategy(fsdp=g["fsdp"], checkpoint=g["checkpoint"])
+                   for g in plan["groups"] for _ in range(g["blocks"]))
+    strategy = Strategy(tp=plan["tp"], pp=plan["pp"], dp_shard=plan.get("dp_shard", -1),
+                        microbatches=plan["microbatches"], schedule=plan["schedule"],
+                        virtual_stages=plan.get("virtual_stages", 1), stages=tuple(plan.get("stages", ())),
+                        blocks=blocks, fsdp_rest=plan.get("fsdp_rest", False))
     if len(blocks) != n_blocks:
         raise ConfigError(f"{where} gives strategies for {len(blocks)} blocks but model has {n_blocks}; "
                           f"it was planned for {plan.get('model')!r}")
@@ -121,6 +119,59 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
         raise ConfigError(f"{where} was planned for {plan['model']!r}, not for model {model}; plan this model "
                           f"(vitctl plan --model {model} ... --out {path}), or train {plan['model']} with it")
     return strategy
+
+
+# A plan's values are taken only of their JSON type (bool("no") is True, int(2.5) is 2, a string "12" a list of digits)
+_PLAN_KINDS = {
+    "whole": lambda v: type(v) is int,  # bool is not int here
+    "count": lambda v: type(v) is int and v >= 1,
+    "bool": lambda v: type(v) is bool,
+    "string": lambda v: type(v) is str,
+    "wholes": lambda v: type(v) is list and all(type(x) is int for x in v),
+    "list": lambda v: type(v) is list,
+}
+_KIND_NAMES = {"whole": "a whole number", "count": "a whole number of at least 1", "bool": "true or false",
+               "string": "a string", "wholes": "a list of whole numbers", "list": "a list"}
+_GROUP_EXAMPLE = '{"blocks": 4, "fsdp": true, "checkpoint": "selective"}'
+# key: (kind, an example value, whether the key may be left out)
+_PLAN_KEYS = {"model": ("string", '"vit_b16"', True), "world_size": ("whole", "8", True), "tp": ("whole", "2", False),
+              "pp": ("whole", "2", False), "dp_shard": ("whole", "-1", True), "microbatches": ("whole", "4", False),
+              "schedule": ("string", '"1f1b"', False), "virtual_stages": ("whole", "1", True),
+              "stages": ("wholes", "[6, 6]", True), "fsdp_rest": ("bool", "false", True),
+              "groups": ("list", f"[{_GROUP_EXAMPLE}]", False)}
+_GROUP_KEYS = {"blocks": ("count", "4", False), "fsdp": ("bool", "true", False),
+               "checkpoint": ("string", '"selective"', False)}
+
+
+def _plan_problems(plan: dict[str, Any]) -> list[str]:
+    """Each key of the plan (and of each group of blocks) missing or holding a value of the wrong type."""
+    problems = _key_problems(plan, _PLAN_KEYS, "")
+    groups = plan["groups"] if _PLAN_KINDS["list"](plan.get("groups")) else []
+    first: int | None = 0  # the group's first block, while the groups before it count theirs rightly
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict):
+            problems.append(f"groups[{i}] holds {json.dumps(group)}, not an object (e.g. {_GROUP_EXAMPLE})")
+            first = None
+            continue
+        n = group.get("blocks")
+        first = first if _PLAN_KINDS["count"](n) else None
+        span = "" if first is None else f" (block {first})" if n == 1 else f" (blocks {first}-{first + n - 1})"
+        problems += _key_problems(group, _GROUP_KEYS, f"groups[{i}].", span)
+        first = None if first is None else first + n
+    return problems
+
+
+def _key_problems(values: dict[str, Any], keys: dict[str, tuple[str, str, bool]], prefix: str,
+                  suffix: str = "") -> list[str]:
+    """Each of `keys` missing from `values` (unless optional) or of the wrong type, named `prefix` key `suffix`."""
+    problems = []
+    for key, (kind, example, optional) in keys.items():
+        expected = f'{_KIND_NAMES[kind]}, e.g. "{key}": {example}'
+        if key not in values:
+            problems += [] if optional else [f"{prefix}{key}{suffix} is missing ({expected})"]
+        elif not _PLAN_KINDS[kind](values[key]):
+            problems.append(f"{prefix}{key}{suffix} holds {json.dumps(values[key])}, not {expected}")
+    return problems
 
 
 def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_size: int) -> list[str]:
