@@ -1,5 +1,6 @@
 """A small dataset in the real ILSVRC2012 archive formats, with learnable class-dependent images."""
 
+import gzip
 import io
 import json
 import os
@@ -79,6 +80,9 @@ def encode(image: Image.Image, gotcha: str | None) -> bytes:
     return out.getvalue()
 
 
+# A MAT 5 file's 116 bytes of descriptive text, which savemat fills with its "Created on" time
+MAT_HEADER = b"MATLAB 5.0 MAT-file, Platform: posix, Created by: vitctl data synth".ljust(116)
+
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 1330000000, 0o644
@@ -112,12 +116,16 @@ def synset_struct(leaves: list[tuple[str, str]]) -> np.ndarray:
 
 
 def devkit_bytes(leaves: list[tuple[str, str]], ground_truth: list[int]) -> bytes:
+    """The devkit archive, the same bytes for the same classes: no clock time in it (savemat's header and gzip's
+    both hold one), so that a rerun of synth writes what a fresh one does."""
     mat = io.BytesIO()
     scipy.io.savemat(mat, {"synsets": synset_struct(leaves)}, format="5")
+    mat_bytes = MAT_HEADER + mat.getvalue()[len(MAT_HEADER):]
     truth = "".join(f"{i}\n" for i in ground_truth).encode()
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.GNU_FORMAT) as tar:
-        _add(tar, f"{DEVKIT_DIR}/{META_MAT}", mat.getvalue())
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        _add(tar, f"{DEVKIT_DIR}/{META_MAT}", mat_bytes)
         _add(tar, f"{DEVKIT_DIR}/{GROUND_TRUTH}", truth)
     return buf.getvalue()
 

@@ -1,6 +1,7 @@
 import io
 import re
 import tarfile
+import time
 
 import pytest
 import scipy.io
@@ -122,3 +123,11 @@ def test_synth_replaces_its_own_archives_even_after_an_interrupted_rerun(tmp_pat
     ok("data", "synth", tmp_path / "b", "--classes", 5, "--train-per-class", 1, "--val-per-class", 1)
     for archive in (TRAIN_TAR, VAL_TAR, DEVKIT):
         assert (out / archive).read_bytes() == (tmp_path / "b" / archive).read_bytes()
+
+
+def test_the_devkit_holds_no_clock_time():
+    """savemat's header and gzip's both hold the time of writing: a rerun a second later wrote other bytes."""
+    classes, truth = [("n01440764", "tench"), ("n01443537", "goldfish")], [1, 2, 1]
+    first = synth_module.devkit_bytes(classes, truth)
+    time.sleep(1.1)
+    assert synth_module.devkit_bytes(classes, truth) == first
