@@ -100,7 +100,7 @@ def test_a_last_checkpoint_that_lost_a_file_is_named_not_skipped(run_copy, tmp_p
     ([], "meta.json holds list, not an object"),
     ({"format": ckpt.FORMAT}, "meta.json: step is missing, position is missing, world_size is missing, mesh is "
                               "missing, config is missing"),
-    ("files", "meta.json: files is not a list of sizes and sha256 digests"),
+    ("files", "meta.json: files is not a mapping of file names to their sizes and sha256 digests"),
 ])
 def test_a_meta_json_of_the_wrong_shape_is_damage_not_a_traceback(run_copy, tmp_path, meta, what):
     """Before: KeyError: 'config' (export), AttributeError: 'list' object has no attribute 'get'."""

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ok, vitctl
 from vitctl.workflows import registry
+from vitctl.workflows.process import children
 
 VITCTL = str(Path(sys.executable).parent / "vitctl")
 QUICK = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64", "--batch", "4",
@@ -40,15 +41,14 @@ def _wait_for_step(out: Path, step: int) -> None:
 
 def _rank_pid(out: Path, rank: int) -> int:
     """The PID of one rank of the job into `out` (a child of submitit's controller, whose PID is the job id)."""
-    controller = registry.find_record(str(out)).job_id
-    for stat in Path("/proc").glob("[0-9]*/environ"):
+    controller = int(registry.find_record(str(out)).job_id)
+    for pid in children(controller):
         try:
-            environ = stat.read_bytes().split(b"\0")
-            parent = int((stat.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile
             continue
-        if parent == int(controller) and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in environ:
-            return int(stat.parent.name)
+        if f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in environ:
+            return pid
     raise AssertionError(f"no rank {rank} of job {controller}")
 
 

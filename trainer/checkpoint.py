@@ -130,7 +130,7 @@ def _meta_problems(meta: dict[str, Any]) -> list[str]:
     files = meta.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int)
                                                and isinstance(f.get("sha256"), str) for f in files.values()):
-        problems.append("files is not a list of sizes and sha256 digests")
+        problems.append("files is not a mapping of file names to their sizes and sha256 digests")
     return problems
 
 
