@@ -72,7 +72,7 @@ def _print_plain(statuses: list[status.JobStatus], as_json: bool, watch: bool) -
 
 @click.command(name="status")
 @click.argument("job", required=False)
-@click.option("--watch", is_flag=True, help="Refresh until every job has ended (piped: a snapshot every "
+@click.option("--watch", is_flag=True, help="Refresh while a job is queued or running (piped: a snapshot every "
               f"{WATCH_INTERVAL_S} s).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status_command(job: str | None, watch: bool, as_json: bool) -> None:
@@ -81,13 +81,13 @@ def status_command(job: str | None, watch: bool, as_json: bool) -> None:
     statuses = status.collect(records)
     if as_json or not console.is_terminal:
         _print_plain(statuses, as_json, watch)
-        while watch and not all(s.finished for s in statuses):
+        while watch and any(s.live for s in statuses):
             time.sleep(WATCH_INTERVAL_S)
             statuses = status.collect(records)
             _print_plain(statuses, as_json, watch)
     elif watch:
         with Live(status_table(statuses), console=console, refresh_per_second=1) as live:
-            while not all(s.finished for s in statuses):
+            while any(s.live for s in statuses):
                 time.sleep(WATCH_INTERVAL_S)
                 statuses = status.collect(records)
                 live.update(status_table(statuses))

@@ -7,3 +7,7 @@ class LaunchError(RuntimeError):
 
 class Interrupted(LaunchError):
     """A local job stopped because the `vitctl train` waiting for it was interrupted (Ctrl-C, SIGTERM)."""
+
+
+class TimeLimitReached(LaunchError):
+    """A job's time limit came once more than --max-requeues allows: its ranks checkpointed and it ended."""

@@ -36,9 +36,15 @@ PENDING_REASONS = {
     "JobHeldAdmin": "held by an administrator",
 }
 RANK_FAILED = re.compile(r"^[\w.]*RankFailed: ")
+TIME_LIMIT_REACHED = re.compile(r"^[\w.]*TimeLimitReached: (.*)")
 # What torch.distributed's gloo says on a rank whose peer died: the peer is the one to name.
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer")
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}")  # logging's asctime
+
+
+def is_live(state: str) -> bool:
+    """A job in this state may still write to its run folder (nothing knows an UNKNOWN one: it will not change)."""
+    return state not in TERMINAL and state != "UNKNOWN"
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,7 @@ class JobState:
 
     @property
     def live(self) -> bool:
-        """It may still write to its run folder."""
-        return not self.finished and self.state != "UNKNOWN"
+        return is_live(self.state)
 
 
 @dataclass
@@ -78,6 +83,10 @@ class JobStatus:
     @property
     def finished(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def live(self) -> bool:
+        return is_live(self.state)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,8 +176,18 @@ def state_of(record: JobRecord, slurm: dict[str, JobState] | None = None) -> Job
         slurm = slurm_states([record.job_id]) if slurm is None else slurm
         state = slurm.get(record.job_id, JobState("UNKNOWN", None, "neither squeue nor sacct knows it"))
     if state.state in FAILED:
-        state = JobState(state.state, state.elapsed_s, "; ".join(filter(None, [state.note, failure(record)])))
+        out_of_time = _out_of_time(record)  # a job that ended on its time limit is no failure of a rank
+        state = JobState("TIMEOUT" if out_of_time else state.state, state.elapsed_s,
+                         "; ".join(filter(None, [state.note, out_of_time or failure(record)])))
     return state
+
+
+def _out_of_time(record: JobRecord) -> str | None:
+    """Rank 0's TimeLimitReached message: the job checkpointed on its time limit with no requeue left."""
+    result = _result(_result_path(record, 0))
+    lines = str(result[0][1]).strip().splitlines() if result and result[0][0] == "error" else []
+    match = TIME_LIMIT_REACHED.match(lines[-1]) if lines else None
+    return match[1] if match else None
 
 
 def rank_failures(record: JobRecord) -> list[tuple[int, str]]:
@@ -234,9 +253,18 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
             done["eta_s"] = None
         parallel = done.pop("parallel")
         layout = f"{r.nodes}x{unit}" + (f" {parallel}" if parallel and parallel != "1 rank" else "")
+        note = "; ".join(filter(None, [state.note, _run_dir_gone(r)]))
         statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, layout,
-                                  _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=state.note))
+                                  _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=note))
     return statuses
+
+
+def _run_dir_gone(record: JobRecord) -> str:
+    """Why a job shows no progress when its run folder is gone (else its row looks like a job that never started)."""
+    if Path(record.run_dir).is_dir():
+        return ""
+    return (f"its run folder {record.run_dir} no longer exists (moved or deleted): its progress, checkpoints and logs "
+            "went with it")
 
 
 def log_paths(record: JobRecord, rank: int) -> tuple[Path, Path]:

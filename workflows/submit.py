@@ -8,6 +8,7 @@ stays in the rank's log.
 """
 
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -32,7 +33,7 @@ from vitctl.trainer import checkpoint, runlock
 from vitctl.trainer.config import ConfigError
 
 from . import registry, status
-from .errors import Interrupted, LaunchError
+from .errors import Interrupted, LaunchError, TimeLimitReached
 from .job import TrainJob
 from .process import children, start_time, this_process
 from .registry import JobRecord
@@ -163,8 +164,9 @@ def train_rank(job: TrainJob, stop: StopSignals) -> dict[str, Any]:
 class TrainTask(submitit.helpers.Checkpointable):
     """What every task of the job runs: torch.distributed variables from the job, then the trainer."""
 
-    def __init__(self, job: TrainJob) -> None:
+    def __init__(self, job: TrainJob, request: LaunchRequest | None = None) -> None:
         self.job = job
+        self.request = request  # its --time and --max-requeues, to name when they run out
 
     def __call__(self) -> dict[str, Any]:
         rendezvous = submitit.helpers.TorchDistributedEnvironment()
@@ -174,11 +176,21 @@ class TrainTask(submitit.helpers.Checkpointable):
         stop = StopSignals(signal.SIGUSR2, signal.SIGTERM)
         result = train_rank(self.job, stop)
         if result.get("stopped") and stop.received == signal.SIGUSR2:
-            stop.forward()  # rank 0: submitit calls checkpoint() below and requeues; the others just return
+            try:
+                stop.forward()  # rank 0: submitit calls checkpoint() below and requeues; the others just return
+            except submitit.core.utils.UncompletedJobError:  # no requeue left: submitit's message names no way on
+                raise TimeLimitReached(self._out_of_time(result["step"])) from None
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        return submitit.helpers.DelayedSubmission(TrainTask(self.job))  # resumes from the run folder
+        return submitit.helpers.DelayedSubmission(TrainTask(self.job, self.request))  # resumes from the run folder
+
+    def _out_of_time(self, step: int) -> str:
+        request = getattr(self, "request", None)  # None: pickled by a vitctl that did not keep it
+        limits = f" (--time {request.time}, --max-requeues {request.max_requeues})" if request else ""
+        return (f"it reached its time limit with no requeue left{limits}: every rank checkpointed at step {step}; "
+                "to go on from there, run the same command again with --resume and a longer --time or a higher "
+                "--max-requeues")
 
 
 def _sinfo_partitions() -> dict[str, dict[str, Any]]:
@@ -337,14 +349,25 @@ def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str])
                        request.gpus_per_node, time.time(), command=command, submitter=list(this_process()))
     claim_run_dir(record)
     try:
-        with _terminal_interrupts_ignored(request.executor == "local"):
-            submitted = make_executor(request, folder, name, job.config).submit(TrainTask(job))
+        # submitit prints sbatch's stderr before it raises, and the error below repeats it in one line.
+        with _terminal_interrupts_ignored(request.executor == "local"), contextlib.redirect_stderr(io.StringIO()):
+            submitted = make_executor(request, folder, name, job.config).submit(TrainTask(job, request))
+    except submitit.core.utils.FailedJobError as e:  # sbatch's refusal, its stderr as the message
+        registry.remove_record(record.key)  # else the next command settles it as the FAILED job sacct records
+        raise LaunchError(f"sbatch refused the job: {_sbatch_errors(str(e))}; nothing was submitted: change what it "
+                          "names (--mem, --account, --qos, --partition, ...) and run the command again") from None
     except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError, OSError) as e:
         registry.remove_record(record.key)
         raise LaunchError(f"submission failed: {e}") from None
     job_id = str(submitted.job_id)
     started = start_time(int(job_id)) if request.executor == "local" else None
     return registry.update_record(record.key, job_id=job_id, submitter=None, started=started), submitted
+
+
+def _sbatch_errors(stderr: str) -> str:
+    """sbatch's error lines in one: 'Memory specification can not be satisfied; Batch job submission failed: ...'."""
+    lines = [re.sub(r"^sbatch: error: ", "", line.strip()) for line in stderr.splitlines() if line.strip()]
+    return "; ".join(lines) or "no message"
 
 
 @contextlib.contextmanager
@@ -433,7 +456,7 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
         return submitted.results()[0]
     if interrupted and state.state == "CANCELLED":
         raise Interrupted(f"job {record.job_id} was stopped: {state.note} (its log: {log_paths(record, 0)[1]})")
-    if state.state in ("INTERRUPTED", "CANCELLED"):
+    if state.state in ("INTERRUPTED", "CANCELLED", "TIMEOUT"):
         raise LaunchError(f"job {record.job_id} was stopped ({state.state.lower()}): {state.note}")
     raise LaunchError(f"job {record.job_id} failed: {state.note}")
 
