@@ -115,11 +115,13 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
                else "move them out: train/ holds one folder per class")
         raise DataError(f"{len(flat)} files lie directly in {split}/ (e.g. {flat[0]})", str(folder), fix)
     label_of = {wnid: i for i, wnid in enumerate(classes)}
-    samples, keys = [], {}
+    samples, keys, empty = [], {}, []
     for class_dir in entries:
         if class_dir.name not in label_of:
             raise _not_a_train_class(root, split, class_dir.name, len(classes))
-        for entry in _visible(folder / class_dir.name):
+        images = _visible(folder / class_dir.name)
+        empty += [] if images else [class_dir.name]
+        for entry in images:
             source = f"{split}/{class_dir.name}/{entry.name}"
             key = sample_key(entry, root / source)
             if key in keys:
@@ -131,6 +133,11 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
         raise DataError(f"no images under {split}/ (its class folders are empty)", str(folder),
                         f"put the images into their class folders ({folder}/<wnid>/<image>), or shard the folder "
                         "that `vitctl data extract --out` wrote")
+    if empty and split == "train":  # its label and its output in the model would train on nothing
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise DataError(f"class folder {empty[0]}{more} holds no images", str(folder),
+                        f"put its images back into {folder / empty[0]}, or move that folder out of {folder} (and "
+                        f"{root / 'val' / empty[0]} with it, if there is one)")
     return samples
 
 

@@ -166,3 +166,28 @@ def test_a_sample_count_edited_in_the_manifest_is_named_when_training_starts(pre
     ok("data", "shard", prepared_root, "--out", new, "--maxcount", 16)
     ok("data", "index", new)
     train(tiny(new, tmp_path / "run", "train.max_steps=1"))
+
+
+def test_an_empty_train_class_folder_is_refused_and_either_fix_shards(root_copy, tmp_path):
+    """Before, it became a class with no training images: a label and a model output that nothing trains."""
+    wnid = sorted(p.name for p in (root_copy / "train").iterdir())[0]
+    images = tmp_path / "images"
+    shutil.move(root_copy / "train" / wnid, images)
+    (root_copy / "train" / wnid).mkdir()
+    command = ["data", "shard", root_copy, "--out", tmp_path / "s", "--maxcount", 16]
+    refused = vitctl(*command)
+    assert refused.exit_code == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.endswith(
+        f"error: {root_copy / 'train'}: class folder {wnid} holds no images\nfix: put its images back into "
+        f"{root_copy / 'train' / wnid}, or move that folder out of {root_copy / 'train'} (and "
+        f"{root_copy / 'val' / wnid} with it, if there is one)\n"), refused.stderr
+    assert not (tmp_path / "s").exists()
+    for split in ("train", "val"):  # the second way: the class leaves both splits
+        shutil.move(root_copy / split / wnid, tmp_path / f"{split}-{wnid}")
+    ok(*command)
+    assert len(json.loads((tmp_path / "s" / "manifest.json").read_text())["classes"]) == CLASSES - 1
+    for split in ("train", "val"):  # the first way: its images back
+        shutil.move(tmp_path / f"{split}-{wnid}", root_copy / split / wnid)
+    shutil.rmtree(root_copy / "train" / wnid)
+    shutil.move(images, root_copy / "train" / wnid)
+    ok(*command[:3], "--out", tmp_path / "s2", "--maxcount", 16)
