@@ -146,16 +146,20 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
 @click.command()
 @click.argument("job")
 def cancel(job: str) -> None:
-    """Cancel a job: its ranks checkpoint, then stop (scancel on Slurm; SIGTERM to a local job)."""
+    """Cancel a job: a running one's ranks checkpoint, then stop (scancel on Slurm; SIGTERM to a local job); a
+    pending one leaves the queue."""
     record = registry.find_record(job)
-    ended = status.cancel(record)
-    if ended is None:
+    found, requested = status.cancel(record)
+    if requested and found.state == "PENDING":
+        click.echo(f"cancelled job {record.job_id} ({record.name}) while it was pending: it leaves the queue; no rank "
+                   "is running, so there is nothing to checkpoint")
+    elif requested:
         click.echo(f"cancel requested for job {record.job_id} ({record.name}): its ranks checkpoint, then stop; "
                    f"`vitctl status {record.job_id}` shows when it has ended")
-    elif ended.state == "SUBMITTING":
-        raise LaunchError(f"the job into {record.run_dir} is still being submitted ({ended.note}); run `vitctl "
+    elif found.state == "SUBMITTING":
+        raise LaunchError(f"the job into {record.run_dir} is still being submitted ({found.note}); run `vitctl "
                           "cancel` again once `vitctl jobs` shows its id")
     else:
-        reason = f": {ended.note}" if ended.note else ""
-        verb = "has already ended" if ended.finished else "is not running"
-        click.echo(f"job {record.job_id} ({record.name}) {verb} ({ended.state}{reason}); nothing to cancel")
+        reason = f": {found.note}" if found.note else ""
+        verb = "has already ended" if found.finished else "is not running"
+        click.echo(f"job {record.job_id} ({record.name}) {verb} ({found.state}{reason}); nothing to cancel")

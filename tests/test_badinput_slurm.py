@@ -1,5 +1,6 @@
 """Bad, hostile or interrupted input to Slurm jobs, against the real dev cluster (slurm/dev-cluster/up): what sbatch
-refuses, a time limit with no requeue left, a watch over a job Slurm does not know, a run folder moved away."""
+refuses, more memory than a node has, a cancel while pending or running, a time limit with no requeue left, a watch
+over a job Slurm does not know, a run folder moved away."""
 
 import json
 import os
@@ -29,18 +30,78 @@ def cluster(tmp_path, monkeypatch):
 
 def test_a_request_sbatch_refuses_is_one_line_and_leaves_no_job(tmp_path):
     out = tmp_path / "run"
-    refused = vitctl("train", *RUN, "--steps", 2, "--time", 10, "--out", out, "--mem", "400G")
+    refused = vitctl("train", *RUN, "--steps", 2, "--time", 10, "--out", out, "--mem", "lots")
     assert refused.exit_code == 1 and "Traceback" not in refused.stderr, refused.stderr
-    assert refused.stderr == ("error: sbatch refused the job: Memory specification can not be satisfied; Batch job "
-                              "submission failed: Requested node configuration is not available; nothing was "
-                              "submitted: change what it names (--mem, --account, --qos, --partition, ...) and run "
-                              "the command again\n")
+    assert refused.stderr == ("error: sbatch refused the job: Invalid --mem specification; nothing was submitted: "
+                              "change what it names (--mem, --account, --qos, --partition, ...) and run the command "
+                              "again\n")
     # sacct records the refused submission as a FAILED job: the registry must not take it for this one
     assert registry.load_records() == []
-    assert "Requested node configuration" not in ok("status").output
+    assert "Invalid --mem" not in ok("status").output
     ok("train", *RUN, "--steps", 2, "--time", 10, "--out", out, "--mem", "1000M")  # the fix, followed
     job = registry.load_records()[-1].job_id
     assert wait_for(job, status.TERMINAL) == "COMPLETED"
+
+
+def test_more_memory_than_a_node_has_is_refused_before_submission_and_in_a_dry_run(tmp_path):
+    out, largest = tmp_path / "run", max(int(m) for m in subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%m"], capture_output=True, text=True, check=True).stdout.split())
+    for dry_run in ("--dry-run",), ():  # the dry run printed a script that sbatch refuses
+        refused = vitctl("train", *RUN, "--steps", 2, "--time", 10, "--out", out, "--mem", "400G", *dry_run)
+        assert refused.exit_code == 1 and refused.stdout == "", refused.stdout
+        assert refused.stderr == (f"error: --mem 400G (409600 MB per node) but the nodes of partition debug have at "
+                                  f"most {largest} MB; ask for --mem {largest}M or less\n")
+    assert registry.load_records() == []
+    fixed = ["--mem", f"{largest}M"]  # the fix, followed
+    assert f"#SBATCH --mem={largest}M\n" in ok("train", *RUN, "--steps", 2, "--time", 10, "--out", out, *fixed,
+                                               "--dry-run").output
+    ok("train", *RUN, "--steps", 2, "--time", 10, "--out", out, *fixed)
+    assert wait_for(registry.load_records()[-1].job_id, status.TERMINAL) == "COMPLETED"
+
+
+def test_cancel_of_a_pending_job_says_it_leaves_the_queue(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()  # an sbatch that holds the job: it stays pending until it is cancelled
+    (tmp_path / "bin/sbatch").write_text(f'#!/bin/sh\nexec {shutil.which("sbatch")} --hold "$@"\n')
+    (tmp_path / "bin/sbatch").chmod(0o755)
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+        ok("train", *RUN, "--steps", 2, "--time", 10, "--out", tmp_path / "run")
+    record = registry.load_records()[-1]
+    wait_for(record.job_id, {"PENDING"})
+    assert ok("cancel", record.job_id).output == (  # was: "its ranks checkpoint, then stop", though none had started
+        f"cancelled job {record.job_id} ({record.name}) while it was pending: it leaves the queue; no rank is running, "
+        "so there is nothing to checkpoint\n")
+    assert wait_for(record.job_id, status.TERMINAL) == "CANCELLED"
+    listed = json.loads(ok("status", record.job_id, "--json").output)[0]
+    assert (listed["state"], listed["note"], listed["last_checkpoint"]) == ("CANCELLED", "", None)
+
+
+def test_a_cancelled_slurm_job_says_where_it_checkpointed_and_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    command = [*RUN, "--epochs", 1000, "--steps", 400, "--out", out, "--time", 10]
+    ok("train", *command)
+    job = registry.load_records()[-1].job_id
+    deadline = time.monotonic() + 120
+    while logged_steps(out) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "its ranks checkpoint, then stop" in ok("cancel", job).output
+    wait_for(job, status.TERMINAL)
+    deadline = time.monotonic() + 60  # sacct says CANCELLED at once; the ranks checkpoint while the job completes
+    while squeued(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    listed = json.loads(ok("status", job, "--json").output)[0]
+    step = int(listed["last_checkpoint"].removeprefix("step-"))
+    assert listed["state"] == "CANCELLED" and 0 < step < 400, listed
+    assert listed["note"] == f"checkpointed at step {step} on a signal: --resume continues from there"  # was: ""
+    ok("train", *command, "--resume")  # the fix, followed
+    again = registry.load_records()[-1].job_id
+    assert wait_for(again, status.TERMINAL) == "COMPLETED"
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "resume"] == [step]  # nothing lost, nothing repeated
+
+
+def squeued(job: str) -> bool:
+    return bool(subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip())
 
 
 def test_a_time_limit_with_no_requeue_left_is_a_timeout_that_resume_continues(tmp_path):

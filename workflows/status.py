@@ -8,7 +8,7 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,17 +147,24 @@ def local_state(record: JobRecord) -> JobState:
         return JobState("RUNNING", time.time() - record.submitted, "cancel requested" if record.cancelled else "")
     result = _result(_result_path(record, 0))
     if result is not None:
-        (outcome, value), ended = result
+        (outcome, _), ended = result
         elapsed = ended - record.submitted
-        if outcome == "success" and isinstance(value, dict) and value.get("stopped"):
-            return JobState("CANCELLED" if record.cancelled else "INTERRUPTED", elapsed,
-                            f"checkpointed at step {value['step']} on a signal: --resume continues from there")
+        if stopped := _stop_note(result):
+            return JobState("CANCELLED" if record.cancelled else "INTERRUPTED", elapsed, stopped)
         return JobState("COMPLETED" if outcome == "success" else "FAILED", elapsed)
     if record.cancelled:
         return JobState("CANCELLED", None)
     if not Path(record.folder).is_dir():
         return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
     return JobState("FAILED", None)
+
+
+def _stop_note(result: tuple[tuple[str, Any], float] | None) -> str:
+    """Where a job stopped on a signal checkpointed, from rank 0's result (`_result`); '' if it did not stop so."""
+    value = result[0][1] if result and result[0][0] == "success" else None
+    if isinstance(value, dict) and value.get("stopped"):
+        return f"checkpointed at step {value['step']} on a signal: --resume continues from there"
+    return ""
 
 
 def _result(path: Path) -> tuple[tuple[str, Any], float] | None:
@@ -175,6 +182,9 @@ def state_of(record: JobRecord, slurm: dict[str, JobState] | None = None) -> Job
     else:
         slurm = slurm_states([record.job_id]) if slurm is None else slurm
         state = slurm.get(record.job_id, JobState("UNKNOWN", None, "neither squeue nor sacct knows it"))
+        if state.state == "CANCELLED":  # scancel's SIGTERM: the ranks checkpoint before they end, as a local job's
+            stopped = _stop_note(_result(_result_path(record, 0)))
+            state = replace(state, note="; ".join(filter(None, [state.note, stopped])))
     if state.state in FAILED:
         out_of_time = _out_of_time(record)  # a job that ended on its time limit is no failure of a rank
         state = JobState("TIMEOUT" if out_of_time else state.state, state.elapsed_s,
@@ -307,23 +317,23 @@ class LogTail:
         return self.times[path]
 
 
-def cancel(record: JobRecord) -> JobState | None:
+def cancel(record: JobRecord) -> tuple[JobState, bool]:
     """Ask a job to stop (its ranks checkpoint first): scancel, or SIGTERM to the local controller, which passes it
-    to the ranks. A job that has already ended is left alone: its state is returned."""
+    to the ranks. The state it was in, and whether it was asked (a job that has already ended is left alone)."""
     current = state_of(record)
     if record.executor == "slurm" and record.job_id:
         if current.finished:
-            return current
+            return current, False
         if current.state == "UNKNOWN":  # scancel would say nothing and succeed
             raise LaunchError(f"Slurm knows no job {record.job_id} (neither squeue nor sacct lists it), so there is "
                               "nothing to cancel; `squeue -u $USER` lists your jobs in the queue")
         _scancel(record.job_id)
-        return None
+        return current, True
     if not record.job_id or not is_running(int(record.job_id), record.started):
-        return current  # ended; its PID may belong to another process by now
+        return current, False  # ended; its PID may belong to another process by now
     update_record(record.key, cancelled=True)  # first: whoever sees it end then knows why
     os.kill(int(record.job_id), signal.SIGTERM)
-    return None
+    return current, True
 
 
 def slurm_command(args: list[str], fix: str) -> subprocess.CompletedProcess[str]:

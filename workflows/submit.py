@@ -193,19 +193,49 @@ class TrainTask(submitit.helpers.Checkpointable):
                 "--max-requeues")
 
 
-def _sinfo_partitions() -> dict[str, dict[str, Any]]:
-    out = status.slurm_command(["sinfo", "-h", "-o", "%P|%D|%c|%G|%l"],
+def _sinfo(fields: str, *args: str) -> list[str]:
+    """sinfo's lines of `fields` (its -o format); LaunchError when it fails or does not answer."""
+    out = status.slurm_command(["sinfo", "-h", *args, "-o", fields],
                                "try again, or run on this machine with --executor local")
     if out.returncode:
         raise LaunchError(f"sinfo failed: {out.stderr.strip()}; check `scontrol ping`, or use --executor local")
+    return out.stdout.split()
+
+
+def _sinfo_partitions() -> dict[str, dict[str, Any]]:
     partitions = {}
-    for line in out.stdout.split():
+    for line in _sinfo("%P|%D|%c|%G|%l"):
         name, nodes, cpus, gres, limit = line.split("|")
         gpus = re.search(r"gpu(?::[^:,()]+)?:(\d+)", gres)
         partitions[name.rstrip("*")] = {"default": name.endswith("*"), "nodes": int(nodes),
                                         "cpus": int(cpus.rstrip("+")), "gpus": int(gpus.group(1)) if gpus else 0,
                                         "limit": None if limit in ("infinite", "n/a") else parse_time(limit)}
     return partitions
+
+
+def _mem_mb(text: str) -> int | None:
+    """sbatch's --mem (N[K|M|G|T][B], megabytes without a unit) in megabytes; None if sbatch would not read it."""
+    match = re.fullmatch(r"(\d+)(?:([KMGT])B?)?", text.strip(), re.IGNORECASE)
+    if not match:
+        return None
+    number, unit = int(match[1]), (match[2] or "M").upper()
+    if unit == "K":
+        return -(-number // 1024)  # sbatch rounds kilobytes up to a megabyte
+    return number * 1024 ** "MGT".index(unit)
+
+
+def _mem_problem(mem: str | None, partition: str) -> str | None:
+    """Why --mem cannot be had on any node of the partition. A --mem sbatch cannot read is left to its refusal;
+    nodes differ in memory (sinfo -N lists each), and the largest is the one that could take the job."""
+    wanted = _mem_mb(mem) if mem else None
+    if wanted is None:
+        return None
+    # A partition without nodes is refused by --nodes already.
+    largest = max((int(m.rstrip("+")) for m in _sinfo("%m", "-N", "-p", partition)), default=wanted)
+    if wanted <= largest:
+        return None
+    return (f"--mem {mem} ({wanted} MB per node) but the nodes of partition {partition} have at most {largest} MB; "
+            f"ask for --mem {largest}M or less")
 
 
 def validate_slurm(request: LaunchRequest) -> str:
@@ -229,6 +259,8 @@ def validate_slurm(request: LaunchRequest) -> str:
                         f"{name}'s nodes have {part['cpus']} CPUs")
     if part["limit"] is not None and minutes > part["limit"]:
         problems.append(f"--time {request.time} exceeds partition {name}'s limit of {part['limit']} minutes")
+    if mem := _mem_problem(request.mem, name):
+        problems.append(mem)
     if problems:
         raise ConfigError("; ".join(problems))
     return name
