@@ -141,9 +141,8 @@ def model_change(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
     if not keys:
         return None
 
-    def sets(model: dict[str, Any]) -> str:  # as YAML reads them back: null, true, false
-        return " ".join(f"--set model.{k}=" + ("null" if model.get(k) is None else str(model[k]).lower()
-                                               if isinstance(model[k], bool) else str(model[k])) for k in keys)
+    def sets(model: dict[str, Any]) -> str:  # JSON's null, true, false and numbers are YAML's too
+        return " ".join(f"--set model.{k}={json.dumps(model.get(k))}" for k in keys)
 
     way = f"rerun with {sets(saved)} to go on with the model it saved"
     if "name" not in keys:
