@@ -191,3 +191,25 @@ def test_an_empty_train_class_folder_is_refused_and_either_fix_shards(root_copy,
     shutil.rmtree(root_copy / "train" / wnid)
     shutil.move(images, root_copy / "train" / wnid)
     ok(*command[:3], "--out", tmp_path / "s2", "--maxcount", 16)
+
+
+def test_an_index_of_another_shard_with_the_same_count_is_named_not_blamed_on_a_jpeg(shards_copy):
+    """Shards 0 and 1 both hold 16 samples: shard 1's index over shard 0 passes every count and size check, and
+    reading at its offsets gave "the JPEG at offset N does not decode", which names no index."""
+    shutil.copy(shards_copy / "imagenet-train-000001.idx", shards_copy / "imagenet-train-000000.idx")
+
+    def read_every_sample() -> None:
+        table = read_table(shards_copy, split_shards(shards_copy, "train")[0])
+        plan = EpochPlan(len(table), len(table), 0, 1, seed=0)  # one batch: every sample
+        next(TrainBatches(table, LoaderSpec(Recipe(32), 0, 0, torch.device("cpu"), "pil"), plan)(0, 0))
+
+    shard = shards_copy / "imagenet-train-000000.tar"
+    with pytest.raises(DataError) as raised:
+        read_every_sample()
+    assert raised.value.where == str(shard)
+    assert re.fullmatch(r"imagenet-train-000000.idx does not describe this shard: no member of \d+ bytes starts at "
+                        r"offset \d+ \(an index of another shard, or the shard was written again since\)",
+                        raised.value.what), raised.value.what
+    assert raised.value.fix == f"`vitctl data index {shards_copy}` writes every index again from its shard"
+    ok("data", "index", shards_copy)
+    read_every_sample()

@@ -8,6 +8,7 @@ split. Items are (epoch, row, draw): the draw keys the sample's random numbers (
 
 import contextlib
 import io
+import tarfile
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitctl.datasets.errors import DataError
 from vitctl.datasets.images import PIL_ERRORS
+from vitctl.datasets.index import index_path
 
 from .augment import Recipe, TimmTransforms
 from .draws import draw_for_size, stack_draws
@@ -63,10 +65,29 @@ class ShardReader:
             yield
         except PIL_ERRORS as error:
             shard = Path(self.table.paths[int(self.table.shard[row])])
+            self._check_member_at(row, shard)
             reason = "not in any format Pillow reads" if isinstance(error, UnidentifiedImageError) else str(error)
             raise DataError(f"the JPEG at offset {int(self.table.offset[row])} does not decode ({reason})", str(shard),
                             f"`vitctl data verify {shard.parent}` names each damaged shard and the command that "
                             f"writes it again (add --decode 100000000 to decode every image too)") from error
+
+    def _check_member_at(self, row: int, shard: Path) -> None:
+        """Raises a DataError naming the index when no tar member of the indexed size starts at the row's offset:
+        an index swapped for another shard's of the same sample count reads other bytes, not a damaged JPEG."""
+        offset, size = int(self.table.offset[row]), int(self.table.size[row])
+        with open(shard, "rb") as f:
+            f.seek(max(offset - tarfile.BLOCKSIZE, 0))
+            header = f.read(tarfile.BLOCKSIZE)
+        try:
+            member = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            member = None
+        if offset >= tarfile.BLOCKSIZE and member is not None and member.size == size:
+            return
+        index = index_path(shard)
+        raise DataError(f"{index.name} does not describe this shard: no member of {size} bytes starts at offset "
+                        f"{offset} (an index of another shard, or the shard was written again since)", str(shard),
+                        f"`vitctl data index {shard.parent}` writes every index again from its shard")
 
     def name_damaged(self, rows: Iterable[int]) -> None:
         """Decodes each row's JPEG in full with Pillow, raising decoding's DataError at the first that fails: the GPU
