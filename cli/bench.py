@@ -4,6 +4,9 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from vitctl.trainer.config import ConfigError, ModelConfig
+from vitctl.trainer.models import model_error
+from vitctl.trainer.ops import parse_fused
 from vitctl.workflows import doctor as checks
 from vitctl.workflows.bench import COMPILE_MODES, MODEL_NAMES, PRECISIONS, bench_train, op_report
 
@@ -19,6 +22,18 @@ def _precision_list(ctx: click.Context, param: click.Parameter, value: str | Non
         raise click.BadParameter(f"{', '.join(map(repr, unknown))}: not a precision; choose from "
                                  f"{', '.join(PRECISIONS)}, e.g. --precisions bf16,bf16-pure")
     return chosen
+
+
+def _check_model_and_ops(model_name: str, img_size: int, fused: str) -> None:
+    """Before the GPU is looked for: on one, an unknown op ended in a traceback, and a size the model cannot take
+    after the GPU was set up."""
+    problems = [model_error(ModelConfig(name=model_name, img_size=img_size))]
+    try:
+        parse_fused(fused)
+    except ValueError as e:
+        problems.append(str(e))
+    if problems := [p for p in problems if p]:
+        raise ConfigError("; ".join(problems))
 
 
 @click.group()
@@ -40,7 +55,7 @@ def bench() -> None:
 @click.option("--timm-setting", type=click.Choice(["strongest", "same"]), default="strongest", show_default=True,
               help="strongest: bf16 + compile + fused attention, under each compile mode (the faster is the baseline); "
                    "same: our precision and compile flags.")
-@click.option("--img-size", type=int, default=224, show_default=True)
+@click.option("--img-size", type=click.IntRange(min=32), default=224, show_default=True)
 @click.option("--steps", type=click.IntRange(min=5), default=30, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=1), default=10, show_default=True)
 def train_bench(model_name, batch, precision, precisions, compile_, compile_mode, fused, compare, timm_setting,
@@ -48,6 +63,7 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
     """Images/s, ms/step, peak memory and MFU of a training step."""
     if compile_mode != "default" and not compile_:
         raise click.UsageError(f"--compile-mode {compile_mode} needs --compile")
+    _check_model_and_ops(model_name, img_size, fused)
     results = bench_train(model_name, batch, precisions or [precision], compile_, fused, compare, timm_setting,
                           img_size, steps, warmup, compile_mode)
     table = Table("model", "setting", "images/s (median step)", "ms/step (median)", "peak GiB", "MFU", "vs first",

@@ -7,6 +7,7 @@ import click
 from rich.columns import Columns
 from rich.table import Table
 
+from vitctl.trainer.parallel.strategy import is_plan
 from vitctl.workflows import plan as wf
 from vitctl.workflows.bench import MODEL_NAMES
 
@@ -56,6 +57,7 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     gpus = gpus or wf.visible_gpus()
     if not gpus:
         raise click.UsageError("this machine has no GPU: give --gpus, the GPUs per node of the job to plan")
+    _refuse_overwriting(out)
     wf.check_out(out)
     request = wf.PlanRequest(model_name, img_size, nodes, gpus, memory_gib, batch, profile)
     outcome = wf.plan(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))
@@ -65,9 +67,27 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     if outcome.result.best is not None:
         tables.insert(0, _plan_table(outcome))
     console.print(Columns(tables))
+    if outcome.result.least is None:  # no layout runs: more memory would not help, as write_plan would advise
+        raise wf.ConfigError(_indivisible_batch(outcome))
     wf.write_plan(outcome, out)
     console.print(f"plan: {out}  (train with --plan {out} --batch "
                   f"{_per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
+
+
+def _refuse_overwriting(out: Path) -> None:
+    """An --out that holds something other than a plan (the profile, notes) would be lost to the plan."""
+    if out.exists() and not is_plan(out):
+        raise wf.ConfigError(f"--out {out} already holds a file that is not a plan; choose another --out, or move "
+                             f"{out} away first")
+
+
+def _indivisible_batch(outcome: wf.PlanOutcome) -> str:
+    """Every layout divides the batch over its data-parallel ranks: with one rank a GPU (DDP), over all of them."""
+    r, world = outcome.request, outcome.world
+    fitting = [b for b in (r.batch // world * world, (r.batch // world + 1) * world) if b]
+    return (f"no strategy can run a global batch of {r.batch} on {r.nodes} x {r.gpus} GPUs: it divides over the "
+            f"data-parallel ranks of none of them (the table says why each cannot run); give a multiple of "
+            f"{world}, e.g. --batch {' or --batch '.join(map(str, fitting))}")
 
 
 def _per_rank_batch(outcome: wf.PlanOutcome) -> int:

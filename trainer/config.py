@@ -1,6 +1,7 @@
 """Typed run configuration: YAML presets, `--set a.b=value` overrides, validation up front."""
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -18,6 +19,9 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise", "fused_rowwise")
 GRAD_REDUCE = ("auto", "after_backward", "overlap")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile modes; reduce-overhead replays CUDA graphs
+CHECKPOINT = ("none", "selective", "full")  # activation checkpointing per block
+INTERLEAVED = "interleaved_1f1b"  # the pipeline schedule that runs several stages per pipeline rank
+SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)
 
 
 class ConfigError(ValueError):
@@ -193,8 +197,11 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
             pass
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
+    if isinstance(value, dict):
+        named = f"; there is no {key}.{next(iter(value))}" if value else ""
+        raise ConfigError(f"{key} is a value, not a section of keys{named}: set it as {key}=VALUE")
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {'no value' if value is None else repr(value)}")
     return value
 
 
@@ -210,17 +217,36 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     if moved:
         raise ConfigError("; ".join(moved))
     if unknown:
-        raise ConfigError(f"unknown keys {unknown}; known: {sorted(hints)}")
+        raise ConfigError(f"unknown keys {unknown}; known: {sorted(hints)}{_did_you_mean(unknown, sorted(hints))}")
     kwargs = {}
     for name, value in values.items():
         kind = hints[name]
         if dataclasses.is_dataclass(kind):
             if not isinstance(value, dict):
-                raise ConfigError(f"{prefix}{name}: expected a mapping, got {value!r}")
+                raise ConfigError(f"{prefix}{name} is a section of keys, not a value (got {value!r}); set one of its "
+                                  f"keys: {prefix}{name}.KEY=VALUE, KEY one of {', '.join(sorted(_fields(kind)))}")
             kwargs[name] = _build(kind, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, kind, f"{prefix}{name}")
     return cls(**kwargs)
+
+
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _did_you_mean(unknown: list[str], known: list[str]) -> str:
+    """The keys meant, where an unknown one is a known key of another section (`lr` for optim.lr) or a typo."""
+    sections = {f.name: _fields(f.type) for f in dataclasses.fields(RunConfig)}
+    meant = []
+    for dotted in unknown:
+        name = dotted.rsplit(".", 1)[-1]
+        elsewhere = [f"{section}.{name}" for section, keys in sections.items() if name in keys]
+        if elsewhere:
+            meant += elsewhere
+        elif close := difflib.get_close_matches(name, known, n=1):
+            meant.append(dotted.removesuffix(name) + close[0])
+    return f"; did you mean {' or '.join(meant)}?" if meant else ""
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -230,27 +256,56 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error: YAML keeps the second silently, and a section
+    written twice (two `model:` blocks) would lose the first one's keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # what `<<:` merges in, the mapping may override
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue  # SafeLoader refuses it itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first on line {seen[key]}), and the "
+                    f"second would replace the first: keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def parse_override(text: str) -> dict[str, Any]:
     """`optim.lr=1e-3` -> {"optim": {"lr": 0.001}}; the value is read as YAML."""
     key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    parts = [part.strip() for part in key.split(".")]
+    if not sep or not all(parts):
+        raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. optim.lr=1e-3)")
     try:
-        value: Any = yaml.safe_load(raw) if raw else None
+        value: Any = _load_yaml(raw) if raw else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: its value is not valid YAML ({_yaml_problem(e)}); close its "
                           f"brackets, or quote a value that holds YAML syntax: {key}='...'") from None
-    for part in reversed(key.strip().split(".")):
+    for part in reversed(parts):
         value = {part: value}
     return value
 
 
 def preset_path(name: str) -> Path:
-    """A YAML file when `name` looks like one (a .yaml/.yml suffix or a folder in it), else a shipped preset."""
+    """A YAML file when `name` looks like one (a suffix, e.g. .yaml, or a folder in it), else a shipped preset."""
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+    if path.suffix or len(path.parts) > 1:  # presets are named without a suffix
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist; check the path, or pass a preset name")
+        if path.suffix == ".toml":
+            raise ConfigError(f"config file {path} is TOML, and vitctl reads YAML: write its tables as YAML sections "
+                              f"(`[optim]` and `lr = 1e-3` become `optim:` and an indented `lr: 1e-3`), as `vitctl "
+                              f"config show demo_vit` prints, in a .yaml file")
         return path
     path = PRESETS / f"{name}.yaml"
     if not path.exists():
@@ -269,7 +324,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 def _read_preset(path: Path) -> dict[str, Any]:
     """The sections of a preset file; ConfigError naming the file when it is unreadable, not YAML or not a mapping."""
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        values = _load_yaml(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         line, column = e.object.count(b"\n", 0, e.start) + 1, e.start - e.object.rfind(b"\n", 0, e.start)
         raise ConfigError(f"config file {path} is not UTF-8 text (line {line}, column {column}: byte "
@@ -278,8 +333,9 @@ def _read_preset(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}; fix it there") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror}); pass a readable YAML file") from None
-    if values is None:
-        return {}
+    if values is None:  # a file cut short or saved empty: training the defaults (vit_b16) instead would go unseen
+        raise ConfigError(f"config file {path} is empty (or holds only comments); write its sections into it, as "
+                          f"`vitctl config show demo_vit` prints, or pass a preset name instead")
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} holds a {type(values).__name__} at its top level, not a mapping of "
                           f"sections; write it as `section:` lines ({', '.join(_SECTIONS)}) with `key: value` lines "
@@ -345,8 +401,23 @@ def validate(c: RunConfig) -> None:
         (0 <= c.augment.label_smoothing < 1, "augment.label_smoothing must be in [0, 1)"),
         (0 < c.augment.min_crop_scale <= 1, "augment.min_crop_scale must be in (0, 1]"),
         (c.optim.warmup_lr >= 0, "optim.warmup_lr must not be negative"),
+        (c.optim.min_lr <= c.optim.lr, f"optim.min_lr {c.optim.min_lr:g} is above optim.lr {c.optim.lr:g}, from "
+                                       f"which the schedule decays down to it; lower optim.min_lr"),
+        # torch's AdamW refuses these only inside the ranks; a negative clip_grad would flip every gradient
+        (c.optim.eps > 0, "optim.eps must be positive"),
+        (c.optim.weight_decay >= 0, "optim.weight_decay must not be negative"),
+        (all(0 <= beta < 1 for beta in c.optim.betas), "optim.betas must each be in [0, 1)"),
+        (c.optim.clip_grad is None or c.optim.clip_grad >= 0, "optim.clip_grad must not be negative (null: no "
+                                                              "clipping)"),
+        (c.optim.warmup_epochs >= 0, "optim.warmup_epochs must not be negative"),
+        (c.train.log_every >= 1, "train.log_every must be at least 1 (steps)"),
+        (c.train.checkpoint_every >= 1, "train.checkpoint_every must be at least 1 (steps)"),
+        (c.train.eval_every_epochs > 0, "train.eval_every_epochs must be positive"),
+        (c.model.window_size is None or c.model.window_size >= 1, "model.window_size must be at least 1 (null: the "
+                                                                  "model's own)"),
     ]
-    problems = _non_finite(c) + [message for ok, message in checks if not ok] + _recipe_problems(c)
+    problems = _non_finite(c) + [message for ok, message in checks if not ok] + _recipe_problems(c) + \
+        _parallel_problems(c.parallel)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -361,6 +432,14 @@ def _non_finite(c: RunConfig) -> list[str]:
                 problems.append(f"{section}.{key} must be {'finite numbers' if several else 'a finite number'}, got "
                                 f"{list(value) if several else value}")
     return problems
+
+
+def _parallel_problems(p: ParallelConfig) -> list[str]:
+    """The parallel keys that no job takes, whatever its ranks (those are checked before launch)."""
+    problems = [f"parallel.{key} must be at least 1, got {getattr(p, key)}"
+                for key in ("tp", "pp", "microbatches", "virtual_stages") if getattr(p, key) < 1]
+    return problems + _one_of("parallel.checkpoint", p.checkpoint, CHECKPOINT) + \
+        _one_of("parallel.schedule", p.schedule, SCHEDULES)
 
 
 def _one_of(key: str, value: str | None, options: tuple[str, ...]) -> list[str]:

@@ -29,7 +29,9 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     dims = None
     if strategy is not None:
         found = strategy_problems(strategy, model_shape(config.model), world_size, config.data.batch_size)
-        problems += found + _combination_problems(config, strategy)
+        plan = config.parallel.plan  # the strategy's values are the plan file's, not parallel.* keys the user set
+        problems += [f"parallel.plan {plan}: {p}" if plan else p for p in found]
+        problems += _combination_problems(config, strategy)
         if not found:
             dims = parallel_dims(strategy, world_size)
     if device is not None:

@@ -3,16 +3,13 @@ whether its activations are recomputed. Given as one global strategy (`parallel.
 written by `vitctl plan`); both become a `Strategy`, checked against the job and the model before launch."""
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, ParallelConfig
+from ..config import CHECKPOINT, INTERLEAVED, SCHEDULES, ConfigError, ParallelConfig
 from ..models import ModelShape
 
-CHECKPOINT = ("none", "selective", "full")
-INTERLEAVED = "interleaved_1f1b"  # the schedule that runs several stages per pipeline rank
-SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)
 PLAN_VERSION = 1
 
 
@@ -33,6 +30,8 @@ class Strategy:
     stages: tuple[int, ...] = ()  # blocks per stage, n_stages entries; () = as even as possible
     blocks: tuple[BlockStrategy, ...] = ()  # one per block, in the model's order
     fsdp_rest: bool = False  # shard the weights outside the blocks (embeddings, final norm, head) too
+    # the ranks a plan file was searched for (its predictions hold for those alone); None: any
+    world_size: int | None = field(default=None, compare=False)
 
     @property
     def fsdp(self) -> bool:
@@ -87,6 +86,15 @@ def strategy_from_config(config: ParallelConfig, n_blocks: int, model: str | Non
                     blocks=(block,) * n_blocks, fsdp_rest=config.fsdp)
 
 
+def is_plan(path: Path) -> bool:
+    """Whether `path` holds a plan (of any version): what `vitctl plan --out` may write over."""
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(plan, dict) and {"version", "groups"} <= set(plan)
+
+
 def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | None = None) -> Strategy:
     """The plan file's strategy; ConfigError if it is not a plan, or one for another model than `model`."""
     where = f"parallel.plan {path}"
@@ -97,28 +105,46 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
         raise ConfigError(f"{where} sets the strategy, so parallel.{', parallel.'.join(given)} cannot be given "
                           f"beside it; drop them or drop the plan")
     try:
-        plan = json.loads(path.read_text())
+        plan = json.loads(path.read_text(), object_pairs_hook=_refuse_repeated_keys)
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist; write one with `vitctl plan ... --out {path}`") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where} cannot be read as JSON ({e}); write it again with `vitctl plan`") from None
     if not isinstance(plan, dict) or type(plan.get("version")) is not int or plan["version"] != PLAN_VERSION:
         raise ConfigError(f"{where} is not a version-{PLAN_VERSION} plan; write it again with `vitctl plan`")
-    if problems := _plan_problems(plan):
+    if problems := _unknown_plan_keys(plan) + _plan_problems(plan):
         raise ConfigError(f"{where}: {'; '.join(problems)}; fix these, or write the plan again with `vitctl plan`")
     blocks = tuple(BlockStrategy(fsdp=g["fsdp"], checkpoint=g["checkpoint"])
                    for g in plan["groups"] for _ in range(g["blocks"]))
     strategy = Strategy(tp=plan["tp"], pp=plan["pp"], dp_shard=plan.get("dp_shard", -1),
                         microbatches=plan["microbatches"], schedule=plan["schedule"],
                         virtual_stages=plan.get("virtual_stages", 1), stages=tuple(plan.get("stages", ())),
-                        blocks=blocks, fsdp_rest=plan.get("fsdp_rest", False))
+                        blocks=blocks, fsdp_rest=plan.get("fsdp_rest", False), world_size=plan.get("world_size"))
     if len(blocks) != n_blocks:
-        raise ConfigError(f"{where} gives strategies for {len(blocks)} blocks but model has {n_blocks}; "
-                          f"it was planned for {plan.get('model')!r}")
+        raise ConfigError(_block_count_error(where, len(blocks), n_blocks, plan.get("model"), model, path))
     if model and plan.get("model", model) != model:  # same depth, other widths: its memory and times are not ours
         raise ConfigError(f"{where} was planned for {plan['model']!r}, not for model {model}; plan this model "
                           f"(vitctl plan --model {model} ... --out {path}), or train {plan['model']} with it")
     return strategy
+
+
+def _block_count_error(where: str, planned: int, n_blocks: int, planned_for: str | None, model: str | None,
+                       path: Path) -> str:
+    replan = f"vitctl plan --model {model or 'MODEL'} ... --out {path}"
+    if planned_for and planned_for != model:
+        return (f"{where} gives strategies for {planned} blocks but model has {n_blocks}; it was planned for "
+                f"{planned_for!r}; plan this model ({replan})")
+    return (f"{where} gives strategies for {planned} blocks (the \"blocks\" of its groups add up to {planned}) but "
+            f"{f'model {model}' if model else 'the model'} has {n_blocks}; make them add up to {n_blocks}, or write "
+            f"the plan again with `{replan}`")
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads keeps the last of a repeated key unseen: a hand-edited plan's other value would be lost."""
+    keys = [key for key, _ in pairs]
+    if repeated := sorted({key for key in keys if keys.count(key) > 1}):
+        raise ValueError(f"key {', '.join(map(json.dumps, repeated))} appears more than once in one object")
+    return dict(pairs)
 
 
 # A plan's values are taken only of their JSON type (bool("no") is True, int(2.5) is 2, a string "12" a list of digits)
@@ -143,9 +169,35 @@ _GROUP_KEYS = {"blocks": ("count", "4", False), "fsdp": ("bool", "true", False),
                "checkpoint": ("string", '"selective"', False)}
 
 
+_WRITTEN_KEYS = ("version", *_PLAN_KEYS, "predicted")  # as `vitctl plan` writes them; predicted: its estimates
+
+
+def _unknown_plan_keys(plan: dict[str, Any]) -> list[str]:
+    """Keys no plan holds (a misspelt "fsdp_rest" would leave the default in force, unseen), in the plan and its
+    groups."""
+    unknown = [f"unknown key {json.dumps(key)} (a plan holds {', '.join(_WRITTEN_KEYS)})"
+               for key in plan if key not in _WRITTEN_KEYS]
+    groups = plan.get("groups") if type(plan.get("groups")) is list else []
+    return unknown + [f"groups[{i}] has the unknown key {json.dumps(key)} (a group holds {', '.join(_GROUP_KEYS)})"
+                      for i, group in enumerate(groups) if isinstance(group, dict)
+                      for key in group if key not in _GROUP_KEYS]
+
+
+def _range_problems(plan: dict[str, Any]) -> list[str]:
+    """Values of the right type that no strategy takes (named by the plan's key, not by parallel.*)."""
+    problems = [f"{key} holds {plan[key]}, not a whole number of at least 1, e.g. \"{key}\": {_PLAN_KEYS[key][1]}"
+                for key in ("world_size", "tp", "pp", "microbatches", "virtual_stages")
+                if type(plan.get(key)) is int and plan[key] < 1]
+    if type(shard := plan.get("dp_shard")) is int and shard != -1 and shard < 1:
+        problems.append(f"dp_shard holds {shard}, not -1 (every data-parallel rank) or a whole number of at least 1")
+    if type(schedule := plan.get("schedule")) is str and schedule not in SCHEDULES:
+        problems.append(f"schedule holds {json.dumps(schedule)}, not one of {', '.join(map(json.dumps, SCHEDULES))}")
+    return problems
+
+
 def _plan_problems(plan: dict[str, Any]) -> list[str]:
-    """Each key of the plan (and of each group of blocks) missing or holding a value of the wrong type."""
-    problems = _key_problems(plan, _PLAN_KEYS, "")
+    """Each key of the plan (and of each group of blocks) missing or holding a value of the wrong type or range."""
+    problems = _key_problems(plan, _PLAN_KEYS, "") + _range_problems(plan)
     groups = plan["groups"] if _PLAN_KINDS["list"](plan.get("groups")) else []
     first: int | None = 0  # the group's first block, while the groups before it count theirs rightly
     for i, group in enumerate(groups):
@@ -157,6 +209,9 @@ def _plan_problems(plan: dict[str, Any]) -> list[str]:
         first = first if _PLAN_KINDS["count"](n) else None
         span = "" if first is None else f" (block {first})" if n == 1 else f" (blocks {first}-{first + n - 1})"
         problems += _key_problems(group, _GROUP_KEYS, f"groups[{i}].", span)
+        if type(mode := group.get("checkpoint")) is str and mode not in CHECKPOINT:
+            problems.append(f"groups[{i}].checkpoint{span} holds {json.dumps(mode)}, not one of "
+                            f"{', '.join(map(json.dumps, CHECKPOINT))}")
         first = None if first is None else first + n
     return problems
 
@@ -179,6 +234,10 @@ def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_siz
     problems = []
     if min(s.tp, s.pp, s.microbatches, s.virtual_stages) < 1:
         return ["parallel.tp, parallel.pp, parallel.microbatches and parallel.virtual_stages must each be at least 1"]
+    if s.world_size is not None and s.world_size != world_size:
+        problems.append(f"the plan was searched for {s.world_size} ranks (its world_size), and this job has "
+                        f"{world_size}: its memory and time were predicted for {s.world_size}; plan again for this "
+                        f"job's nodes and GPUs (vitctl plan --nodes N --gpus G ...), or run it on {s.world_size} ranks")
     if world_size % (s.tp * s.pp):
         problems.append(f"parallel.tp={s.tp} x parallel.pp={s.pp} = {s.tp * s.pp} does not divide the {world_size} "
                         f"ranks; the ranks are pp x data parallel x tp")

@@ -178,6 +178,8 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> "Profile":
         raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object")
         if (version := raw.pop("version", None)) != PROFILE_VERSION:
             raise ValueError(f"profile version {version}, this vitctl reads version {PROFILE_VERSION}")
         return cls(**{**raw, "blocks": tuple(BlockProfile(**{**b, "measured": _measured(b["measured"])})
@@ -203,13 +205,58 @@ def read_profile(path: Path, model: str, img_size: int) -> Profile:
         profile = Profile.from_json(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"profile {path} does not exist; measure one with {measure}") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"profile {path} is not a profile this vitctl reads ({e}); measure it again with "
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        reason = f"key {e} is missing" if isinstance(e, KeyError) else e
+        raise ConfigError(f"profile {path} is not a profile this vitctl reads ({reason}); measure it again with "
                           f"{measure} (it replaces the cached one) and pass that file with --profile") from None
     if (profile.model, profile.img_size) != (model, img_size):
         raise ConfigError(f"profile {path} measured {profile.model} at {profile.img_size} px, not {model} at "
                           f"{img_size} px; measure that with {measure}")
+    if problems := _profile_problems(profile, model_layout(model, img_size)):
+        raise ConfigError(f"profile {path} is damaged: {'; '.join(problems)}; measure it again with {measure} (it "
+                          f"replaces the cached one) and pass that file with --profile")
     return profile
+
+
+def _profile_problems(profile: Profile, layout: ModelLayout) -> list[str]:
+    """What the cost model would fail on or be misled by: measurements missing, or values that are not measurements
+    (a hand-edited or damaged file)."""
+    problems = [] if profile.has_tp(layout, 1) else [
+        "the blocks are not all measured (each block shape without tensor parallel, in every checkpoint mode, with "
+        "and without FSDP)"]
+    if missing := [p.name for p in layout.parts if p.name not in {q.name for q in profile.parts}]:
+        problems.append(f"no measurement of {', '.join(missing)}, outside the blocks")
+    measured = [(f"blocks[{i}]", b.params, b.measured) for i, b in enumerate(profile.blocks)] + \
+        [(f"parts[{i}]", p.params, p.measured) for i, p in enumerate(profile.parts)]
+    bad = [f"{where}.params" for where, params, _ in measured if type(params) is not int or params < 0]
+    bad += [f"{where}.measured.{name}" for where, _, m in measured for name in _bad_columns(m)]
+    bad += ["optimizer_s_per_param"] * (not _amount(profile.optimizer_s_per_param))
+    bad += [f"collectives[{i}]" for i, c in enumerate(profile.collectives) if not _collective_ok(c)]
+    if bad:
+        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+        problems.append(f"{', '.join(bad[:4])}{more} {'holds' if len(bad) == 1 else 'hold'} what is not a "
+                        f"measurement (finite numbers, none negative, one per batch size)")
+    return problems
+
+
+def _amount(value: object) -> bool:
+    """A finite number, not negative (JSON's true and false are not numbers here)."""
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+def _bad_columns(m: Measured) -> list[str]:
+    """Columns of `m` that are not one amount per batch size (whole batch sizes of at least 1)."""
+    if not m.batch or not all(type(b) is int and b >= 1 for b in m.batch):
+        return ["batch"]
+    return [name for name, values in vars(m).items()
+            if name != "batch" and (len(values) != len(m.batch) or not all(map(_amount, values)))]
+
+
+def _collective_ok(c: CollectiveProfile) -> bool:
+    return (all(type(n) is int and n >= 1 for n in (c.ranks, c.nodes)) and _amount(c.overlap_slowdown)
+            and c.overlap_slowdown >= 1 and set(COLLECTIVES) <= set(c.fits)
+            and all(isinstance(f, LinkFit) and _amount(f.latency_s) and _amount(f.bus_bytes_per_s)
+                    and f.bus_bytes_per_s > 0 for f in c.fits.values()))
 
 
 def device_name(device: torch.device) -> str:

@@ -1,0 +1,293 @@
+"""Bad input to `vitctl plan`, `vitctl bench train`, `vitctl config show`, config files, `--set` and `--plan` files:
+one `error: ...` line naming what, where and how to fix it (exit 1), and the fix it names works."""
+
+import json
+
+import pytest
+import yaml
+from test_plan import BATCH, hand_made_profile
+
+from conftest import ok, vitctl
+from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
+
+# A local dry run of vit_micro (4 blocks, 3 heads) on one CPU rank: the plan file is read before anything starts
+DRY_RUN = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64",
+           "--batch", 4, "--executor", "local", "--gpus", 0, "--dry-run"]
+VALID_PLAN_KEYS = ("version, model, world_size, tp, pp, dp_shard, microbatches, schedule, virtual_stages, stages, "
+                   "fsdp_rest, groups, predicted")
+
+
+def _plan(**changes) -> dict:
+    """vitctl plan's file for vit_micro on one rank (blocks 0-1 plain, 2-3 selective), with `changes` to its keys."""
+    written = Strategy(blocks=(BlockStrategy(),) * 2 + (BlockStrategy(checkpoint="selective"),) * 2)
+    return {**json.loads(written.to_json("vit_micro", 1)), **changes}
+
+
+def _train_with(tmp_path, plan: dict | str, *extra):
+    path = tmp_path / "plan.json"
+    path.write_text(plan if isinstance(plan, str) else json.dumps(plan))
+    return path, vitctl(*DRY_RUN, "--out", tmp_path / "run", "--plan", path, *extra)
+
+
+def _refused(result, message: str) -> None:
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.output + result.stderr
+    assert result.stderr == f"error: {message}\n"
+
+
+# --plan files ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({"fsdp": True}, f'unknown key "fsdp" (a plan holds {VALID_PLAN_KEYS})'),
+    ({"groups": [{"blocks": 4, "fsdp": True, "checkpoint": "none", "ckpt": "full"}]},
+     'groups[0] has the unknown key "ckpt" (a group holds blocks, fsdp, checkpoint)'),
+], ids=["plan", "group"])
+def test_a_plan_key_no_plan_holds_is_refused_naming_the_valid_ones(tmp_path, changes, problem):
+    """Before, an unknown key was ignored: a misspelt key left the default in force, unseen."""
+    path, result = _train_with(tmp_path, _plan(**changes))
+    _refused(result, f"parallel.plan {path}: {problem}; fix these, or write the plan again with `vitctl plan`")
+    _, result = _train_with(tmp_path, _plan())  # the key removed
+    assert result.exit_code == 0, result.stderr
+
+
+def test_a_key_given_twice_in_a_plan_is_refused(tmp_path):
+    """json.loads kept the last of the two, unseen."""
+    text = json.dumps(_plan()).replace('"tp": 1', '"tp": 1, "tp": 3', 1)
+    path, result = _train_with(tmp_path, text)
+    _refused(result, f'parallel.plan {path} cannot be read as JSON (key "tp" appears more than once in one object); '
+                     f"write it again with `vitctl plan`")
+
+
+@pytest.mark.parametrize("groups", [
+    [{"blocks": 2, "fsdp": False, "checkpoint": "none"}] * 4,  # a group pasted twice
+    [{"blocks": 6, "fsdp": False, "checkpoint": "none"}],
+    [],
+], ids=["repeated-groups", "too-many", "none"])
+def test_a_plan_whose_groups_do_not_cover_the_blocks_says_how_many_are_needed(tmp_path, groups):
+    """Before: `... it was planned for 'vit_micro'` of a plan made for it, or `planned for None` without a model."""
+    given = sum(g["blocks"] for g in groups)
+    for plan in (_plan(groups=groups), {k: v for k, v in _plan(groups=groups).items() if k != "model"}):
+        path, result = _train_with(tmp_path, plan)
+        _refused(result, f'parallel.plan {path} gives strategies for {given} blocks (the "blocks" of its groups add up '
+                         f"to {given}) but model vit_micro has 4; make them add up to 4, or write the plan again with "
+                         f"`vitctl plan --model vit_micro ... --out {path}`")
+    _, result = _train_with(tmp_path, _plan(groups=[{"blocks": 4, "fsdp": False, "checkpoint": "none"}]))
+    assert result.exit_code == 0, result.stderr
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({"tp": 0}, 'tp holds 0, not a whole number of at least 1, e.g. "tp": 2'),
+    ({"microbatches": 0}, 'microbatches holds 0, not a whole number of at least 1, e.g. "microbatches": 4'),
+    ({"dp_shard": 0}, "dp_shard holds 0, not -1 (every data-parallel rank) or a whole number of at least 1"),
+    ({"schedule": "zigzag"}, 'schedule holds "zigzag", not one of "gpipe", "1f1b", "interleaved_1f1b"'),
+    ({"groups": [{"blocks": 4, "fsdp": False, "checkpoint": "all"}]},
+     'groups[0].checkpoint (blocks 0-3) holds "all", not one of "none", "selective", "full"'),
+])
+def test_a_plan_value_out_of_range_is_named_by_its_plan_key(tmp_path, changes, problem):
+    """Before: `parallel.tp, parallel.pp, ... must each be at least 1`, naming keys the user never set."""
+    path, result = _train_with(tmp_path, _plan(**changes))
+    _refused(result, f"parallel.plan {path}: {problem}; fix these, or write the plan again with `vitctl plan`")
+
+
+def test_a_plan_searched_for_other_ranks_is_refused_and_runs_on_them(tmp_path):
+    """A plan for 2 ranks on 1 shards over half the ranks it predicted memory for; before, it ran unseen."""
+    path, result = _train_with(tmp_path, _plan(world_size=2))
+    _refused(result, f"parallel.plan {path}: the plan was searched for 2 ranks (its world_size), and this job has 1: "
+                     f"its memory and time were predicted for 2; plan again for this job's nodes and GPUs (vitctl "
+                     f"plan --nodes N --gpus G ...), or run it on 2 ranks")
+    ok(*DRY_RUN, "--out", tmp_path / "run", "--plan", path, "--tasks-per-node", 2)
+
+
+def test_a_plan_strategy_problem_names_the_plan_it_comes_from(tmp_path):
+    path, result = _train_with(tmp_path, _plan(stages=[2, 2]))
+    _refused(result, f"parallel.plan {path}: parallel.stages and parallel.virtual_stages need parallel.pp > 1")
+
+
+# vitctl plan ------------------------------------------------------------------------------------------------------
+
+
+def _plan_args(profile, out, *, batch=BATCH, gpus=4):
+    return ("plan", "--model", "vit_mini", "--img-size", 32, "--gpus", gpus, "--memory-gib", 80, "--batch", batch,
+            "--out", out, "--profile", profile)
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(hand_made_profile().to_json())
+    return path
+
+
+@pytest.mark.parametrize("name", ["profile.json", "notes.txt"])
+def test_plan_out_that_holds_something_else_is_not_overwritten(tmp_path, profile, name):
+    """Before, `--out profile.json` replaced the profile with the plan."""
+    out = tmp_path / name
+    if not out.exists():
+        out.write_text("my notes\n")
+    before = out.read_bytes()
+    result = vitctl(*_plan_args(profile, out))
+    _refused(result, f"--out {out} already holds a file that is not a plan; choose another --out, or move {out} away "
+                     f"first")
+    assert out.read_bytes() == before
+    ok(*_plan_args(profile, tmp_path / "plan.json"))
+    ok(*_plan_args(profile, tmp_path / "plan.json"))  # a plan it wrote before is replaced
+
+
+@pytest.mark.parametrize(("gpus", "batch", "fix"), [(3, 7, "6 or --batch 9"), (3, 2, "3")])
+def test_plan_with_a_batch_no_layout_divides_says_so(tmp_path, profile, gpus, batch, fix):
+    """Before: `no strategy ... fits in --memory-gib 80; raise --memory-gib`, which could never help."""
+    out = tmp_path / "plan.json"
+    result = vitctl(*_plan_args(profile, out, batch=batch, gpus=gpus))
+    assert result.exit_code == 1 and "Traceback" not in result.stderr and "cannot run" in result.stdout
+    assert result.stderr == (f"error: no strategy can run a global batch of {batch} on 1 x {gpus} GPUs: it divides "
+                             f"over the data-parallel ranks of none of them (the table says why each cannot run); give "
+                             f"a multiple of {gpus}, e.g. --batch {fix}\n")
+    assert not out.exists()
+    ok(*_plan_args(profile, out, batch=int(fix.split()[0]), gpus=gpus))
+
+
+def _damage(raw: dict, how: str) -> object:
+    match how:
+        case "no-tp1-blocks":
+            raw["blocks"] = [b for b in raw["blocks"] if b["tp"] != 1]
+        case "no-head":
+            raw["parts"] = [p for p in raw["parts"] if p["name"] != "head"]
+        case "text-time":
+            raw["blocks"][0]["measured"]["forward_s"] = ["a", "b"]
+        case "short-column":
+            raw["blocks"][0]["measured"]["forward_s"] = [1e-3]
+        case "nan":
+            raw["blocks"][0]["measured"]["forward_s"] = [float("nan"), 1e-3]
+        case "null-measured":
+            raw["blocks"][0]["measured"] = None
+        case "zero-bandwidth":
+            raw["collectives"][0]["fits"]["all_reduce"]["bus_bytes_per_s"] = 0
+        case "list":
+            return []
+    return raw
+
+
+@pytest.mark.parametrize(("how", "reason"), [
+    ("no-tp1-blocks", "is damaged: the blocks are not all measured (each block shape without tensor parallel, in "
+                      "every checkpoint mode, with and without FSDP)"),
+    ("no-head", "is damaged: no measurement of head, outside the blocks"),
+    ("text-time", "is damaged: blocks[0].measured.forward_s holds what is not a measurement (finite numbers, none "
+                  "negative, one per batch size)"),
+    ("short-column", "is damaged: blocks[0].measured.forward_s holds what is not a measurement"),
+    ("nan", "is damaged: blocks[0].measured.forward_s holds what is not a measurement"),
+    ("zero-bandwidth", "is damaged: collectives[0] holds what is not a measurement"),
+    ("null-measured", "is not a profile this vitctl reads ('NoneType' object has no attribute 'items')"),
+    ("list", "is not a profile this vitctl reads (it holds a JSON list, not an object)"),
+])
+def test_plan_from_a_damaged_profile_says_how_to_measure_it_again(tmp_path, profile, how, reason):
+    """Before: StopIteration, TypeError, ValueError or AttributeError tracebacks from the cost model (or, for nan, a
+    plan written from it)."""
+    damaged, out = tmp_path / "damaged.json", tmp_path / "plan.json"
+    damaged.write_text(json.dumps(_damage(json.loads(profile.read_text()), how)))
+    result = vitctl(*_plan_args(damaged, out))
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert result.stderr.startswith(f"error: profile {damaged} {reason}")
+    assert result.stderr.endswith("; measure it again with `vitctl plan --profile-only --model vit_mini --img-size 32` "
+                                  "on a GPU node (it replaces the cached one) and pass that file with --profile\n")
+    assert not out.exists()
+
+
+# config files and --set -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("model:\n  name: vit_micro\nmodel:\n  img_size: 64\n",
+     "line 3, column 1: key 'model' appears twice in one mapping (first on line 1), and the second would replace the "
+     "first: keep one"),
+    ("model:\n  name: vit_micro\n  img_size: 32\n  img_size: 64\n",
+     "line 4, column 3: key 'img_size' appears twice in one mapping (first on line 3)"),
+], ids=["section", "key"])
+def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path, content, message):
+    """Before, YAML kept the second: a second `model:` block dropped model.name, which trained vit_b16."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(content)
+    result = vitctl("config", "show", path)
+    assert result.exit_code == 1 and result.stderr.startswith(f"error: config file {path} is not valid YAML: {message}")
+    path.write_text("model:\n  name: vit_micro\n  img_size: 64\n")  # kept once
+    assert yaml.safe_load(ok("config", "show", path).stdout)["model"]["name"] == "vit_micro"
+
+
+@pytest.mark.parametrize("content", ["", "# model:\n#   name: vit_micro\n"])
+def test_an_empty_config_file_is_refused(tmp_path, content):
+    """Before, it gave the defaults: `train --config empty.yaml` trained vit_b16."""
+    path = tmp_path / "empty.yaml"
+    path.write_text(content)
+    _refused(vitctl("config", "show", path), f"config file {path} is empty (or holds only comments); write its "
+                                             f"sections into it, as `vitctl config show demo_vit` prints, or pass a "
+                                             f"preset name instead")
+    path.write_text(ok("config", "show", "demo_vit").stdout)
+    ok("config", "show", path)
+
+
+def test_a_toml_config_file_is_refused_as_toml_and_other_suffixes_are_read_as_files(tmp_path, monkeypatch):
+    """Before: `no preset 'my.toml'; presets: ... (or pass a .yaml path)` for a file that is there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.toml").write_text('[model]\nname = "vit_micro"\n')
+    _refused(vitctl("config", "show", "my.toml"), "config file my.toml is TOML, and vitctl reads YAML: write its "
+                                                  "tables as YAML sections (`[optim]` and `lr = 1e-3` become `optim:` "
+                                                  "and an indented `lr: 1e-3`), as `vitctl config show demo_vit` "
+                                                  "prints, in a .yaml file")
+    for name in ("my.yaml", "my.cfg"):
+        (tmp_path / name).write_text("model:\n  name: vit_micro\n")
+        assert yaml.safe_load(ok("config", "show", name).stdout)["model"]["name"] == "vit_micro"
+
+
+@pytest.mark.parametrize(("override", "message", "fix"), [
+    ("optim.lr.x=1", "optim.lr is a value, not a section of keys; there is no optim.lr.x: set it as optim.lr=VALUE",
+     "optim.lr=1"),
+    ("optim=5", "optim is a section of keys, not a value (got 5); set one of its keys: optim.KEY=VALUE, KEY one of "
+                "accum_steps, betas, clip_grad, eps, layer_decay, lr, min_lr, warmup_epochs, warmup_lr, weight_decay",
+     "optim.lr=5"),
+    ("optim..lr=1", "override 'optim..lr=1' is not of the form section.key=value (e.g. optim.lr=1e-3)", "optim.lr=1"),
+    ("lr=1e-3", "unknown keys ['lr']; known: ['augment', 'data', 'eval', 'finetune', 'model', 'optim', 'parallel', "
+                "'train']; did you mean optim.lr?", "optim.lr=1e-3"),
+    ("optim.batch_size=2", "unknown keys ['optim.batch_size']; known: ['accum_steps', 'betas', 'clip_grad', 'eps', "
+                           "'layer_decay', 'lr', 'min_lr', 'warmup_epochs', 'warmup_lr', 'weight_decay']; did you mean "
+                           "data.batch_size?", "data.batch_size=2"),
+])
+def test_an_override_of_the_wrong_shape_says_which_key_is_meant(override, message, fix):
+    """Before: `optim.lr: expected float, got {'x': 1}`, `optim: expected a mapping, got 5`, `unknown keys
+    ['optim.']`, and no hint where `lr` lives."""
+    _refused(vitctl("config", "show", "demo_vit", "--set", override), message)
+    ok("config", "show", "demo_vit", "--set", fix)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.log_every=0", "train.log_every must be at least 1 (steps)"),  # the ranks divided by it
+    ("train.checkpoint_every=0", "train.checkpoint_every must be at least 1 (steps)"),
+    ("train.eval_every_epochs=0", "train.eval_every_epochs must be positive"),  # evaluated after every step
+    ("optim.clip_grad=-1", "optim.clip_grad must not be negative (null: no clipping)"),  # flipped every gradient
+    ("optim.eps=0", "optim.eps must be positive"),
+    ("optim.weight_decay=-0.05", "optim.weight_decay must not be negative"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas must each be in [0, 1)"),
+    ("optim.warmup_epochs=-1", "optim.warmup_epochs must not be negative"),
+    ("optim.min_lr=1", "optim.min_lr 1 is above optim.lr 0.002, from which the schedule decays down to it; lower "
+                       "optim.min_lr"),
+    ("model.window_size=-7", "model.window_size must be at least 1 (null: the model's own)"),  # was a traceback
+    ("parallel.tp=0", "parallel.tp must be at least 1, got 0"),
+    ("parallel.checkpoint=al", "parallel.checkpoint must be one of none, selective, full, got 'al'"),
+    ("parallel.schedule=zigzag", "parallel.schedule must be one of gpipe, 1f1b, interleaved_1f1b, got 'zigzag'"),
+])
+def test_a_value_no_run_takes_is_refused_when_the_config_loads(tmp_path, override, message):
+    """Before, `config show` accepted these; training failed inside the ranks, or ran wrongly."""
+    _refused(vitctl("config", "show", "demo_vit", "--set", override), message)
+    result = vitctl(*DRY_RUN, "--out", tmp_path / "run", "--set", override)
+    _refused(result, message)
+
+
+# vitctl bench train -----------------------------------------------------------------------------------------------
+
+
+def test_bench_refuses_an_unknown_op_and_a_size_the_model_cannot_take_before_looking_for_a_gpu():
+    """On a GPU, `--fused bogus` ended in a ValueError traceback, and a bad size failed after the GPU was set up."""
+    result = vitctl("bench", "train", "--model", "vit_micro", "--img-size", 36, "--fused", "bogus")
+    _refused(result, "model vit_micro: image size 36 is not a multiple of the patch size 8; the nearest that is: 32; "
+                     "--fused: unknown op 'bogus'; choose from all, none, window_partition, window_merge, "
+                     "window_attention, attention, layer_norm, mlp, optimizer")
+    result = vitctl("bench", "train", "--img-size", 0)
+    assert result.exit_code == 2 and "Invalid value for '--img-size': 0 is not in the range x>=32" in result.stderr
