@@ -1,5 +1,6 @@
 """`vitctl data ...`: ImageNet-1k preparation from the original archives to verified shards."""
 
+import os
 from pathlib import Path
 
 import click
@@ -19,7 +20,22 @@ from .console import ByteSize, console, progress_bar
 FULL_IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 workers_option = click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="CPUs",
                               help="Worker processes.")
-existing = click.Path(exists=True, path_type=Path)
+
+
+class ExistingPath(click.Path):
+    """click.Path(exists=True) that names a symbolic link leading nowhere as such, not as a path that does not exist."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(exists=True, path_type=Path, **kwargs)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str | Path) and os.path.islink(value) and not os.path.exists(value):
+            self.fail(f"{str(value)!r} is a symbolic link that leads nowhere (to {os.readlink(value)!r}: missing, "
+                      "or a loop of links)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+existing = ExistingPath()
 SPLIT_COLUMNS = ("split", "shards", "samples", "bytes", "converted", "skipped")
 SHOWN = 5  # names listed in full before "and N more"
 
@@ -90,15 +106,14 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
         raise click.UsageError("pass exactly one of --devkit and --solution")
     labels = ilsvrc.val_labels_from_devkit(devkit) if devkit else ilsvrc.val_labels_from_solution(solution)
     valprep.check_train_classes(val_dir, labels, devkit or solution)
-    moves = valprep.plan_moves(val_dir, labels)
-    valprep.move_into_folders(val_dir, moves)
-    done = len(labels) - len(moves)
-    console.print(f"valprep: moved {len(moves):,} images into {len(set(labels.values()))} WNID folders"
+    moved = valprep.sort_into_folders(val_dir, labels)
+    done = len(labels) - moved
+    console.print(f"valprep: moved {moved:,} images into {len(set(labels.values()))} WNID folders"
                   + (f" ({done:,} were already in place)" if done else ""))
 
 
 @data.command(short_help="Write WebDataset shards and manifest.json; a rerun resumes.")
-@click.argument("root", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("root", type=ExistingPath(file_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Shard folder (created; a rerun into it resumes).")
 @click.option("--split", type=click.Choice(["train", "val", "both"]), default="both", show_default=True,
@@ -149,7 +164,7 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
 
 
 @data.command(short_help="Write a DALI index file beside each shard of SHARDS.")
-@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("shards", type=ExistingPath(file_okay=False))
 @workers_option
 def index(shards: Path, workers: int) -> None:
     """Write a DALI index file (v1.2) beside each shard that SHARDS/manifest.json lists.
@@ -162,7 +177,7 @@ def index(shards: Path, workers: int) -> None:
 
 
 @data.command(name="verify", short_help="Check shards, indexes and manifest.json; decode some images.")
-@click.argument("shards", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("shards", type=ExistingPath(file_okay=False))
 @click.option("--decode", type=click.IntRange(min=0), default=32, show_default=True,
               help="Random images to decode.")
 @workers_option

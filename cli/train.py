@@ -37,8 +37,8 @@ def run_options(command):
         click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True),
         click.option("--gpus", type=click.IntRange(min=0),
                      help="GPUs per node, one task each; 0 for CPU ranks [local default: all visible]."),
-        click.option("--tasks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="CPU ranks (gloo) per node when --gpus 0."),
+        click.option("--tasks-per-node", type=click.IntRange(min=1),
+                     help="CPU ranks (gloo) per node when --gpus 0 [default: 1]."),
         click.option("--partition"), click.option("--account"), click.option("--qos"),
         click.option("--time", default="24:00:00", show_default=True, help="Slurm time limit."),
         click.option("--cpus-per-gpu", type=click.IntRange(min=1), help="CPUs per task (data loading)."),
@@ -73,7 +73,13 @@ def _request(o: dict) -> wf.LaunchRequest:
         if executor == "slurm":
             raise wf.ConfigError("--executor slurm needs --gpus N (per node; 0 for CPU ranks with --tasks-per-node)")
         gpus = wf.visible_gpus()
-    return wf.LaunchRequest(executor, o["nodes"], gpus, o["tasks_per_node"], o["partition"], o["time"],
+    tasks = o["tasks_per_node"]
+    if gpus and tasks not in (None, gpus):  # a GPU job runs one task per GPU: --tasks-per-node was ignored
+        implied = " (this machine's GPUs, the local default)" if o["gpus"] is None else ""
+        raise wf.ConfigError(f"--tasks-per-node {tasks} with --gpus {gpus}{implied}: vitctl runs one task per GPU, "
+                             f"{gpus} per node; drop --tasks-per-node, or pass --gpus 0 --tasks-per-node {tasks} for "
+                             "CPU ranks")
+    return wf.LaunchRequest(executor, o["nodes"], gpus, tasks or 1, o["partition"], o["time"],
                             o["account"], o["qos"], o["cpus_per_gpu"], o["mem"], o["container_image"],
                             o["container_mounts"], o["max_requeues"])
 

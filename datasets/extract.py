@@ -20,6 +20,7 @@ from typing import Any
 from .atomic import PARTIAL_SUFFIX, fsync_dir, partial_path, sync_filesystem, write_json_atomic
 from .errors import DataError
 from .ilsvrc import TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
+from .lock import writing_in
 from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
 from .tarscan import TarMember, check_safe, scan, scan_path
@@ -204,7 +205,7 @@ def _recorded_classes(ledger: dict[str, Any], identity: dict[str, Any], dest: Pa
 def _plan_classes(archive: Path, members: list[TarMember], recorded: dict[str, int], dest: Path,
                   progress: Progress) -> tuple[ExtractReport, list[tuple[Path, TarMember, Path]]]:
     """Report the classes an earlier run completed; the others are the tasks to do. Refuses folders not ours."""
-    report, todo = ExtractReport(), []
+    report, todo, foreign = ExtractReport(), [], []
     for m in members:
         wnid = m.name[:-4]
         if wnid in recorded and _count_files(dest / wnid) == recorded[wnid]:
@@ -213,9 +214,18 @@ def _plan_classes(archive: Path, members: list[TarMember], recorded: dict[str, i
             progress(m.size)
             continue
         if wnid not in recorded and os.path.lexists(dest / wnid):
-            raise DataError(f"{dest / wnid} exists but was not written by `vitctl data extract`", str(dest),
-                            "move it away or extract into an empty folder")
+            foreign.append(wnid)
         todo.append((archive, m, dest))
+    if len(foreign) == 1:
+        raise DataError(f"{dest / foreign[0]} exists but was not written by `vitctl data extract`", str(dest),
+                        "move it away or extract into an empty folder")
+    if foreign:  # moving them away one at a time, one run each, would take a thousand runs
+        ledger = dest.parent / LEDGER
+        why = "" if ledger.exists() else f" ({ledger}, which records what extract wrote, is missing)"
+        raise DataError(f"{dest / foreign[0]} and {len(foreign) - 1} more class folders exist but were not written "
+                        f"by `vitctl data extract`{why}", str(dest),
+                        f"move them away (all at once: `mv {shlex.quote(str(dest))} "
+                        f"{shlex.quote(str(dest) + '.old')}`), or extract into an empty folder")
     return report, todo
 
 
@@ -225,33 +235,42 @@ def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
     with os_errors_explained(root):
         _check_archive(archive)
         dest = root / "train"
-        ledger, identity = _load_ledger(root), archive_identity(archive)
-        recorded = _recorded_classes(ledger, identity, dest)
+        _load_ledger(root)  # refused before the archive is read
         members = _class_tars(archive, dest)
-        on_total(sum(m.size for m in members))
-        report, todo = _plan_classes(archive, members, recorded, dest, progress)
-        make_folder(dest, "--out")
-        record, ledger["train"] = ledger["train"], {"archive": identity, "path": str(archive.absolute()),
-                                                    "classes": recorded, "complete": not todo}
-        if record != ledger["train"]:  # written only when changed, so that a read-only copy can still be checked
-            write_json_atomic(root / LEDGER, ledger)
-        try:
-            _remove_partials(dest)
-            for _, m, _ in todo:
-                shutil.rmtree(dest / m.name[:-4], ignore_errors=True)  # recorded but incomplete: ours to redo
-            with closing(run_tasks(extract_class, todo, workers)) as finished:
-                for wnid, count, size in finished:
-                    recorded[wnid] = report.classes[wnid] = count
-                    write_json_atomic(root / LEDGER, ledger)  # first: whatever is under a class's name is recorded
-                    _rename_into_place(partial_path(dest / wnid), dest / wnid)
-                    progress(size)
-        except BaseException:
-            _remove_partials(dest)
-            raise
-        if todo:
-            ledger["train"]["complete"] = True
-            write_json_atomic(root / LEDGER, ledger)
-        return report
+        make_folder(root, "--out")
+        with writing_in(root):  # a second extract into `root` at once would take this one's classes for foreign
+            return _extract_train(archive, root, members, workers, progress, on_total)
+
+
+def _extract_train(archive: Path, root: Path, members: list[TarMember], workers: int, progress: Progress,
+                   on_total: Progress) -> ExtractReport:
+    dest = root / "train"
+    ledger, identity = _load_ledger(root), archive_identity(archive)
+    recorded = _recorded_classes(ledger, identity, dest)
+    on_total(sum(m.size for m in members))
+    report, todo = _plan_classes(archive, members, recorded, dest, progress)
+    make_folder(dest, "--out")
+    record, ledger["train"] = ledger["train"], {"archive": identity, "path": str(archive.absolute()),
+                                                "classes": recorded, "complete": not todo}
+    if record != ledger["train"]:  # written only when changed, so that a read-only copy can still be checked
+        write_json_atomic(root / LEDGER, ledger)
+    try:
+        _remove_partials(dest)
+        for _, m, _ in todo:
+            shutil.rmtree(dest / m.name[:-4], ignore_errors=True)  # recorded but incomplete: ours to redo
+        with closing(run_tasks(extract_class, todo, workers)) as finished:
+            for wnid, count, size in finished:
+                recorded[wnid] = report.classes[wnid] = count
+                write_json_atomic(root / LEDGER, ledger)  # first: whatever is under a class's name is recorded
+                _rename_into_place(partial_path(dest / wnid), dest / wnid)
+                progress(size)
+    except BaseException:
+        _remove_partials(dest)
+        raise
+    if todo:
+        ledger["train"]["complete"] = True
+        write_json_atomic(root / LEDGER, ledger)
+    return report
 
 
 def _count_files(path: Path) -> int:
@@ -262,38 +281,47 @@ def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_
     """Extract the flat val tar into `root/val/`; returns the image count."""
     with os_errors_explained(root):
         _check_archive(archive)
-        ledger = _load_ledger(root)
-        dest, partial = root / "val", partial_path(root / "val")
-        if os.path.lexists(dest):
-            if ledger["val"] is None or not ledger["val"].get("complete", True):
-                raise DataError(f"{dest} exists but was not written by `vitctl data extract`", str(root),
-                                "move it away or extract into an empty folder")
-            _check_same_archive(ledger["val"]["archive"], archive_identity(archive), dest)
-            on_total(archive.stat().st_size)  # already done: the whole archive counts as read
-            progress(archive.stat().st_size)
-            return ledger["val"]["images"]
-        members = _val_images(archive)
-        on_total(sum(m.size for m in members))
+        _load_ledger(root)  # refused before anything is written
+        # checked before --out is made; a finished val/ is not read again
+        members = None if os.path.lexists(root / "val") else _val_images(archive)
         make_folder(root, "--out")
+        with writing_in(root):  # a second extract into `root` at once would remove this one's val/.partial
+            return _extract_val(archive, root, members, workers, progress, on_total)
+
+
+def _extract_val(archive: Path, root: Path, members: list[TarMember] | None, workers: int, progress: Progress,
+                 on_total: Progress) -> int:
+    ledger = _load_ledger(root)
+    dest, partial = root / "val", partial_path(root / "val")
+    if os.path.lexists(dest):
+        if ledger["val"] is None or not ledger["val"].get("complete", True):
+            raise DataError(f"{dest} exists but was not written by `vitctl data extract`", str(root),
+                            "move it away or extract into an empty folder")
+        _check_same_archive(ledger["val"]["archive"], archive_identity(archive), dest)
+        on_total(archive.stat().st_size)  # already done: the whole archive counts as read
+        progress(archive.stat().st_size)
+        return ledger["val"]["images"]
+    members = _val_images(archive) if members is None else members
+    on_total(sum(m.size for m in members))
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        ledger["val"] = {"archive": archive_identity(archive), "path": str(archive.absolute()),
+                         "images": len(members), "complete": False}
+        write_json_atomic(root / LEDGER, ledger)
+        tasks = [(archive, members[i:i + VAL_FILES_PER_TASK], partial)
+                 for i in range(0, len(members), VAL_FILES_PER_TASK)]
+        with closing(run_tasks(_copy_members, tasks, workers)) as finished:
+            for task_bytes in finished:
+                progress(task_bytes)
+        sync_filesystem(partial)
+        ledger["val"]["complete"] = True
+        write_json_atomic(root / LEDGER, ledger)  # first: whatever is under the name val/ is recorded
+        _rename_into_place(partial, dest)
+    except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-        try:
-            ledger["val"] = {"archive": archive_identity(archive), "path": str(archive.absolute()),
-                             "images": len(members), "complete": False}
-            write_json_atomic(root / LEDGER, ledger)
-            tasks = [(archive, members[i:i + VAL_FILES_PER_TASK], partial)
-                     for i in range(0, len(members), VAL_FILES_PER_TASK)]
-            with closing(run_tasks(_copy_members, tasks, workers)) as finished:
-                for task_bytes in finished:
-                    progress(task_bytes)
-            sync_filesystem(partial)
-            ledger["val"]["complete"] = True
-            write_json_atomic(root / LEDGER, ledger)  # first: whatever is under the name val/ is recorded
-            _rename_into_place(partial, dest)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        return len(members)
+        raise
+    return len(members)
 
 
 def _unfinished(ledger: dict[str, Any], splits: Sequence[str]) -> list[str]:
@@ -304,13 +332,31 @@ def _unfinished(ledger: dict[str, Any], splits: Sequence[str]) -> list[str]:
 def extract_command(root: Path, splits: Sequence[str]) -> str:
     """The `vitctl data extract` command for `splits` into `root`, naming the archives an earlier run recorded."""
     ledger = _load_ledger(root)
-    archives = [f"--{s}-tar {shlex.quote(_archive_path(ledger[s]) if ledger[s] else ARCHIVE_NAMES[s])}"
+    archives = [f"--{s}-tar {shlex.quote(_archive_path(ledger[s]) if ledger[s] else _likely_archive(ledger, s))}"
                 for s in splits]
     return f"vitctl data extract {' '.join(archives)} --out {shlex.quote(str(root))}"
 
 
 def _archive_path(record: dict[str, Any]) -> str:
     return record.get("path", record["archive"]["name"])  # an older vitctl recorded the name only
+
+
+def _likely_archive(ledger: dict[str, Any], split: str) -> str:
+    return _beside_recorded(ledger, ARCHIVE_NAMES[split])
+
+
+def _beside_recorded(ledger: dict[str, Any], name: str) -> str:
+    """The path of `name` beside an archive an earlier run recorded, where it is there; else `name` alone."""
+    for record in filter(None, (ledger[s] for s in ARCHIVE_NAMES)):
+        beside = Path(_archive_path(record)).parent / name
+        if beside.is_absolute() and beside.is_file():
+            return str(beside)
+    return name
+
+
+def beside_archives(root: Path, name: str) -> str:
+    """`name` (the devkit, say) as a path beside the archives extracted into `root`, where it lies there."""
+    return _beside_recorded(_load_ledger(root), name)
 
 
 def check_finished(root: Path, splits: Sequence[str]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from . import manifest as mf
 from .atomic import write_text_atomic
 from .errors import DataError
+from .lock import writing_in
 from .oserrors import os_errors_explained
 from .parallel import run_tasks
 from .tarscan import SPARSE, scan_path
@@ -106,7 +107,7 @@ def build_index(shard: Path) -> tuple[str, int]:
 def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
                  on_total: Callable[[int], None]) -> tuple[int, int]:
     """Index every shard `folder/manifest.json` lists; returns (index files, samples)."""
-    with os_errors_explained(folder):
+    with os_errors_explained(folder), writing_in(folder):
         manifest = mf.load(folder)
         if manifest is None:
             raise DataError("no manifest.json: this folder was not written by `vitctl data shard`", str(folder),

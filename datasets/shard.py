@@ -15,9 +15,10 @@ from typing import Any
 from . import manifest as mf
 from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
 from .errors import DataError
-from .extract import check_finished, extract_command
-from .ilsvrc import WNID
+from .extract import beside_archives, check_finished, extract_command
+from .ilsvrc import DEVKIT_NAME, WNID
 from .images import to_rgb_jpeg
+from .lock import writing_in
 from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
 from .tarscan import BLOCK, padded
@@ -55,8 +56,12 @@ def _visible(folder: Path) -> list[os.DirEntry]:
 
 
 def _check_extracted(folder: Path) -> None:
-    """Refuse a split folder in which `vitctl data extract` left a class half-written (`.<wnid>.partial`)."""
+    """Refuse a split folder in which `vitctl data extract` left a class half-written (`.<wnid>.partial`), or a
+    symbolic link that leads nowhere."""
     for entry in os.scandir(folder):
+        if entry.is_symlink() and not os.path.exists(entry.path) and not entry.name.startswith("."):  # or a loop
+            raise DataError(f"a symbolic link that leads nowhere (to {os.readlink(entry.path)}: missing, or a loop "
+                            "of links)", entry.path, "restore the folder it points to, or delete the link")
         wnid = entry.name[1:].removesuffix(PARTIAL_SUFFIX)
         if entry.name.endswith(PARTIAL_SUFFIX) and WNID.fullmatch(wnid) and not (folder / wnid).is_dir():
             raise DataError(f"class {wnid} is not completely extracted: {entry.name} is what an interrupted "
@@ -73,6 +78,10 @@ def list_classes(root: Path) -> list[str]:
             wnids = [e.name for e in _visible(folder) if e.is_dir() and WNID.fullmatch(e.name)]
             if wnids:
                 return wnids
+    if root.name in ("train", "val") and any(e.is_dir() and WNID.fullmatch(e.name) for e in _visible(root)):
+        raise DataError(f"no train/ or val/ folder here: this is the {root.name} folder itself, not the dataset root",
+                        str(root), f"pass the dataset root {root.parent} (with --split {root.name} to shard this "
+                        "split alone)")
     raise DataError("no class folders found under train/ or val/", str(root),
                     "run `vitctl data extract` (and `vitctl data valprep` for val) first")
 
@@ -106,12 +115,16 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
     """Every image of the split, each checked to make a valid sample key; hidden files are left out."""
     folder = root / split
     if not folder.is_dir():
-        raise DataError(f"no {split}/ folder", str(root), f"extract the {split} archive first")
+        alone = " (or pass --split train to shard train alone)" if split == "val" else ""
+        raise DataError(f"no {split}/ folder", str(root), f"extract the {split} archive first: "
+                        f"`{extract_command(root, [split])}`{alone}")
     _check_extracted(folder)
     entries = _visible(folder)
     flat = [e.name for e in entries if not e.is_dir()]
     if flat:
-        fix = ("run `vitctl data valprep` to move them into WNID folders" if split == "val"
+        devkit = beside_archives(root, DEVKIT_NAME)
+        fix = (f"run `vitctl data valprep {shlex.quote(str(folder))} --devkit {shlex.quote(devkit)}` (or "
+               "--solution LOC_val_solution.csv) to move them into WNID folders" if split == "val"
                else "move them out: train/ holds one folder per class")
         raise DataError(f"{len(flat)} files lie directly in {split}/ (e.g. {flat[0]})", str(folder), fix)
     label_of = {wnid: i for i, wnid in enumerate(classes)}
@@ -252,16 +265,22 @@ def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str],
 def _check_folder(out: Path, manifest: dict[str, Any] | None) -> None:
     """Refuse a folder holding files that vitctl did not write."""
     ours = {mf.MANIFEST}
-    foreign = []
+    foreign, shard_named = [], True
     for entry in os.scandir(out):
         name = entry.name.removeprefix(".").removesuffix(PARTIAL_SUFFIX)
         stem = name.removesuffix(".idx") + ".tar" if name.endswith(".idx") else name
         if name in ours or (mf.SHARD_NAME.fullmatch(stem) and manifest is not None):
             continue
         foreign.append(entry.name)
+        shard_named = shard_named and mf.SHARD_NAME.fullmatch(stem) is not None
     if foreign:
-        raise DataError(f"the output folder holds files vitctl did not write: {', '.join(sorted(foreign)[:5])}",
-                        str(out), "shard into an empty folder, or move those files away")
+        # shards of an earlier run whose manifest.json was deleted look the same as anyone else's
+        lost = (f" (named as shards, but with no {mf.MANIFEST}, which records what `vitctl data shard` wrote here, "
+                "whose they are cannot be told)") if shard_named else ""
+        again = ("; if an earlier `vitctl data shard` wrote them and its manifest was lost, moving them away and "
+                 "running the same command writes them again") if shard_named else ""
+        raise DataError(f"the output folder holds files vitctl did not write: {', '.join(sorted(foreign)[:5])}{lost}",
+                        str(out), f"shard into an empty folder, or move those files away{again}")
 
 
 def _intact(path: Path, entry: dict[str, Any]) -> str | None:
@@ -290,6 +309,16 @@ def _other_plan(out: Path, split: str, spec: ShardSpec, info: dict[str, Any]) ->
                      str(out), "shard into a new --out folder")
 
 
+def _check_out(root: Path, out: Path) -> None:
+    """Refuse an `out` inside a split folder of `root`: shard would read it as a class folder the next time."""
+    for split in ("train", "val"):
+        folder = (root / split).resolve()
+        if out.resolve().is_relative_to(folder):
+            raise DataError(f"lies inside {root / split}, which holds only class folders: the next `vitctl data "
+                            "shard` of this root would refuse the shard folder there", f"--out {out}",
+                            f"choose an --out outside {root / 'train'} and {root / 'val'}, e.g. {root / 'shards'}")
+
+
 @dataclass
 class SplitResult:
     info: dict[str, Any]  # the split's manifest entry
@@ -303,14 +332,16 @@ def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int
     `source` is what `read_source` found under `root`; it is read here when not given.
     """
     spec.validate()
+    _check_out(root, out)
     source = source or read_source(root, [split])
     with os_errors_explained(out):
-        return _shard_split(root, out, split, spec, workers, progress, on_total, source)
+        make_folder(out, "--out")
+        with writing_in(out):  # a second shard (or index) into `out` at once would overwrite this one's files
+            return _shard_split(root, out, split, spec, workers, progress, on_total, source)
 
 
 def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int,
                  progress: Progress, on_total: Callable[[int], None], source: Source) -> SplitResult:
-    make_folder(out, "--out")
     manifest = mf.load(out)
     _check_folder(out, manifest)
     classes = source.classes

@@ -22,6 +22,8 @@ TRAIN_TAR, VAL_TAR, DEVKIT = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar
 DEVKIT_DIR = "ILSVRC2012_devkit_t12"
 MARKER = ".vitctl-synth.json"  # name -> [[bytes, sha256], ...] of the archives synth wrote here: its own to replace
 MIN_CLASSES = 3  # the PNG, CMYK and grayscale images each take a class
+MAX_TRAIN_NUMBER = 39_999  # a class's images are numbered from 1 to this, each number once
+MAX_VAL_IMAGES = 99_999_999  # ILSVRC2012_val_<8 digits>.JPEG
 
 # Real ImageNet-1k leaf WNIDs. IDs are given in this order, which (like the real devkit, where ID 1 is
 # kit fox) is not sorted-WNID order, so code that confuses the two conventions fails on this data.
@@ -56,6 +58,14 @@ class SynthSpec:
                             fix=f"pass --classes from {MIN_CLASSES} to {len(LEAVES)}")
         if self.train_per_class < 1 or self.val_per_class < 1:
             raise DataError("--train-per-class and --val-per-class must be at least 1")
+        if self.train_per_class > MAX_TRAIN_NUMBER:
+            raise DataError(f"--train-per-class must be at most {MAX_TRAIN_NUMBER:,} (a class's images are "
+                            f"numbered from 1 to {MAX_TRAIN_NUMBER:,}), got {self.train_per_class:,}",
+                            fix=f"pass --train-per-class from 1 to {MAX_TRAIN_NUMBER:,}")
+        if self.classes * self.val_per_class > MAX_VAL_IMAGES:
+            raise DataError(f"--classes x --val-per-class must be at most {MAX_VAL_IMAGES:,} (val images are numbered "
+                            f"with 8 digits), got {self.classes * self.val_per_class:,}",
+                            fix=f"pass --val-per-class from 1 to {MAX_VAL_IMAGES // self.classes:,}")
 
 
 def class_image(rng: np.random.Generator, label: int, classes: int) -> Image.Image:
@@ -91,7 +101,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def _inner_tar(rng: np.random.Generator, wnid: str, label: int, spec: SynthSpec, gotcha: str | None) -> bytes:
     # Real member numbers are neither fixed-width nor consecutive.
-    numbers = np.sort(rng.choice(np.arange(1, 40000), size=spec.train_per_class, replace=False))
+    numbers = np.sort(rng.choice(np.arange(1, MAX_TRAIN_NUMBER + 1), size=spec.train_per_class, replace=False))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
         for i, k in enumerate(numbers):

@@ -4,7 +4,10 @@ import os
 from pathlib import Path
 
 from .errors import DataError
-from .ilsvrc import WNID
+from .extract import extract_command
+from .ilsvrc import VAL_PATTERN, WNID
+from .lock import writing_in
+from .oserrors import os_errors_explained
 
 
 def _sample(names: set[str] | list[str], n: int = 5) -> str:
@@ -12,22 +15,45 @@ def _sample(names: set[str] | list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
-    """Flat image names, and name -> WNID for images already in folders; foreign entries raise."""
+def _check_exists(val_dir: Path) -> None:
     if not val_dir.is_dir():
         raise DataError("validation folder not found", str(val_dir), "run `vitctl data extract` first")
+
+
+def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
+    """Flat image names, and name -> WNID for images already in folders; foreign entries raise."""
+    _check_exists(val_dir)
     flat, placed, foreign = set(), {}, []
     for entry in os.scandir(val_dir):
+        if entry.name.startswith("."):  # not images (.DS_Store, ._x.JPEG), as shard leaves them out too
+            continue
         if entry.is_file(follow_symlinks=False):
             flat.add(entry.name)
         elif entry.is_dir(follow_symlinks=False) and WNID.fullmatch(entry.name):
             for image in os.scandir(entry.path):
-                placed[image.name] = entry.name
+                if not image.name.startswith("."):
+                    placed[image.name] = entry.name
         else:
             foreign.append(entry.name)
+    splits = sorted(set(foreign) & {"train", "val"})
+    if splits:  # moving them out, as the message below says, would take the dataset apart
+        val = val_dir / "val"
+        raise DataError(f"holds {' and '.join(f'{s}/' for s in splits)}: it is the dataset root, not its val folder",
+                        str(val_dir), f"pass {val} as VAL_DIR" if val.is_dir() else
+                        f"extract the val archive into it (`{extract_command(val_dir, ['val'])}`), then pass {val} as "
+                        "VAL_DIR")
     if foreign:
         raise DataError(f"unexpected entries (not images, not WNID folders): {_sample(foreign)}", str(val_dir),
                         "move them out of the validation folder; nothing was moved")
+    others = sorted(name for name in flat | placed.keys() if not VAL_PATTERN.fullmatch(name))
+    if others and len(others) == len(flat) + len(placed):  # the train folder, the archives' folder
+        val = val_dir.parent / "val"
+        example = f"{placed[others[0]]}/{others[0]}" if others[0] in placed else others[0]
+        raise DataError(f"holds no validation images (ILSVRC2012_val_<8 digits>.JPEG) but {len(others)} other "
+                        f"files, e.g. {example}: it is not the val folder", str(val_dir),
+                        f"pass {val} as VAL_DIR" if val.is_dir() and not val.samefile(val_dir) else
+                        "pass the val/ folder that `vitctl data extract --val-tar ILSVRC2012_img_val.tar --out ROOT` "
+                        "wrote (ROOT/val)")
     return flat, placed
 
 
@@ -74,3 +100,12 @@ def move_into_folders(val_dir: Path, moves: list[tuple[str, str]]) -> None:
         (val_dir / wnid).mkdir(exist_ok=True)
     for name, wnid in moves:
         os.replace(val_dir / name, val_dir / wnid / name)
+
+
+def sort_into_folders(val_dir: Path, labels: dict[str, str]) -> int:
+    """Check, then make the moves into WNID folders; returns how many images were moved."""
+    _check_exists(val_dir)
+    with os_errors_explained(val_dir), writing_in(val_dir):  # two valprep at once would move the same images
+        moves = plan_moves(val_dir, labels)
+        move_into_folders(val_dir, moves)
+    return len(moves)

@@ -172,7 +172,9 @@ def test_cancel_shows_cancelled(prepared_shards, tmp_path):
     (["--partition", "gpu", "--dry-run"], "--partition 'gpu' does not exist; partitions: debug"),
 ])
 def test_bad_requests_are_refused_before_submission(prepared_shards, tmp_path, extra, message):
-    args = ["train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *SLURM_2x2, *extra]
+    # a GPU job runs a task per GPU: --tasks-per-node beside --gpus is refused first
+    slurm = SLURM_2x2[:-2] if "--gpus" in extra else SLURM_2x2
+    args = ["train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *slurm, *extra]
     result = vitctl(*[a for a in args])
     assert result.exit_code == 1 and message in result.stderr, result.stderr
     assert registry.load_records() == []

@@ -52,6 +52,7 @@ class JobState:
     state: str
     elapsed_s: float | None  # over all attempts
     note: str = ""  # why it waits, what it went through, why it failed
+    unreachable: bool = False  # UNKNOWN because squeue or sacct failed, not because neither lists it
 
     @property
     def finished(self) -> bool:
@@ -92,11 +93,22 @@ class JobStatus:
         return asdict(self)
 
 
-def _run(args: list[str]) -> str:
+def _run(args: list[str], errors: list[str]) -> str:
+    """The command's output; why it failed, in its own words, is added to `errors` (a job id squeue no longer knows
+    is no failure)."""
     try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        done = subprocess.run(args, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+    except OSError as e:
+        errors.append(f"cannot run {args[0]} ({e.strerror})")
         return ""
+    except subprocess.TimeoutExpired:
+        errors.append(f"{args[0]} did not answer within {SLURM_TIMEOUT_S} s")
+        return ""
+    said = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode and not (said and said[-1].endswith("Invalid job id specified")):
+        last = said[-1].removeprefix(f"{args[0]}: ") if said else f"exit status {done.returncode}"
+        errors.append(f"{args[0]}: {last}")
+    return done.stdout
 
 
 def slurm_states(ids: list[str]) -> dict[str, JobState]:
@@ -105,21 +117,25 @@ def slurm_states(ids: list[str]) -> dict[str, JobState]:
     if not ids:
         return {}
     attempts: dict[str, list[tuple[str, int]]] = {}
-    for line in _run(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(ids), "-o", "JobIDRaw,State,ElapsedRaw"]
-                     ).splitlines():
+    errors: list[str] = []
+    for line in _run(["sacct", "-n", "-P", "-X", "-D", "-j", ",".join(ids), "-o", "JobIDRaw,State,ElapsedRaw"],
+                     errors).splitlines():
         job_id, state, elapsed = line.split("|")
         attempts.setdefault(job_id, []).append((state.split()[0], int(elapsed or 0)))  # "CANCELLED by 0"
     unfinished = [i for i in ids if i not in attempts or attempts[i][-1][0] not in TERMINAL]
     queued = {}  # job id -> (state, restarts, reason); squeue knows of a requeue before sacct does
     if unfinished:
-        for line in _run(["squeue", "-h", "-j", ",".join(unfinished), "-O", "JobID:|,State:|,RestartCnt:|,Reason:"]
-                         ).splitlines():
+        for line in _run(["squeue", "-h", "-j", ",".join(unfinished), "-O", "JobID:|,State:|,RestartCnt:|,Reason:"],
+                         errors).splitlines():
             job_id, state, restarts, reason = (field.strip() for field in line.split("|", 3))
             queued[job_id] = (state, int(restarts or 0), reason)
     states = {}
     for job_id in ids:
         rows = attempts.get(job_id, [])
         if job_id not in queued and not rows:
+            if errors:  # not "neither knows it": they could not say
+                states[job_id] = JobState("UNKNOWN", None, f"Slurm is unreachable: {'; '.join(errors)}; check "
+                                          "`scontrol ping`, then try again", unreachable=True)
             continue
         state, restarts, reason = queued.get(job_id, (rows[-1][0] if rows else "", 0, ""))
         earlier = [ended for ended, _ in rows[:-1]]
@@ -324,6 +340,8 @@ def cancel(record: JobRecord) -> tuple[JobState, bool]:
     if record.executor == "slurm" and record.job_id:
         if current.finished:
             return current, False
+        if current.unreachable:
+            raise LaunchError(f"cannot cancel job {record.job_id}: {current.note}")
         if current.state == "UNKNOWN":  # scancel would say nothing and succeed
             raise LaunchError(f"Slurm knows no job {record.job_id} (neither squeue nor sacct lists it), so there is "
                               "nothing to cancel; `squeue -u $USER` lists your jobs in the queue")

@@ -40,9 +40,15 @@ from .registry import JobRecord
 from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
 SIGNAL_DELAY_S = 90
+# The shortest --time that trains before that signal: Slurm may send it up to a minute earlier than asked (the
+# resolution of its events), so 3 minutes leave at least 30 s; a shorter limit signals every attempt as it starts.
+MIN_TIME_MINUTES = 3
 # torch.distributed's rendezvous port, from the job id: below Linux's ephemeral ports (32768-60999), which any
 # outgoing connection on the node may already hold.
 RENDEZVOUS_PORTS = range(20000, 32768)
+# srun ends every task once one exits with an error: the others would wait for it in the rendezvous or a collective,
+# the job RUNNING and holding its nodes, until torch.distributed's timeout (30 minutes). A local job: _follow.
+KILL_ON_BAD_EXIT = "export SLURM_KILL_BAD_EXIT=1"
 FAILED_RANK_GRACE_S = 10  # after one rank of a local job failed, the others' time to end before they are stopped
 
 
@@ -106,6 +112,22 @@ def parse_time(text: str) -> int:
     return max(1, round(seconds / 60))
 
 
+def check_time(request: LaunchRequest) -> int:
+    """--time in whole minutes; ConfigError when it leaves no time to train before the time-limit signal."""
+    minutes = parse_time(request.time)
+    # Locally the signal comes on time: past it, the limit must only leave a step's time.
+    minimum = MIN_TIME_MINUTES if request.executor == "slurm" else SIGNAL_DELAY_S // 60 + 1
+    if minutes < minimum:
+        delay = SIGNAL_DELAY_S
+        why = (f"Slurm signals the job {delay} s before its time limit (and up to a minute earlier still) for every "
+               "rank to checkpoint and requeue, so each attempt would stop as soon as it starts"
+               if request.executor == "slurm" else f"the local executor signals the ranks {delay} s before the time "
+               "limit to checkpoint, so a shorter limit kills them with no signal and no checkpoint")
+        raise ConfigError(f"--time {request.time} ({minutes} min) leaves no time to train: {why}; pass --time "
+                          f"{minimum} or more")
+    return minutes
+
+
 def rendezvous_port(job_id: str) -> int:
     key = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())  # consecutive jobs, different ports
     return RENDEZVOUS_PORTS[key % len(RENDEZVOUS_PORTS)]
@@ -135,7 +157,12 @@ class RankFailed(LaunchError):
     """A rank's error in one line; its traceback is in the rank's log."""
 
     def __init__(self, rank: str, error: Exception) -> None:
-        super().__init__(f"rank {rank} raised " + _original(type(error).__name__, str(error)).replace("\n", "; "))
+        message = _original(type(error).__name__, str(error)).replace("\n", "; ")
+        if "EADDRINUSE" in message:  # rank 0 could not listen on the rendezvous port
+            message += (f"; port {os.environ.get('MASTER_PORT')}, where rank 0 waits for the other ranks, is taken by "
+                        f"another process on {os.environ.get('MASTER_ADDR')}: run the same command again, and the new "
+                        "job gets another port (it follows from the job id)")
+        super().__init__(f"rank {rank} raised {message}")
 
 
 _TRACEBACK = "Traceback (most recent call last):"
@@ -266,6 +293,33 @@ def validate_slurm(request: LaunchRequest) -> str:
     return name
 
 
+# sinfo's node states (%T, less the suffixes such as * for "not responding") in which a node starts no new job.
+UNAVAILABLE_STATES = {"down", "drained", "draining", "fail", "failing", "maint", "reserved", "inval", "future"}
+
+
+def availability_warning(request: LaunchRequest, partition: str) -> str | None:
+    """Why a job submitted to `partition` would wait in the queue until an administrator acts: the partition is not
+    up, or fewer of its nodes than the job needs can start a job. Not a refusal: such nodes come back (maintenance
+    ends), and a job queued meanwhile starts then."""
+    groups = [line.split("|") for line in _sinfo("%T|%D|%N|%a", "-p", partition)]  # a line per node state
+    avail = {a for *_, a in groups}
+    if avail - {"up"}:
+        return (f"partition {partition} is {'/'.join(sorted(avail))}, not up: the job waits in the queue until an "
+                f"administrator sets it up (`scontrol update PartitionName={partition} State=UP`); `sinfo -p "
+                f"{partition}` shows it; or cancel the job and submit to another --partition")
+    out = [(state.rstrip("*~#!%$@^-+"), int(count), nodes) for state, count, nodes, _ in groups]
+    unavailable = [(state, nodes) for state, _, nodes in out if state in UNAVAILABLE_STATES]
+    usable = sum(count for state, count, _ in out if state not in UNAVAILABLE_STATES)
+    if usable >= request.nodes or not unavailable:
+        return None
+    which = "; ".join(f"{state}: {nodes}" for state, nodes in unavailable)
+    return (f"partition {partition} has {usable} node{'s' if usable != 1 else ''} that can start a job now and the job "
+            f"needs {request.nodes} ({which}): it waits in the queue until they return; `sinfo -R -p {partition}` "
+            f"shows why they are out, an administrator returns them with `scontrol update "
+            f"NodeName={','.join(nodes for _, nodes in unavailable)} State=RESUME`; or cancel the job and submit to "
+            f"another --partition")
+
+
 def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
     """Make the run folder and check it is writable; its checkpoints to resume (ConfigError if not `resume`)."""
     try:
@@ -315,7 +369,7 @@ def make_executor(request: LaunchRequest, folder: Path, name: str, config: dict[
         "partition": request.partition, "account": request.account, "qos": request.qos, "mem": request.mem,
         "signal_delay_s": SIGNAL_DELAY_S, "srun_args": _srun_args(request, config) or None,
         # Requeue on preemption or node failure even where the cluster's default (JobRequeue) is off.
-        "additional_parameters": {"requeue": True}}
+        "additional_parameters": {"requeue": True}, "setup": [KILL_ON_BAD_EXIT]}
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
     executor.update_parameters(wckey=None)  # submitit adds --wckey=submitit, which clusters with wckeys refuse
     return executor
@@ -339,6 +393,7 @@ def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str) -> 
         *(f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={shlex.quote(str(value))}"
           for key, value in options.items() if value is not None),
         "set -euo pipefail",
+        KILL_ON_BAD_EXIT,
         f"config={shlex.quote(str(run_dir))}/job-$SLURM_JOB_ID.yaml",
         f"mkdir -p {shlex.quote(str(run_dir))}",
         "cat > \"$config\" <<'VITCTL_CONFIG'",

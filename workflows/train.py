@@ -17,7 +17,9 @@ from .job import TrainJob
 from .registry import JobRecord
 from .submit import (
     LaunchRequest,
+    availability_warning,
     check_run_dir,
+    check_time,
     command_line,
     default_executor,
     refuse_busy_run_dir,
@@ -61,9 +63,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
 
     With `dry_run`, returns an sbatch script that runs the job and submits nothing.
     """
-    if request.executor == "local" and request.gpus_per_node > visible_gpus():
-        raise ConfigError(f"--gpus {request.gpus_per_node} but this machine has {visible_gpus()} CUDA devices; "
-                          "use --gpus 0 for CPU ranks")
+    if request.executor == "local":
+        check_local(request)
+    check_time(request)
     request = resolve_container_image(request)
     run_dir = Path(config.train.out_dir).absolute()
     config.train.out_dir = str(run_dir)  # tasks may start elsewhere
@@ -75,7 +77,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
         config.parallel.plan = str(Path(config.parallel.plan).absolute())
     name = f"{config.model.name}-{run_dir.name}"
     if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
-        validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
+        partition = validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
+        if warning := availability_warning(request, partition):
+            echo(f"warning: {warning}")
     # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
     strategy = preflight(config, request.nodes * request.tasks, local_device)
@@ -94,6 +98,18 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if request.executor == "local":
         wait_local(submitted, record, echo)
     return record
+
+
+def check_local(request: LaunchRequest) -> None:
+    """ConfigError for what the local executor cannot run: more than one node, more GPUs than this machine has."""
+    if request.nodes > 1:
+        raise ConfigError(f"--nodes {request.nodes} with --executor local: the local executor runs every rank on this "
+                          f"one machine; drop --nodes (or pass --nodes 1), or submit to Slurm with --executor slurm")
+    have = visible_gpus()
+    if request.gpus_per_node > have:
+        fewer = f"--gpus {have} or fewer, or " if have else ""  # "CUDA devices": as torch counts them
+        raise ConfigError(f"--gpus {request.gpus_per_node} but this machine has {have} CUDA devices; use {fewer}"
+                          "--gpus 0 for CPU ranks, or run on GPU nodes with --executor slurm")
 
 
 def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:

@@ -1,0 +1,223 @@
+"""What a user plausibly gets wrong when launching a job, here or on Slurm: a --time shorter than the time-limit
+signal, more nodes or GPUs than the local executor has, --tasks-per-node beside --gpus, a partition whose nodes are
+all drained or down, Slurm's daemons unreachable, a rendezvous port taken on the first node. Each ends in one message
+(no traceback), and the fix it names is followed. The Slurm cases run against the dev cluster (slurm/dev-cluster/up)
+and leave it as they found it."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_slurm import wait_for
+
+from conftest import ok, vitctl
+from vitctl.workflows import registry, status
+
+QUICK = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64", "--batch", 4,
+         "--set", "data.workers=0", "--steps", 2]
+LOCAL = [*QUICK, "--executor", "local", "--gpus", 0]
+SLURM = [*QUICK, "--executor", "slurm", "--gpus", 0]
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture
+def cluster():
+    if subprocess.run(["scontrol", "ping"], capture_output=True).returncode:
+        pytest.fail("the dev cluster is not up: run slurm/dev-cluster/up (make test does)")
+
+
+def no_sbatch(monkeypatch) -> None:
+    """Only vitctl's own folder on PATH: a dry run is not checked against a cluster."""
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+
+
+def refused(*args: object) -> str:
+    result = vitctl("train", *args)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr and result.stdout == "", result.output
+    return result.stderr
+
+
+# ---------------------------------------------------------------- the time limit
+
+
+@pytest.mark.slurm
+def test_a_time_limit_within_slurms_warning_is_refused_before_submission(tmp_path, cluster):
+    """Slurm signals USR2 90 s before the limit (up to a minute early): with --time 1 or 2 every attempt was told to
+    checkpoint and requeue as it started, burning the requeues."""
+    out = tmp_path / "run"
+    for limit, minutes in (("1", 1), ("2", 2), ("0:30", 1)):
+        for dry_run in ((), ("--dry-run",)):
+            assert refused(*SLURM, "--time", limit, "--out", out, *dry_run) == (
+                f"error: --time {limit} ({minutes} min) leaves no time to train: Slurm signals the job 90 s before its "
+                "time limit (and up to a minute earlier still) for every rank to checkpoint and requeue, so each "
+                "attempt would stop as soon as it starts; pass --time 3 or more\n")
+    assert registry.load_records() == [] and not out.exists()
+    script = ok("train", *SLURM, "--time", 3, "--out", out, "--dry-run").output  # the fix, followed
+    assert "#SBATCH --time=3\n" in script and "#SBATCH --signal=USR2@90\n" in script
+
+
+def test_a_local_time_limit_within_the_warning_is_refused(tmp_path):
+    """The local executor never signalled a limit of 90 s or less: at the limit it killed the ranks, no checkpoint
+    kept, and `vitctl train` blamed 'killed, or out of memory?'."""
+    out = tmp_path / "run"
+    assert refused(*LOCAL, "--time", 1, "--out", out) == (
+        "error: --time 1 (1 min) leaves no time to train: the local executor signals the ranks 90 s before the time "
+        "limit to checkpoint, so a shorter limit kills them with no signal and no checkpoint; pass --time 2 or more\n")
+    assert registry.load_records() == [] and not out.exists()
+    ok("train", *LOCAL, "--time", 2, "--out", out)  # the fix, followed
+    assert (out / "checkpoints/step-00000002").is_dir()
+
+
+# ---------------------------------------------------------------- what the local executor cannot run
+
+
+def test_several_nodes_with_the_local_executor_are_refused(tmp_path):
+    """Before: accepted, one rank ran, and the job was recorded as 2 nodes (`vitctl logs --rank 1` found no log)."""
+    out = tmp_path / "run"
+    assert refused(*LOCAL, "--nodes", 2, "--out", out) == (
+        "error: --nodes 2 with --executor local: the local executor runs every rank on this one machine; drop --nodes "
+        "(or pass --nodes 1), or submit to Slurm with --executor slurm\n")
+    assert registry.load_records() == [] and not out.exists()
+    assert "srun" in ok("train", *LOCAL, "--nodes", 1, "--out", out, "--dry-run").output  # the fix, followed
+
+
+def test_more_gpus_than_this_machine_has_names_the_ways_on(tmp_path):
+    if torch.cuda.device_count():
+        pytest.skip("this machine has a GPU")
+    assert refused(*QUICK, "--executor", "local", "--gpus", 1, "--out", tmp_path / "run") == (
+        "error: --gpus 1 but this machine has 0 CUDA devices; use --gpus 0 for CPU ranks, or run on GPU nodes with "
+        "--executor slurm\n")
+
+
+def test_tasks_per_node_beside_gpus_is_refused_not_ignored(tmp_path, monkeypatch):
+    """A GPU job runs one task per GPU: --tasks-per-node 4 with --gpus 2 silently ran 2 tasks."""
+    no_sbatch(monkeypatch)
+    out = tmp_path / "run"
+    assert refused(*QUICK, "--executor", "slurm", "--gpus", 2, "--tasks-per-node", 4, "--out", out, "--dry-run") == (
+        "error: --tasks-per-node 4 with --gpus 2: vitctl runs one task per GPU, 2 per node; drop --tasks-per-node, or "
+        "pass --gpus 0 --tasks-per-node 4 for CPU ranks\n")
+    for fixed in (["--gpus", 2], ["--gpus", 0, "--tasks-per-node", 4]):  # both fixes, followed
+        script = ok("train", *QUICK, "--executor", "slurm", *fixed, "--out", out, "--dry-run").output
+        assert f"#SBATCH --ntasks-per-node={fixed[1] or 4}\n" in script
+    assert ok("train", *QUICK, "--executor", "slurm", "--gpus", 2, "--tasks-per-node", 2, "--out", out,
+              "--dry-run").output  # the same count is no contradiction
+
+
+# ---------------------------------------------------------------- Slurm: a partition that cannot start the job
+
+
+def _node_state(node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True,
+                          check=True).stdout.split()[0]
+
+
+@pytest.fixture
+def drained_partition(cluster):
+    """A partition of its own holding n2 alone, with n2 drained: the job waits; the other partition keeps n1."""
+    deadline = time.monotonic() + 120
+    while _node_state("n2").rstrip("*") != "idle":  # another job on it: draining it would not leave it drained
+        assert time.monotonic() < deadline, f"n2 stayed {_node_state('n2')}"
+        time.sleep(1)
+    name = f"vitctl-drained-{os.getpid()}"
+    subprocess.run(["scontrol", "create", f"PartitionName={name}", "Nodes=n2", "MaxTime=INFINITE", "State=UP"],
+                   check=True)
+    subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=vitctl test"], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], capture_output=True)
+        subprocess.run(["scancel", "--partition", name], capture_output=True)
+        deadline = time.monotonic() + 30
+        while subprocess.run(["scontrol", "delete", f"PartitionName={name}"], capture_output=True).returncode:
+            assert time.monotonic() < deadline, f"partition {name} could not be deleted"
+            time.sleep(0.5)
+
+
+@pytest.mark.slurm
+def test_a_partition_whose_nodes_are_drained_is_named_at_submission(tmp_path, drained_partition):
+    """Before: accepted without a word, and the job sat pending. It is a warning, not a refusal: drained nodes come
+    back, and a job queued meanwhile then starts."""
+    name, out = drained_partition, tmp_path / "run"
+    warning = (f"warning: partition {name} has 0 nodes that can start a job now and the job needs 1 (drained: n2): it "
+               f"waits in the queue until they return; `sinfo -R -p {name}` shows why they are out, an administrator "
+               f"returns them with `scontrol update NodeName=n2 State=RESUME`; or cancel the job and submit to "
+               "another --partition\n")
+    submitted = ok("train", *SLURM, "--time", 10, "--partition", name, "--out", out)
+    assert submitted.stderr == warning
+    job = registry.load_records()[-1].job_id
+    assert wait_for(job, {"PENDING"}) == "PENDING"
+    subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], check=True)  # the fix it names
+    assert wait_for(job, status.TERMINAL) == "COMPLETED"
+    assert ok("train", *SLURM, "--time", 10, "--partition", name, "--out", tmp_path / "again", "--dry-run").stderr == ""
+    subprocess.run(["scontrol", "update", f"PartitionName={name}", "State=DOWN"], check=True)
+    assert ok("train", *SLURM, "--time", 10, "--partition", name, "--out", tmp_path / "again", "--dry-run").stderr == (
+        f"warning: partition {name} is down, not up: the job waits in the queue until an administrator sets it up "
+        f"(`scontrol update PartitionName={name} State=UP`); `sinfo -p {name}` shows it; or cancel the job and submit "
+        "to another --partition\n")
+
+
+# ---------------------------------------------------------------- Slurm unreachable
+
+
+@pytest.mark.slurm
+def test_status_and_cancel_say_slurm_is_unreachable_not_that_the_job_is_unknown(tmp_path, monkeypatch, cluster):
+    """Both daemons unreachable (a copy of the cluster's slurm.conf pointing at ports nothing listens on): status said
+    'neither squeue nor sacct knows it', and cancel 'Slurm knows no job'."""
+    conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).read_text().splitlines()
+    dead = [line for line in conf if not line.startswith(("SlurmctldPort=", "AccountingStoragePort="))]
+    (tmp_path / "slurm.conf").write_text("\n".join([*dead, "SlurmctldPort=9", "AccountingStoragePort=9",
+                                                    "MessageTimeout=1", "TCPTimeout=1"]) + "\n")
+    (tmp_path / "old/submitit").mkdir(parents=True)
+    registry.add_record(registry.JobRecord("999999", "slurm", "vit_micro-old", str(tmp_path / "old"),
+                                           str(tmp_path / "old/submitit"), 1, 1, 0, time.time()))
+    with monkeypatch.context() as patch:
+        patch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+        listed = json.loads(ok("status", "999999", "--json").output)[0]
+        assert listed["state"] == "UNKNOWN"
+        assert listed["note"].startswith("Slurm is unreachable: sacct: error: Problem talking to the database: "
+                                         "Connection refused; squeue: slurm_load_jobs error: Unable to contact slurm "
+                                         "controller (connect failure); check `scontrol ping`, then try again")
+        cancelled = vitctl("cancel", "999999")
+        assert cancelled.exit_code == 1 and cancelled.stderr == f"error: cannot cancel job 999999: {listed['note']}\n"
+    listed = json.loads(ok("status", "999999", "--json").output)[0]  # the fix: once Slurm answers, it says
+    assert (listed["state"], listed["note"].split(";")[0]) == ("UNKNOWN", "neither squeue nor sacct knows it")
+
+
+# ---------------------------------------------------------------- Slurm: a rank that cannot start
+
+
+@pytest.mark.slurm
+def test_a_taken_rendezvous_port_fails_the_job_at_once_and_says_what_to_do(tmp_path, monkeypatch, cluster):
+    """Rank 0 could not listen on the job's rendezvous port; before, the job stayed RUNNING, rank 1 waiting for it
+    for torch.distributed's 30 minutes, and the error named no way on."""
+    (tmp_path / "bin").mkdir()  # an sbatch that holds the job: its id, hence its port, is known before it starts
+    (tmp_path / "bin/sbatch").write_text(f'#!/bin/sh\nexec {shutil.which("sbatch")} --hold "$@"\n')
+    (tmp_path / "bin/sbatch").chmod(0o755)
+    out, two = tmp_path / "run", [*SLURM, "--tasks-per-node", 2, "--time", 10]
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+        ok("train", *two, "--out", out)
+    record = registry.load_records()[-1]
+    port = 20000 + int(record.job_id) % 12768  # submit.rendezvous_port
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", port))
+        taken.listen()
+        subprocess.run(["scontrol", "release", record.job_id], check=True)
+        assert wait_for(record.job_id, status.TERMINAL, timeout=60) == "FAILED"
+    note = json.loads(ok("status", record.job_id, "--json").output)[0]["note"]
+    assert f"name: EADDRINUSE, message: address already in use; port {port}, where rank 0 waits for the other ranks, " \
+           "is taken by another process on n1: run the same command again, and the new job gets another port (it " \
+           f"follows from the job id) (traceback in {record.folder}/{record.job_id}_0_log.err)" in note, note
+    ok("train", *two, "--out", out)  # the fix, followed
+    assert wait_for(registry.load_records()[-1].job_id, status.TERMINAL) == "COMPLETED"
