@@ -2,9 +2,12 @@
 backward, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU.
 
     python bench/bench_scaling.py --models swin_b,vit_b16 --gpus 2 --timm swin_b
+    python bench/bench_scaling.py --models vit_b16 --gpus 2,4 --timm ""      # 1, 2 and 4 GPUs on a 4-GPU machine
     python bench/bench_scaling.py --strategies "1 GPU,DDP" --nccl NCCL_MAX_CTAS=4   # DDP rows with an NCCL setting
 
-Every configuration runs in fresh processes (torchrun; a 1-GPU one on every GPU at once, side by side). Ours is the real
+Every configuration runs in fresh processes (torchrun): a 1-GPU one on every GPU at once, and multi-GPU ones side by
+side on disjoint GPUs where they fit (two 2-GPU runs on a 4-GPU machine), so that every GPU is busy in every wave and
+each row is compared with the 1-GPU figures of its own GPUs. Ours is the real
 trainer (`Trainer.train_step`: the preset's recipe with mixup, drop path and clipping, bf16-pure, compile, fused
 all); timm runs its model with the same recipe under its strongest setting (bf16 autocast, compile, fused
 attention). Each rank times `--steps` steps back to back after `--warmup` with CUDA events; the figure is rank 0's
@@ -29,22 +32,24 @@ PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "kernels_ms_per_step", "ho
 STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "DDP": "overlap", "FSDP2": None}
 
 
-def configurations(models: list[str], gpus: int, timm: list[str], strategies: list[str], nccl: list[str],
+def configurations(models: list[str], counts: list[int], timm: list[str], strategies: list[str], nccl: list[str],
                    profile: bool) -> list[dict]:
-    runs = []
+    """Every configuration to run; `counts` are the multi-GPU sizes, and the 1-GPU ones run on each of max(counts)."""
+    runs, gpus = [], max(counts)
     for model in models:
         runs += [dict(model=model, impl="vitctl", strategy="1 GPU", gpus=1, mode=mode, gpu=gpu)
                  for mode in ("reduce-overhead", "default") for gpu in range(gpus)]
-        runs += [dict(model=model, impl="vitctl", strategy="all-reduce after backward", gpus=gpus,
-                      mode="reduce-overhead"),
-                 dict(model=model, impl="vitctl", strategy="DDP", gpus=gpus, mode="reduce-overhead"),
-                 dict(model=model, impl="vitctl", strategy="FSDP2", gpus=gpus, mode="default")]
-        runs += [dict(model=model, impl="vitctl", strategy="DDP", gpus=gpus, mode="reduce-overhead", env=setting)
-                 for setting in nccl]
+        for n in counts:
+            runs += [dict(model=model, impl="vitctl", strategy="all-reduce after backward", gpus=n,
+                          mode="reduce-overhead"),
+                     dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead"),
+                     dict(model=model, impl="vitctl", strategy="FSDP2", gpus=n, mode="default")]
+            runs += [dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead", env=setting)
+                     for setting in nccl]
         if model in timm:
             runs += [dict(model=model, impl="timm", strategy="1 GPU", gpus=1, mode="default", gpu=gpu)
                      for gpu in range(gpus)]
-            runs += [dict(model=model, impl="timm", strategy="DDP", gpus=gpus, mode="default")]
+            runs += [dict(model=model, impl="timm", strategy="DDP", gpus=n, mode="default") for n in counts]
     runs = [run for run in runs if run["strategy"] in strategies or run["impl"] == "timm"]
     # 1-GPU baselines in the compile modes that the multi-GPU rows use, and ours' best (CUDA graphs)
     modes = {(r["model"], r["impl"], r["mode"]) for r in runs if r["gpus"] > 1}
@@ -205,10 +210,10 @@ class Launched:
         if run.get("env"):
             key, _, value = run["env"].partition("=")
             env[key] = value
-        if run["gpus"] == 1:  # 1-GPU configurations run two at a time, one per GPU
-            env["CUDA_VISIBLE_DEVICES"] = str(run["gpu"])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, run["on"]))
+        if run["gpus"] == 1:
             command = [sys.executable, *args]
-        else:
+        else:  # --standalone: a free rendezvous port, so that runs side by side do not meet
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc-per-node={run['gpus']}", *args]
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -234,22 +239,31 @@ class Launched:
 
 
 def waves(runs: list[dict], gpus: int) -> list[list[dict]]:
-    """1-GPU configurations in groups of `gpus` (side by side, one on each GPU), the others one at a time."""
-    single = [r for r in runs if r["gpus"] == 1]
-    return [single[i:i + gpus] for i in range(0, len(single), gpus)] + [[r] for r in runs if r["gpus"] > 1]
+    """Groups of configurations that run side by side, each on its own GPUs (`on`): the 1-GPU ones `gpus` at a time,
+    one on each GPU, first; each multi-GPU one joins the first later group with GPUs to spare."""
+    single = [dict(r, on=[r["gpu"]]) for r in runs if r["gpus"] == 1]
+    multi: list[list[dict]] = []
+    for run in (r for r in runs if r["gpus"] > 1):
+        wave = next((w for w in multi if sum(r["gpus"] for r in w) + run["gpus"] <= gpus), None)
+        if wave is None:
+            multi.append(wave := [])
+        used = sum(r["gpus"] for r in wave)
+        wave.append(dict(run, on=list(range(used, used + run["gpus"]))))
+    return [single[i:i + gpus] for i in range(0, len(single), gpus)] + multi
 
 
 def print_row(row: dict, results: list[dict]) -> None:
-    """Efficiency: the N-GPU images/s over the sum of each GPU's own 1-GPU images/s (of the same compile mode, and
+    """Efficiency: the N-GPU images/s over the sum of its own GPUs' 1-GPU images/s (of the same compile mode, and
     of the faster mode)."""
-    singles = [r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1]
+    singles = [r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1
+               and r["gpu"] in row["on"]]
     modes = {r["mode"]: sum(s["images_per_s"] for s in singles if s["mode"] == r["mode"]) for r in singles}
 
     def scale(ideal: float | None) -> str:
         return f"{row['images_per_s'] / ideal:.3f}" if ideal and row["gpus"] > 1 else "-"
 
     strategy = row["strategy"] + (f" ({row['env']})" if row.get("env") else "")
-    strategy += f" (GPU {row['gpu']})" if row["gpus"] == 1 else ""
+    strategy += f" (GPU {row['gpu']})" if row["gpus"] == 1 else f" (GPUs {','.join(map(str, row['on']))})"
     print(f"| {row['model']} | {row['impl']} | {strategy} | {row['mode']} | {row['gpus']} | "
           f"{row['images_per_s']:,.0f} | {row['ms']:.2f} | {scale(modes.get(row['mode']))} | "
           f"{scale(max(modes.values(), default=None))} | {row['peak_gib']:.1f} |"
@@ -259,7 +273,7 @@ def print_row(row: dict, results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="swin_b,vit_b16")
-    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--gpus", default="2", help="multi-GPU sizes (comma-separated); 1-GPU runs use max of them")
     parser.add_argument("--timm", default="swin_b", help="models to run timm + DDP for (comma-separated)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"of ours (comma-separated): {STRATEGIES}")
     parser.add_argument("--nccl", default="", help="extra DDP rows, each with one NCCL setting (e.g. NCCL_MAX_CTAS=4)")
@@ -277,9 +291,10 @@ def main() -> None:
     print("| model | impl | strategy | compile mode | GPUs | images/s | ms/step | efficiency, same setting | "
           "efficiency vs best 1 GPU | peak GiB |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     results: list[dict] = []
-    runs = configurations(args.models.split(","), args.gpus, args.timm.split(",") if args.timm else [],
+    counts = sorted(int(n) for n in args.gpus.split(","))
+    runs = configurations(args.models.split(","), counts, args.timm.split(",") if args.timm else [],
                           args.strategies.split(","), [s for s in args.nccl.split(",") if s], args.profile)
-    for wave in waves(runs, args.gpus):
+    for wave in waves(runs, max(counts)):
         launched = [Launched(run, args.warmup, args.steps) for run in wave]
         for row in filter(None, (job.finish(args.timeout) for job in launched)):
             results.append(row)
