@@ -4,6 +4,8 @@ under one layout resumes under another; bad strategies are refused before launch
 in bf16 with the CUDA ops agree with one GPU to bf16's precision."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,7 +193,9 @@ def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shard
     (["parallel.tp=4"], "parallel.tp=4 must divide every block's attention heads and MLP width; vit_micro has 3"),
     (["parallel.pp=2", "parallel.microbatches=5"], "data.batch_size 6 does not divide into parallel.microbatches=5"),
     (["parallel.microbatches=4"], "data.batch_size 6 does not divide into parallel.microbatches=4"),
-    (["parallel.pp=2", "parallel.microbatches=1"], "the 1f1b schedule needs at least parallel.pp=2 micro-batches"),
+    (["parallel.pp=2", "parallel.microbatches=1"],
+     "the 1f1b schedule needs at least parallel.pp=2 micro-batches, got parallel.microbatches=1: raise it to 2 or "
+     "more"),
     (["parallel.pp=2", "parallel.stages=[1,1]", "parallel.microbatches=2"],
      "parallel.stages [1, 1] must give 2 stages of at least one block each, 4 blocks in all"),
     (["parallel.pp=8"], "parallel.tp=1 x parallel.pp=8 = 8 does not divide the 4 ranks"),
@@ -250,6 +254,25 @@ def test_a_plan_for_another_model_and_a_plan_beside_strategy_keys_are_refused(pr
         "'vit_b16'" in result.stderr
     result = vitctl(*base, "--set", "parallel.tp=2")
     assert result.exit_code == 1 and "sets the strategy, so parallel.tp cannot be given beside it" in result.stderr
+
+
+def test_the_dry_run_names_the_mesh_the_ranks_build(tmp_path, monkeypatch):
+    """2 nodes x 8 GPUs, pp2·tp2·fsdp4: each dimension's first group, as init_device_mesh lays the ranks out (an
+    arange of the world in the mesh's shape), and whether its groups stay in a node of 8 consecutive ranks."""
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch: nothing to check it against
+    script = ok("train", "--config", "swin_b_pretrain", "--set", "data.source=synthetic", "--out", tmp_path / "run",
+                "--executor", "slurm", "--nodes", 2, "--gpus", 8, *sets("parallel.tp=2", "parallel.pp=2",
+                                                                       "parallel.microbatches=4", "parallel.fsdp=true"),
+                "--dry-run").output
+    ranks = torch.arange(16).reshape(2, 1, 4, 2)  # (pp, dp_replicate, dp_shard, tp)
+    assert ranks[:, 0, 0, 0].tolist() == [0, 8] and ranks[0, 0, :, 0].tolist() == [0, 2, 4, 6]
+    assert ranks[0, 0, 0, :].tolist() == [0, 1]
+    assert "\n".join(line for line in script.splitlines() if line.startswith("# ")).endswith(
+        "# layout: pp2·tp2·fsdp4 on 16 ranks\n"
+        "# mesh (pp, dp_replicate, dp_shard, tp) = (2, 1, 4, 2)\n"
+        "# pp groups of 2 ranks, e.g. [0, 8]: across nodes\n"
+        "# dp_shard groups of 4 ranks, e.g. [0, 2, 4, 6]: inside a node\n"
+        "# tp groups of 2 ranks, e.g. [0, 1]: inside a node")
 
 
 def test_a_tensor_parallel_group_may_not_span_nodes(prepared_shards, tmp_path):

@@ -375,9 +375,9 @@ def make_executor(request: LaunchRequest, folder: Path, name: str, config: dict[
     return executor
 
 
-def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str) -> str:
+def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str, layout: list[str]) -> str:
     """A self-contained sbatch script for the job: every task runs one rank (`vitctl rank`) on the config, written
-    into the run folder when the job starts. Submittable as it is."""
+    into the run folder when the job starts. Submittable as it is; `layout`: comment lines on how the ranks divide."""
     run_dir = Path(config["train"]["out_dir"])
     options = {"job-name": name, "nodes": request.nodes, "ntasks-per-node": request.tasks,
                "gpus-per-node": request.gpus_per_node or None, "cpus-per-task": request.cpus_per_gpu or 1,
@@ -390,6 +390,7 @@ def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str) -> 
         "# Submit it as it is (sbatch FILE); its log is NAME-JOBID.out where sbatch ran. Each rank resumes from the",
         "# run folder's last checkpoint, and checkpoints on USR2 (time limit) or SIGTERM (requeue, preemption,",
         "# scancel) before it stops.",
+        *(f"# {line}" for line in layout),
         *(f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={shlex.quote(str(value))}"
           for key, value in options.items() if value is not None),
         "set -euo pipefail",

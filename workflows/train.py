@@ -9,6 +9,8 @@ import torch
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import ConfigError, RunConfig, load_config
 from vitctl.trainer.metrics import read_metrics
+from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
+from vitctl.trainer.parallel.strategy import Strategy
 from vitctl.trainer.preflight import config_problems, preflight
 
 from . import registry
@@ -89,7 +91,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
                           f"{request.tasks}")
     if dry_run:
         check_resumable(checkpoint.checkpoints_to_resume(run_dir, resume), config)  # the ranks resume
-        return sbatch_script(config.to_dict(), request, name)
+        return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
     refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
     check_resumable(check_run_dir(run_dir, resume), config)
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
@@ -98,6 +100,15 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if request.executor == "local":
         wait_local(submitted, record, echo)
     return record
+
+
+def layout_lines(strategy: Strategy, request: LaunchRequest) -> list[str]:
+    """How the job's ranks divide: its layout (as `vitctl status` shows it) and its device mesh's groups."""
+    world = request.nodes * request.tasks
+    if world == 1:
+        return ["layout: 1 rank"]
+    return [f"layout: {strategy.layout(world)} on {world} ranks",
+            *describe_groups(parallel_dims(strategy, world), request.tasks)]
 
 
 def check_local(request: LaunchRequest) -> None:

@@ -46,6 +46,21 @@ def parallel_dims(strategy: Strategy, world_size: int) -> ParallelDims:
     return ParallelDims(strategy.pp, dp // shard, shard, strategy.tp)
 
 
+def describe_groups(dims: ParallelDims, ranks_per_node: int) -> list[str]:
+    """The mesh's shape, and for each dimension over one rank its first group of ranks and whether its groups stay
+    inside a node (ranks numbered node by node, as srun and torchrun number them)."""
+    sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+    lines = [f"mesh ({', '.join(DIMS)}) = ({', '.join(map(str, sizes))})"]
+    stride = dims.world_size
+    for name, size in zip(DIMS, sizes, strict=True):
+        stride //= size
+        if size > 1:
+            span = size * stride  # ranks from a group's first to past its last
+            where = "inside a node" if ranks_per_node % span == 0 else "across nodes"
+            lines.append(f"{name} groups of {size} ranks, e.g. {list(range(0, span, stride))}: {where}")
+    return lines
+
+
 @dataclass(frozen=True)
 class Mesh:
     """This rank's place in the mesh: the device mesh (None for one process) and its coordinates."""

@@ -286,7 +286,8 @@ def _schedule_problems(s: Strategy) -> list[str]:
         return [f"parallel.virtual_stages={s.virtual_stages} needs parallel.schedule={INTERLEAVED}; {s.schedule} "
                 f"runs one stage per pipeline rank"]
     if s.schedule == "1f1b" and m < pp:
-        return [f"the 1f1b schedule needs at least parallel.pp={pp} micro-batches, got {m}"]
+        return [f"the 1f1b schedule needs at least parallel.pp={pp} micro-batches, got parallel.microbatches={m}: "
+                f"raise it to {pp} or more"]
     rounds = max(1, m // pp)  # torch's ScheduleInterleaved1F1B runs the micro-batches in this many equal rounds
     if s.schedule == INTERLEAVED and m % rounds:
         lower = m // pp * pp
