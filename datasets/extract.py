@@ -332,17 +332,13 @@ def _unfinished(ledger: dict[str, Any], splits: Sequence[str]) -> list[str]:
 def extract_command(root: Path, splits: Sequence[str]) -> str:
     """The `vitctl data extract` command for `splits` into `root`, naming the archives an earlier run recorded."""
     ledger = _load_ledger(root)
-    archives = [f"--{s}-tar {shlex.quote(_archive_path(ledger[s]) if ledger[s] else _likely_archive(ledger, s))}"
-                for s in splits]
+    paths = {s: _archive_path(ledger[s]) if ledger[s] else _beside_recorded(ledger, ARCHIVE_NAMES[s]) for s in splits}
+    archives = [f"--{s}-tar {shlex.quote(path)}" for s, path in paths.items()]
     return f"vitctl data extract {' '.join(archives)} --out {shlex.quote(str(root))}"
 
 
 def _archive_path(record: dict[str, Any]) -> str:
     return record.get("path", record["archive"]["name"])  # an older vitctl recorded the name only
-
-
-def _likely_archive(ledger: dict[str, Any], split: str) -> str:
-    return _beside_recorded(ledger, ARCHIVE_NAMES[split])
 
 
 def _beside_recorded(ledger: dict[str, Any], name: str) -> str:

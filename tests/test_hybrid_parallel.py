@@ -264,15 +264,13 @@ def test_the_dry_run_names_the_mesh_the_ranks_build(tmp_path, monkeypatch):
                 "--executor", "slurm", "--nodes", 2, "--gpus", 8, *sets("parallel.tp=2", "parallel.pp=2",
                                                                        "parallel.microbatches=4", "parallel.fsdp=true"),
                 "--dry-run").output
-    ranks = torch.arange(16).reshape(2, 1, 4, 2)  # (pp, dp_replicate, dp_shard, tp)
-    assert ranks[:, 0, 0, 0].tolist() == [0, 8] and ranks[0, 0, :, 0].tolist() == [0, 2, 4, 6]
-    assert ranks[0, 0, 0, :].tolist() == [0, 1]
-    assert "\n".join(line for line in script.splitlines() if line.startswith("# ")).endswith(
-        "# layout: pp2·tp2·fsdp4 on 16 ranks\n"
-        "# mesh (pp, dp_replicate, dp_shard, tp) = (2, 1, 4, 2)\n"
-        "# pp groups of 2 ranks, e.g. [0, 8]: across nodes\n"
-        "# dp_shard groups of 4 ranks, e.g. [0, 2, 4, 6]: inside a node\n"
-        "# tp groups of 2 ranks, e.g. [0, 1]: inside a node")
+    ranks = torch.arange(16).reshape(2, 1, 4, 2)  # (pp, dp_replicate, dp_shard, tp), as init_device_mesh lays it
+    first = {"pp": ranks[:, 0, 0, 0], "dp_shard": ranks[0, 0, :, 0], "tp": ranks[0, 0, 0, :]}
+    node = lambda group: "inside a node" if len(set((group // 8).tolist())) == 1 else "across nodes"  # noqa: E731
+    assert "\n".join(line for line in script.splitlines() if line.startswith("# ")).endswith("\n".join([
+        "# layout: pp2·tp2·fsdp4 on 16 ranks",
+        "# mesh (pp, dp_replicate, dp_shard, tp) = (2, 1, 4, 2)",
+        *(f"# {name} groups of {len(g)} ranks, e.g. {g.tolist()}: {node(g)}" for name, g in first.items())]))
 
 
 def test_a_tensor_parallel_group_may_not_span_nodes(prepared_shards, tmp_path):
