@@ -1,10 +1,9 @@
 """Data-parallel scaling on one host, in one call: our trainer on 1 GPU and on N GPUs (one all-reduce after the
-backward, two segments' all-reduces, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU.
+backward, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU.
 
     python bench/bench_scaling.py --models swin_b,vit_b16 --gpus 2 --timm swin_b
     python bench/bench_scaling.py --models vit_b16 --gpus 2,4 --timm ""      # 1, 2 and 4 GPUs on a 4-GPU machine
     python bench/bench_scaling.py --strategies "1 GPU,DDP" --nccl NCCL_MAX_CTAS=4   # DDP rows with an NCCL setting
-    (the reductions that overlap the backward, segmented and DDP, take --nccl's settings as extra rows)
 
 Every configuration runs in fresh processes (torchrun): a 1-GPU one on every GPU at once, and multi-GPU ones side by
 side on disjoint GPUs where they fit (two 2-GPU runs on a 4-GPU machine), so that every GPU is busy in every wave and
@@ -30,8 +29,7 @@ PRESET = {"swin_b": ("swin_b_pretrain", 128), "vit_b16": ("vit_b16_pretrain", 25
 PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "kernels_ms_per_step", "host_ms_per_step", "syncs_per_step")
 
 
-STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "segmented": "segmented", "DDP": "overlap",
-              "FSDP2": None}
+STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "DDP": "overlap", "FSDP2": None}
 
 
 def configurations(models: list[str], counts: list[int], timm: list[str], strategies: list[str], nccl: list[str],
@@ -44,11 +42,10 @@ def configurations(models: list[str], counts: list[int], timm: list[str], strate
         for n in counts:
             runs += [dict(model=model, impl="vitctl", strategy="all-reduce after backward", gpus=n,
                           mode="reduce-overhead"),
-                     dict(model=model, impl="vitctl", strategy="segmented", gpus=n, mode="reduce-overhead"),
                      dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead"),
                      dict(model=model, impl="vitctl", strategy="FSDP2", gpus=n, mode="default")]
-            runs += [dict(model=model, impl="vitctl", strategy=strategy, gpus=n, mode="reduce-overhead", env=setting)
-                     for strategy in ("segmented", "DDP") for setting in nccl]
+            runs += [dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead", env=setting)
+                     for setting in nccl]
         if model in timm:
             runs += [dict(model=model, impl="timm", strategy="1 GPU", gpus=1, mode="default", gpu=gpu)
                      for gpu in range(gpus)]
@@ -236,7 +233,7 @@ class Launched:
             print(f"FAILED {self.run}: exit {self.process.returncode}\n{output[-3000:]}", flush=True)
             return None
         seen = set()
-        for line in output.splitlines():
+        for line in output.splitlines():  # TORCH_LOGS=perf_hints says where CUDA graphs were skipped
             if line.startswith("sync in the step") or ("skipping cudagraphs" in line and line not in seen):
                 print(f"{self.run['model']} {self.run['strategy']}: {line}", flush=True)
                 seen.add(line)
@@ -281,8 +278,7 @@ def main() -> None:
     parser.add_argument("--gpus", default="2", help="multi-GPU sizes (comma-separated); 1-GPU runs use max of them")
     parser.add_argument("--timm", default="swin_b", help="models to run timm + DDP for (comma-separated)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"of ours (comma-separated): {STRATEGIES}")
-    parser.add_argument("--nccl", default="",
-                        help="extra segmented and DDP rows, each with one NCCL setting (e.g. NCCL_MAX_CTAS=4)")
+    parser.add_argument("--nccl", default="", help="extra DDP rows, each with one NCCL setting (e.g. NCCL_MAX_CTAS=4)")
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=480, help="seconds per configuration")

@@ -70,8 +70,6 @@ INTERLEAVED = ["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.
 LAYOUTS = {  # name: (data-parallel degree, --set overrides)
     "dp4": (4, ["parallel.grad_reduce=after_backward"]),
     "fsdp4": (4, ["parallel.fsdp=true"]),
-    # two segments, the later one's gradients reduced during the earlier one's backward, after 2 accumulated
-    "dp4-seg-m3": (4, ["parallel.grad_reduce=segmented", "parallel.microbatches=3"]),
     # no pipeline, each rank's batch of 6 in micro-batches whose gradients accumulate before the reduction
     "dp4-m3": (4, ["parallel.grad_reduce=after_backward", "parallel.microbatches=3"]),
     "fsdp4-m2": (4, ["parallel.fsdp=true", "parallel.microbatches=2"]),
@@ -95,9 +93,9 @@ def reference(prepared_shards, tmp_path_factory):
     return runs
 
 
-# Swin in the layouts that split inside its blocks or between them (its data-parallel ones are ViT's but segmented).
+# Swin in the layouts that split inside its blocks or between them (its data-parallel ones are ViT's).
 CASES = [("vit_mini", layout) for layout in LAYOUTS] + \
-    [("swin_mini", "tp2-dp2"), ("swin_mini", "pp2-tp2"), ("swin_mini", "pp2v2-dp2"), ("swin_mini", "dp4-seg-m3")]
+    [("swin_mini", "tp2-dp2"), ("swin_mini", "pp2-tp2"), ("swin_mini", "pp2v2-dp2")]
 
 
 @pytest.mark.slow

@@ -36,15 +36,10 @@ def _bf16_replicated_rank(rank: int, init: str, results: dict, backend: str, red
     master = MasterWeights(model)  # the model is now bf16
     plain = copy.deepcopy(model)  # the same bf16 weights, outside DDP: this rank's own gradients
     mesh = build_mesh(ParallelDims(1, WORLD, 1, 1), device)
-    reducer = None
     if reduce == "overlap":
         ddp, sync = apply_ddp(model, mesh, master), lambda: None
-    else:  # segmented: the last layer's part first, reduced while the first layer's backward runs
-        parts = [master.pairs[2:], master.pairs[:2]] if reduce == "segmented" else [master.pairs]
-        reducer = ReduceAfterBackward(parts, mesh.dp_group, WORLD)
-        ddp, sync = model, reducer.reduce
-    started = []  # reductions already started when the first layer's weight gradient is accumulated
-    model[0].weight.register_post_accumulate_grad_hook(lambda _: started.append(len(reducer.works) if reducer else 0))
+    else:
+        ddp, sync = model, ReduceAfterBackward(master.pairs, mesh.dp_group, WORLD).reduce
     torch.manual_seed(1 + rank)
     micro = [torch.randn(16, 64).bfloat16().to(device) for _ in range(3)]
     own = [torch.zeros_like(m) for _, m in master.pairs]
@@ -58,26 +53,22 @@ def _bf16_replicated_rank(rank: int, init: str, results: dict, backend: str, red
                 ddp(x).float().square().mean().backward()
             master.accumulate()
         else:
-            if reducer:
-                reducer.arm()
             ddp(x).float().square().mean().backward()
             sync()
     for total in own:  # the fp32 mean over ranks of each rank's fp32 sum over micro-batches
         dist.all_reduce(total)
         total /= WORLD
-    results[rank] = ([m.grad.cpu() for _, m in master.pairs], [t.cpu() for t in own], started)
+    results[rank] = ([m.grad.cpu() for _, m in master.pairs], [t.cpu() for t in own])
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("reduce", ["overlap", "after_backward", "segmented"])
+@pytest.mark.parametrize("reduce", ["overlap", "after_backward"])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, TWO_GPUS])])
 def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path, backend, reduce):
     results = mp.Manager().dict()
     mp.spawn(_bf16_replicated_rank, args=(f"file://{tmp_path / 'init'}", results, backend, reduce), nprocs=WORLD)
     for rank in range(WORLD):
-        got, want, started = results[rank]
-        # the last micro-batch's: segmented starts the last layer's reduction during the backward, the others after
-        assert started[-1] == (1 if reduce == "segmented" else 0)
+        got, want = results[rank]
         for g, w in zip(got, want, strict=True):
             assert g.dtype == torch.float32
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

@@ -74,9 +74,6 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
     if (s.tp > 1 or s.pp > 1) and config.parallel.grad_reduce == "overlap":
         problems.append("parallel.grad_reduce=overlap (DDP) does not run with tensor or pipeline parallel, whose "
                         "replicated gradients are reduced after the backward; use parallel.grad_reduce=auto")
-    if (s.tp > 1 or s.pp > 1) and config.parallel.grad_reduce == "segmented":
-        problems.append("parallel.grad_reduce=segmented does not run with tensor or pipeline parallel, which compile "
-                        "per block; use parallel.grad_reduce=auto")
     mixed = len({b.fsdp for b in s.blocks} | {s.fsdp_rest}) > 1
     precision = config.train.precision
     if precision in ("bf16-pure", "fp8") and (mixed or s.tp > 1 and not s.fsdp):

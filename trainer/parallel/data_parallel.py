@@ -3,13 +3,10 @@ HSDP on a 2-D mesh).
 
 Gradients are reduced in fp32 in all of them. FSDP2 does it by its mixed-precision policy. DDP does it as it is for
 fp32 weights; for a bf16 model (bf16-pure) a communication hook upcasts each bucket, adds the earlier
-micro-batches' fp32 sums, reduces in fp32 and hands the result to the fp32 master weights. Without DDP the gradients
-are copied into one fp32 buffer and all-reduced after the backward, at once or in two parts (the later blocks' part
-during the earlier blocks' backward).
+micro-batches' fp32 sums, reduces in fp32 and hands the result to the fp32 master weights. The reduction after the
+backward copies every gradient into one fp32 buffer and all-reduces it at once.
 """
 
-import functools
-import itertools
 import socket
 
 import torch
@@ -70,84 +67,35 @@ def one_node(group: dist.ProcessGroup | None) -> bool:
 
 
 class ReduceAfterBackward:
-    """Replicated data parallelism without DDP: one fp32 all-reduce per part of the gradients, handed to the fp32
-    weights that step (the masters under bf16-pure, else the parameters themselves).
+    """Replicated data parallelism without DDP: after the last micro-batch's backward, one fp32 all-reduce of every
+    gradient, handed to the fp32 weights that step (the masters under bf16-pure, else the parameters themselves).
 
-    `parts` come in the order their gradients are complete in the backward. Once the step's last micro-batch is
-    armed, each part but the last is reduced as soon as all its gradients are accumulated, on a side stream, while
-    the backward goes on; the last after the backward. With one part, everything is reduced after the backward.
-
-    Within a node the whole model's gradients cross NVLink in about a millisecond; reduced in DDP's buckets during
-    the backward they save little of it, because NCCL's kernels hold SMs that the backward needs
-    (docs/performance.md); one large part started early is one NCCL kernel.
+    Within a node the whole model's gradients cross NVLink in about a millisecond; reduced during the backward (DDP)
+    they save little of it, because NCCL's kernels hold SMs that the backward needs (docs/performance.md).
     """
 
-    def __init__(self, parts: list[list[tuple[nn.Parameter, nn.Parameter]]], group: dist.ProcessGroup | None,
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]], group: dist.ProcessGroup | None,
                  size: int) -> None:
-        self.parts = [part for part in parts if part]  # (parameter the backward writes, one that steps)
-        self.pairs = [pair for part in self.parts for pair in part]
-        self.group, self.size = group, size
-        shapes = [_local(p).shape for p, _ in self.pairs]  # a tensor-parallel weight's own shard
-        device = self.pairs[0][0].device
-        self.flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=device)
+        self.pairs, self.group, self.size = pairs, group, size  # (parameter the backward writes, one that steps)
+        shapes = [_local(p).shape for p, _ in pairs]  # a tensor-parallel weight's own shard
+        self.flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=pairs[0][0].device)
         self.views = [v.view(s) for v, s in zip(self.flat.split([s.numel() for s in shapes]), shapes, strict=True)]
-        ends = list(itertools.accumulate(len(part) for part in self.parts))
-        self.spans = list(zip([0, *ends[:-1]], ends, strict=True))  # each part's pairs (and views)
-        self.offsets = [0, *itertools.accumulate(s.numel() for s in shapes)]  # each view's start in `flat`
         self.average = dist.get_backend(group) == "nccl"  # gloo has no AVG
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and len(self.parts) > 1 else None
-        self.works: list[dist.Work] = []
-        self.waiting: list[int] = []  # per part, gradients not yet accumulated in the armed micro-batch
-        for index, part in enumerate(self.parts[:-1]):
-            for p, _ in part:
-                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
-
-    def arm(self) -> None:
-        """The coming backward is the step's last micro-batch: start each part's reduction as soon as it can."""
-        self.waiting = [len(part) for part in self.parts]
-
-    def _accumulated(self, index: int, _: Tensor) -> None:
-        if not self.waiting:
-            return
-        self.waiting[index] -= 1
-        if self.waiting[index] == 0:
-            self._launch_through(index)
 
     @torch.no_grad()
-    def _launch_through(self, index: int) -> None:
-        """Start the reductions of parts up to `index` not yet started, in order (the same on every rank)."""
-        for part in range(len(self.works), index + 1):
-            if self.stream is None:
-                self.works.append(self._launch(*self.spans[part]))
-                continue
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                self.works.append(self._launch(*self.spans[part]))
-
-    def _launch(self, first: int, end: int) -> dist.Work:
-        pairs, views = self.pairs[first:end], self.views[first:end]
-        fresh = [(v, _local(p.grad)) for v, (p, _) in zip(views, pairs, strict=True) if p.grad is not None]
-        earlier = [(v, m.grad) for v, (p, m) in zip(views, pairs, strict=True)
+    def reduce(self) -> None:
+        fresh = [(v, _local(p.grad)) for v, (p, _) in zip(self.views, self.pairs, strict=True) if p.grad is not None]
+        earlier = [(v, m.grad) for v, (p, m) in zip(self.views, self.pairs, strict=True)
                    if m is not p and m.grad is not None]  # bf16-pure micro-batches summed by MasterWeights
-        flat = self.flat[self.offsets[first]:self.offsets[end]]
-        if len(fresh) < len(views):
-            flat.zero_()
+        if len(fresh) < len(self.views):
+            self.flat.zero_()
         if fresh:
             torch._foreach_copy_([v for v, _ in fresh], [g for _, g in fresh])
         if earlier:
             torch._foreach_add_([v for v, _ in earlier], [g for _, g in earlier])
         if not self.average:
-            flat.div_(self.size)
-        return dist.all_reduce(flat, op=dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM, group=self.group,
-                               async_op=True)
-
-    @torch.no_grad()
-    def reduce(self) -> None:
-        """After the last micro-batch's backward: reduce what is left, wait for every part, hand the results on."""
-        self._launch_through(len(self.parts) - 1)
-        for work in self.works:
-            work.wait()
-        self.works, self.waiting = [], []
+            self.flat.div_(self.size)
+        dist.all_reduce(self.flat, op=dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM, group=self.group)
         for view, (p, m) in zip(self.views, self.pairs, strict=True):
             if m is not p:
                 p.grad = None

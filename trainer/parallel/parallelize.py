@@ -18,7 +18,6 @@ from ..precision import MasterWeights, Precision
 from .data_parallel import ReduceAfterBackward, apply_ddp, apply_fsdp, one_node
 from .mesh import Mesh
 from .pipeline_parallel import Pipeline, rank_blocks, share_parameters, split_stages
-from .segments import run_segments, split_segments
 from .strategy import Strategy
 from .tensor_parallel import apply_tensor_parallel
 
@@ -66,8 +65,6 @@ class Parallelized:
             return self.forward(images)
 
     def _micro_batch(self, sync: bool) -> AbstractContextManager:
-        if sync and self.reducer is not None:
-            self.reducer.arm()
         for root in self.fsdp:
             root.set_requires_gradient_sync(sync)
         if self.ddp is not None and not sync:
@@ -132,25 +129,15 @@ def apply_checkpointing(model: nn.Module, strategy: Strategy) -> None:
 def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
                grad_reduce: str, accum_steps: int) -> Parallelized:
     master = MasterWeights(model) if precision.pure else None
-    ddp = reducer = segments = None
-    one_graph = strategy.pp == 1 and strategy.tp == 1
+    ddp = reducer = None
     if mesh.dims.dp_size > 1 and _reduce_after_backward(grad_reduce, mesh, strategy):
         pairs = master.pairs if master else [(p, p) for p in model.parameters() if p.requires_grad]
-        parts = [pairs]
-        if grad_reduce == "segmented" and one_graph:
-            segments = split_segments(model)
-            later = {id(p) for p in segments[1].parameters()}
-            parts = [[pair for pair in pairs if id(pair[0]) in later],
-                     [pair for pair in pairs if id(pair[0]) not in later]]
-        reducer = ReduceAfterBackward(parts, mesh.dp_group, mesh.dp_size)
+        reducer = ReduceAfterBackward(pairs, mesh.dp_group, mesh.dp_size)
     elif mesh.dims.dp_size > 1:
         ddp = apply_ddp(model, mesh, master)
     wrapped = ddp or model
-    compile_model = (lambda m: torch.compile(m, mode=train.compile_mode)) if train.compile else (lambda m: m)
-    if segments:
-        forward = run_segments(*map(compile_model, segments))
-    elif one_graph:
-        forward = compile_model(wrapped)
+    if train.compile and strategy.pp == 1 and strategy.tp == 1:
+        forward = torch.compile(wrapped, mode=train.compile_mode)
     else:
         _compile_blocks(model, train)
         forward = wrapped
@@ -161,7 +148,7 @@ def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Prec
 def _reduce_after_backward(grad_reduce: str, mesh: Mesh, strategy: Strategy) -> bool:
     if strategy.tp > 1 or strategy.pp > 1:  # DDP does not take DTensor weights or pipeline stages
         return True
-    return grad_reduce in ("after_backward", "segmented") or (grad_reduce == "auto" and one_node(mesh.dp_group))
+    return grad_reduce == "after_backward" or (grad_reduce == "auto" and one_node(mesh.dp_group))
 
 
 def _shard(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Strategy, precision: Precision,
@@ -179,7 +166,7 @@ def _sharded(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Str
     """The FSDP2 model, materialised; what stays replicated is reduced over the data-parallel ranks after the
     backward."""
     replicated = _replicated(model, strategy)
-    reducer = ReduceAfterBackward([[(p, p) for p in replicated if p.requires_grad]], mesh.dp_group, mesh.dp_size) \
+    reducer = ReduceAfterBackward([(p, p) for p in replicated if p.requires_grad], mesh.dp_group, mesh.dp_size) \
         if replicated and mesh.dp_size > 1 else None
     return Parallelized(model, model, model, precision, None, None, reducer, roots, None, accum_steps)
 

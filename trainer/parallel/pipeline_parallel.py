@@ -64,14 +64,14 @@ def keep_stage(model: nn.Module, blocks: Collection[int], first: bool, last: boo
 def split_stages(model: nn.Module, strategy: Strategy, rank: int) -> list[nn.Module]:
     """The modules of the stages rank `rank` runs; `model` is pruned to their blocks and parts."""
     n_blocks, stages = len(blocks_of(model)), rank_stages(strategy, rank)
-    modules = [container_copy(model) for _ in stages]
+    modules = [_container_copy(model) for _ in stages]
     for module, stage in zip(modules, stages, strict=True):
         keep_stage(module, stage_range(strategy, n_blocks, stage), stage == 0, stage == strategy.n_stages - 1)
     keep_stage(model, set(rank_blocks(strategy, n_blocks, rank)), rank == 0, rank == strategy.pp - 1)
     return modules
 
 
-def container_copy(model: nn.Module) -> nn.Module:
+def _container_copy(model: nn.Module) -> nn.Module:
     """A copy of the modules of `model` that hold blocks (the model, its block lists, Swin's stages), sharing every
     other module, every parameter and every buffer with it: pruning the copy leaves `model` whole."""
     blocks = {id(block) for block in blocks_of(model)}
