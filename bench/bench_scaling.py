@@ -233,8 +233,11 @@ class Launched:
             print(f"FAILED {self.run}: exit {self.process.returncode}\n{output[-3000:]}", flush=True)
             return None
         seen = set()
-        for line in output.splitlines():  # TORCH_LOGS=perf_hints says where CUDA graphs were skipped
-            if line.startswith("sync in the step") or ("skipping cudagraphs" in line and line not in seen):
+        # Where CUDA graphs were skipped (with TORCH_LOGS=perf_hints), and Dynamo's recompile limit (blocks compiled
+        # one by one past it run eager)
+        warned = ("skipping cudagraphs", "hit config.recompile_limit")
+        for line in output.splitlines():
+            if line.startswith("sync in the step") or (any(w in line for w in warned) and line not in seen):
                 print(f"{self.run['model']} {self.run['strategy']}: {line}", flush=True)
                 seen.add(line)
         return json.loads(text)
