@@ -183,6 +183,14 @@ def _replicated(model: nn.Module, strategy: Strategy) -> list[nn.Parameter]:
 
 
 def _compile_blocks(model: nn.Module, train: TrainConfig) -> None:
-    if train.compile:
-        for block in blocks_of(model):
-            block.compile(mode=train.compile_mode)
+    """Each block compiled on its own, with static shapes. The blocks share one `forward`, which Dynamo compiles again
+    for every block (each has its own drop-path rate, a constant to it; Swin's stages differ in shape): past its
+    recompile limit (8 by default) the remaining blocks would run eager, and a block met with new shapes would be
+    traced with symbolic sizes, whose kernels are not specialised to them."""
+    if not train.compile:
+        return
+    blocks = blocks_of(model)
+    # per block: training, evaluation, and the evaluation's last partial batch
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * len(blocks))
+    for block in blocks:
+        block.compile(mode=train.compile_mode, dynamic=False)
