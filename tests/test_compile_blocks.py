@@ -23,7 +23,9 @@ def recorded_graphs(monkeypatch):
     compile_module = nn.Module.compile
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_module(self, **{**kw, "backend": record}))
     torch._dynamo.reset()  # Dynamo's cache is per code object, across tests
+    limit = torch._dynamo.config.recompile_limit
     yield graphs
+    torch._dynamo.config.recompile_limit = limit
     torch._dynamo.reset()
 
 
