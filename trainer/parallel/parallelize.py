@@ -183,14 +183,13 @@ def _replicated(model: nn.Module, strategy: Strategy) -> list[nn.Parameter]:
 
 
 def _compile_blocks(model: nn.Module, train: TrainConfig) -> None:
-    """Each block compiled on its own, with static shapes. The blocks share one `forward`, which Dynamo compiles again
-    for every block (each has its own drop-path rate, a constant to it; Swin's stages differ in shape): past its
-    recompile limit (8 by default) the remaining blocks would run eager, and a block met with new shapes would be
-    traced with symbolic sizes, whose kernels are not specialised to them."""
+    """Each block compiled on its own, every one of them, with static shapes."""
     if not train.compile:
         return
     blocks = blocks_of(model)
-    # per block: training, evaluation, and the evaluation's last partial batch
+    # The blocks share one `forward`, which Dynamo compiles again for each (its own drop-path rate is a constant to it;
+    # Swin's stages differ in shape). Past the recompile limit (8) the rest would run eager, and after a change of shape
+    # Dynamo would trace symbolic sizes. Three per block: training, evaluation, the evaluation's last partial batch.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * len(blocks))
     for block in blocks:
         block.compile(mode=train.compile_mode, dynamic=False)
