@@ -26,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 PRESET = {"swin_b": ("swin_b_pretrain", 128), "vit_b16": ("vit_b16_pretrain", 256)}
-PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "kernels_ms_per_step", "host_ms_per_step", "syncs_per_step")
+PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "nccl_beside_ms_per_step", "kernels_ms_per_step",
+            "idle_ms_per_step", "host_ms_per_step", "syncs_per_step")
 
 
 STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "DDP": "overlap", "FSDP2": None}
@@ -166,17 +167,52 @@ def host_syncs(step: Callable[[], None], steps: int = 3) -> dict:
 
 
 def kernel_ms_per_step(step: Callable[[], None], steps: int = 5) -> dict:
+    """Summed kernel times (NCCL, the others), the NCCL time during which other kernels also ran (an overlap that
+    hides the reduction, or takes SMs from the compute), and the time no kernel ran, over `steps` back to back."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    step()  # the profiled span starts with a step in flight, so its first kernel is not waiting for the host
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    nccl = sum(e.device_time for e in kernels if "nccl" in e.name.lower())
-    other = sum(e.device_time for e in kernels) - nccl
-    return {"nccl_ms_per_step": nccl / steps / 1000, "kernels_ms_per_step": other / steps / 1000}
+    nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    other = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+    busy = union(nccl + other)
+    span = busy[-1][1] - busy[0][0] if busy else 0
+    per_step = lambda us: us / steps / 1000  # noqa: E731
+    return {"nccl_ms_per_step": per_step(sum(e.device_time for e in kernels if "nccl" in e.name.lower())),
+            "kernels_ms_per_step": per_step(sum(e.device_time for e in kernels if "nccl" not in e.name.lower())),
+            "nccl_beside_ms_per_step": per_step(length(intersection(union(nccl), union(other)))),
+            "idle_ms_per_step": per_step(span - length(busy))}
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering `intervals`."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Where two sorted, disjoint interval lists overlap."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        i, j = (i + 1, j) if a[i][1] < b[j][1] else (i, j + 1)
+    return out
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
 
 
 def allreduce_probe(repeats: int = 5) -> dict:
@@ -286,7 +322,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=480, help="seconds per configuration")
     parser.add_argument("--profile", action="store_true",
-                        help="also: GPU ms per step in NCCL kernels and in all others, and an all-reduce probe")
+                        help="also, GPU ms per step: in NCCL kernels, of them beside other kernels, in all others, "
+                        "with no kernel running; and an all-reduce probe")
     parser.add_argument("--worker")
     parser.add_argument("--result")
     args = parser.parse_args()
