@@ -53,8 +53,9 @@ def worker(run: dict, model: str, batch: int, warmup: int, steps: int, result: s
 
     from vitctl.trainer.config import load_config
     from vitctl.trainer.loop import Trainer
-    from vitctl.trainer.parallel import init_distributed
+    from vitctl.trainer.parallel import expandable_cuda_memory, init_distributed
 
+    expandable_cuda_memory()  # as a training rank does
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     env = init_distributed(True)
     total = torch.cuda.get_device_properties(env.device).total_memory

@@ -64,8 +64,9 @@ def configurations(models: list[str], counts: list[int], timm: list[str], strate
 def ours(run: dict, out_dir: str) -> tuple[Callable[[], None], str]:
     from vitctl.trainer.config import load_config
     from vitctl.trainer.loop import Trainer
-    from vitctl.trainer.parallel import init_distributed
+    from vitctl.trainer.parallel import expandable_cuda_memory, init_distributed
 
+    expandable_cuda_memory()  # as a training rank does
     preset, batch = PRESET[run["model"]]
     config = load_config(preset, [
         "data.source=synthetic", f"data.batch_size={batch}", "train.precision=bf16-pure", "train.fused=all",

@@ -180,7 +180,7 @@ def test_two_gpus_resume_under_cuda_graphs_and_reshard_into_fsdp(prepared_shards
 def test_widened_cuda_queues_leave_a_user_s_setting_alone(monkeypatch):
     from vitctl.trainer.parallel import widen_cuda_queues
 
-    _without_queue_setting(monkeypatch)
+    _without_cuda_settings(monkeypatch)
     widen_cuda_queues()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # e.g. Megatron-style ordering of communication
@@ -188,25 +188,43 @@ def test_widened_cuda_queues_leave_a_user_s_setting_alone(monkeypatch):
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
-def test_a_rank_widens_cuda_queues_before_it_first_asks_cuda(monkeypatch):
-    """CUDA reads the setting when it starts: train() must set it before its first CUDA call."""
+ALLOCATOR_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def test_expandable_cuda_memory_leaves_a_user_s_allocator_setting_alone(monkeypatch):
+    from vitctl.trainer.parallel import expandable_cuda_memory
+
+    _without_cuda_settings(monkeypatch)
+    expandable_cuda_memory()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for name in ALLOCATOR_SETTINGS:
+        _without_cuda_settings(monkeypatch)
+        monkeypatch.setenv(name, "max_split_size_mb:512")
+        expandable_cuda_memory()
+        assert {k: os.environ.get(k) for k in ALLOCATOR_SETTINGS} == \
+            {k: "max_split_size_mb:512" if k == name else None for k in ALLOCATOR_SETTINGS}
+
+
+def test_a_rank_sets_cuda_s_queues_and_allocator_before_it_first_asks_cuda(monkeypatch):
+    """CUDA reads these settings when it starts: train() must set them before its first CUDA call."""
     from vitctl.trainer import loop
     from vitctl.trainer.config import load_config
 
     seen = []
 
     def first_cuda_call() -> bool:
-        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        seen.append((os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
         raise RuntimeError("stop here")
 
-    _without_queue_setting(monkeypatch)
+    _without_cuda_settings(monkeypatch)
     monkeypatch.setattr(loop.torch.cuda, "is_available", first_cuda_call)
     with pytest.raises(RuntimeError, match="stop here"):
         loop.train(load_config("demo_vit", []))
-    assert seen == ["32"]
+    assert seen == [("32", "expandable_segments:True")]
 
 
-def _without_queue_setting(monkeypatch) -> None:
-    """The variable unset for this test, and unset again after it whatever the test set (delenv of an unset variable
-    would restore nothing, leaving the test's value to the tests after it)."""
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"})
+def _without_cuda_settings(monkeypatch) -> None:
+    """The CUDA queue and allocator variables unset for this test, and unset again after it whatever the test set
+    (delenv of an unset variable would restore nothing, leaving the test's value to the tests after it)."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", *ALLOCATOR_SETTINGS)})

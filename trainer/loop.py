@@ -38,6 +38,7 @@ from .parallel import (
     DistEnv,
     StopVote,
     build_mesh,
+    expandable_cuda_memory,
     init_distributed,
     own_stream,
     parallel_dims,
@@ -507,6 +508,7 @@ def train(config: RunConfig | dict, resume: bool = False, use_cuda: bool | None 
     if isinstance(config, dict):
         config = config_from_dict(config)
     widen_cuda_queues()
+    expandable_cuda_memory()
     env = init_distributed(torch.cuda.is_available() if use_cuda is None else use_cuda)
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"%(asctime)s [rank {env.rank}] %(name)s: %(message)s")
