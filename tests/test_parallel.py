@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from conftest import CLASSES, TWO_GPUS, ok
 from vitctl.trainer import checkpoint as ckpt
@@ -113,6 +115,52 @@ def test_fsdp_gathers_what_the_matmuls_run_in_and_reduces_in_fp32(mode, gathered
         dist.destroy_process_group()
     assert (seen["weight"], seen["input"]) == (gathered, block_input)
     assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
+
+
+def _stream_rank(rank: int, init: str, results: dict) -> None:
+    from vitctl.trainer.config import ModelConfig, TrainConfig
+    from vitctl.trainer.models import build_model
+    from vitctl.trainer.ops import resolve
+    from vitctl.trainer.parallel import parallelize
+    from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
+    from vitctl.trainer.precision import Precision
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    cpu = torch.device("cpu")
+    found = {}
+    for fsdp in (False, True):
+        with torch.device("meta"):
+            model = build_model(ModelConfig(name="vit_mini", img_size=32, num_classes=10), resolve("none", cpu))
+        n = len(model.blocks)
+        strategy = Strategy(blocks=(BlockStrategy(fsdp=fsdp),) * n, fsdp_rest=fsdp)
+        dims = ParallelDims(1, 1, WORLD, 1) if fsdp else ParallelDims(1, WORLD, 1, 1)
+        par = parallelize(model, build_mesh(dims, cpu), strategy, Precision("bf16", cpu),
+                          TrainConfig(compile=False), "after_backward", 1, cpu, lambda part: part.init_weights(0))
+        seen = []
+        for block in par.weights.blocks:
+            block.register_forward_pre_hook(lambda module, args, seen=seen: seen.append(args[0].dtype))
+        torch.manual_seed(rank)
+        par.forward_backward(torch.randn(2, 3, 32, 32), torch.tensor([rank, 3]), F.cross_entropy,
+                             lambda loss: loss.backward(), sync=True)
+        pos = par.weights.pos_embed
+        found[fsdp] = (set(seen), isinstance(pos, DTensor), pos.dtype, pos.grad.clone(),
+                       isinstance(par.weights.blocks[0].mlp.fc1.weight, DTensor))
+    results[rank] = found
+    dist.destroy_process_group()
+
+
+def test_fsdp_under_bf16_autocast_keeps_vit_s_residual_stream_in_fp32_as_replicated(tmp_path):
+    """FSDP2 gathers bf16 weights; ViT's position embedding and class token, added to the stream outside the blocks,
+    stay whole and fp32 (reduced after the backward), so every block takes an fp32 stream as without FSDP."""
+    results = mp.Manager().dict()
+    mp.spawn(_stream_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    for rank in range(WORLD):
+        for fsdp, (dtypes, sharded, dtype, _, blocks_sharded) in results[rank].items():
+            assert dtypes == {torch.float32}, (fsdp, dtypes)
+            assert (sharded, dtype, blocks_sharded) == (False, torch.float32, fsdp)
+    for fsdp in (False, True):  # the embedding's gradient is the same on every rank: reduced
+        assert torch.equal(results[0][fsdp][3], results[1][fsdp][3])
 
 
 RESHARD = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",

@@ -36,11 +36,17 @@ class Precision:
     def scaler(self) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(self.device.type) if self.mode == "fp16" else None
 
+    @property
+    def stream_kept_fp32(self) -> bool:
+        """Whether the residual stream is fp32 while FSDP2 gathers bf16 weights (bf16 autocast): the weights added to
+        the stream outside the blocks must then stay whole and fp32, as replicated, or they would make it bf16."""
+        return self.mode == "bf16"
+
     def fsdp_policy(self):
         """FSDP2 keeps fp32 sharded weights and gathers them as bf16 where the matmuls run in bf16 (bf16 autocast,
         bf16-pure): half the bytes of an fp32 gather. Under autocast the inputs stay as they come (the residual
-        stream in fp32, as without FSDP). Gradients reduce in fp32 in every mode (and FSDP2 accumulates
-        unsynchronised micro-batches in the reduce dtype)."""
+        stream in fp32, as without FSDP, with `stream_kept_fp32`'s weights left out of FSDP2). Gradients reduce in
+        fp32 in every mode (and FSDP2 accumulates unsynchronised micro-batches in the reduce dtype)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         gathered = torch.bfloat16 if self.pure or self.mode == "bf16" else None

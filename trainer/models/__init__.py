@@ -113,6 +113,14 @@ def build_model(config: ModelConfig, ops: Ops, seed: int = 0) -> nn.Module:
     return spec.family(ops, **kwargs)
 
 
+def stream_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The weights added to the residual stream outside the blocks (ViT's class token and position embedding), whose
+    dtype sets the stream's under autocast; those this rank holds (a pipeline stage may hold neither)."""
+    if not isinstance(model, VisionTransformer):
+        return []
+    return [p for p in (model.cls_token, model.pos_embed) if p is not None]
+
+
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The model's transformer blocks in forward order: the units of checkpointing, FSDP and pipeline stages."""
     from .layers import CheckpointableBlock

@@ -68,6 +68,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 @register("layer_norm", "reference", 0)
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    if weight.dtype != x.dtype:  # an fp32 stream, bf16 weights gathered by FSDP2: in fp32, as CUDA's autocast does
+        return F.layer_norm(x.float(), weight.shape, weight.float(), bias.float(), eps)
     return F.layer_norm(x, weight.shape, weight, bias, eps)
 
 

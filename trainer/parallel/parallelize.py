@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TrainConfig
-from ..models import blocks_of
+from ..models import blocks_of, stream_parameters
 from ..precision import MasterWeights, Precision
 from .data_parallel import ReduceAfterBackward, apply_ddp, apply_fsdp, one_node
 from .mesh import Mesh
@@ -158,27 +158,30 @@ def _shard(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Strat
     step through its root."""
     _compile_blocks(model, train)  # per block, as FSDP2 expects: its hooks run between the compiled blocks
     sharded = [b for b, s in zip(blocks_of(model), strategy.blocks, strict=True) if s.fsdp]
-    apply_fsdp(roots, mesh, precision.fsdp_policy(), sharded, set(_replicated(model, strategy)))
+    apply_fsdp(roots, mesh, precision.fsdp_policy(), sharded, set(_replicated(model, strategy, precision)))
 
 
 def _sharded(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Strategy, precision: Precision,
              accum_steps: int) -> Parallelized:
     """The FSDP2 model, materialised; what stays replicated is reduced over the data-parallel ranks after the
     backward."""
-    replicated = _replicated(model, strategy)
+    replicated = _replicated(model, strategy, precision)
     reducer = ReduceAfterBackward([(p, p) for p in replicated if p.requires_grad], mesh.dp_group, mesh.dp_size) \
         if replicated and mesh.dp_size > 1 else None
     return Parallelized(model, model, model, precision, None, None, reducer, roots, None, accum_steps)
 
 
-def _replicated(model: nn.Module, strategy: Strategy) -> list[nn.Parameter]:
-    """The parameters FSDP2 leaves whole: those of blocks not marked fsdp, and all outside the blocks unless
-    fsdp_rest."""
+def _replicated(model: nn.Module, strategy: Strategy, precision: Precision) -> list[nn.Parameter]:
+    """The parameters FSDP2 leaves whole: those of blocks not marked fsdp, all outside the blocks unless fsdp_rest,
+    and under bf16 autocast those added to the residual stream (gathered in bf16 they would make it bf16, where
+    replicated it is fp32)."""
     blocks = blocks_of(model)
     replicated = [p for b, s in zip(blocks, strategy.blocks, strict=True) if not s.fsdp for p in b.parameters()]
     if not strategy.fsdp_rest:
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         replicated += [p for p in model.parameters() if id(p) not in in_blocks]
+    elif precision.stream_kept_fp32:
+        replicated += stream_parameters(model)
     return replicated
 
 
