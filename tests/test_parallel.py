@@ -19,11 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from conftest import CLASSES, TWO_GPUS, ok
 from vitctl.trainer import checkpoint as ckpt
-from vitctl.trainer.config import ConfigError, ParallelConfig
-from vitctl.trainer.parallel import ParallelDims, build_mesh, parallel_dims
+from vitctl.trainer.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from vitctl.trainer.models import build_model
+from vitctl.trainer.ops import resolve
+from vitctl.trainer.parallel import ParallelDims, build_mesh, parallel_dims, parallelize
 from vitctl.trainer.parallel.data_parallel import ReduceAfterBackward, apply_ddp
-from vitctl.trainer.parallel.strategy import strategy_from_config
-from vitctl.trainer.precision import MasterWeights
+from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy, strategy_from_config
+from vitctl.trainer.precision import MasterWeights, Precision
 
 WORLD = 2
 
@@ -100,8 +102,6 @@ def test_fsdp_gathers_what_the_matmuls_run_in_and_reduces_in_fp32(mode, gathered
     as without FSDP; bf16-pure casts the inputs too; the sharded weights and their gradients stay fp32."""
     from torch.distributed.fsdp import fully_shard
 
-    from vitctl.trainer.precision import Precision
-
     precision = Precision(mode, torch.device("cpu"))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -118,13 +118,6 @@ def test_fsdp_gathers_what_the_matmuls_run_in_and_reduces_in_fp32(mode, gathered
 
 
 def _stream_rank(rank: int, init: str, results: dict) -> None:
-    from vitctl.trainer.config import ModelConfig, TrainConfig
-    from vitctl.trainer.models import build_model
-    from vitctl.trainer.ops import resolve
-    from vitctl.trainer.parallel import parallelize
-    from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
-    from vitctl.trainer.precision import Precision
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     cpu = torch.device("cpu")
