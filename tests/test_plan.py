@@ -61,10 +61,11 @@ def _measured(forward, backward, retained, peak, host=1e-4) -> Measured:
                     *(tuple(int(f(b)) for b in BATCHES) for f in (retained, peak)))
 
 
-def hand_made_profile(fsdp_work_s: float = 2e-3, latency_s: float = 20e-6) -> Profile:
+def hand_made_profile(fsdp_work_s: float = 2e-3, latency_s: float = 20e-6, host_s: float = 1e-4) -> Profile:
     """A fictional GPU for LAYOUT: 50M parameters a block (over tp), forward 1 ms + 1 ms a sample (tensor parallel
-    at 75% efficiency), backward twice that plus the recomputation; 100 MB of activations a sample (over tp), of
-    which selective checkpointing keeps half and full 10 MB; NVLink-like links in a node, slower ones across."""
+    at 75% efficiency), backward twice that plus the recomputation, each issued by the host in `host_s`; 100 MB of
+    activations a sample (over tp), of which selective checkpointing keeps half and full 10 MB; NVLink-like links in
+    a node, slower ones across."""
     blocks = []
     for tp in (1, 2, 4):
         efficiency = 1.0 if tp == 1 else 0.75
@@ -73,7 +74,7 @@ def hand_made_profile(fsdp_work_s: float = 2e-3, latency_s: float = 20e-6) -> Pr
             for fsdp, work in ((False, 0.0), (True, fsdp_work_s)):
                 blocks.append(BlockProfile(LAYOUT.blocks[0].key, tp, mode, fsdp, 50_000_000 // tp, _measured(
                     lambda b, f=forward, w=work: f(b) + w, lambda b, f=forward, r=rerun, w=work: (2 + r) * f(b) + w,
-                    lambda b, k=kept: k * MB * b, lambda b, k=kept: (k + 20) * MB * b)))
+                    lambda b, k=kept: k * MB * b, lambda b, k=kept: (k + 20) * MB * b, host_s)))
     parts = tuple(PartProfile(p.name, 1_000_000, _measured(lambda b: 1e-4 * b, lambda b: 2e-4 * b,
                                                            lambda b: MB * b, lambda b: 2 * MB * b))
                   for p in LAYOUT.parts)
@@ -221,6 +222,23 @@ def test_interleaving_shrinks_the_predicted_bubble():
     assert [s.blocks for s in interleaved.stages] == [range(i, i + 1) for i in range(4)]
     assert interleaved.step_s < plain.step_s
     assert interleaved.peak_bytes > 0
+
+
+def test_a_pipeline_stage_host_fills_its_bubble():
+    """A stage whose host launches its kernels slower than they run (eager, small micro-batches) issues the next ones
+    while its device waits for the other stage (a receive makes the stream wait, not the host): the bubble costs
+    device time only, so the step is m micro-batches at the host's pace, not m + pp - 1 of them."""
+    strategy, m = Strategy(pp=2, microbatches=4, blocks=(BlockStrategy(),) * len(LAYOUT.blocks)), 4
+    device_bound = predict(strategy, LAYOUT, hand_made_profile(), CLUSTER, BATCH)
+    host_bound = predict(strategy, LAYOUT, hand_made_profile(host_s=0.05), CLUSTER, BATCH)
+    once = max(s.step_s for s in device_bound.stages)
+    micro = max(s.micro_s for s in device_bound.stages)
+    assert [s.device_micro_s for s in device_bound.stages] == [s.micro_s for s in device_bound.stages]
+    assert device_bound.step_s == pytest.approx((m + 1) * micro + once)
+    assert [s.device_micro_s for s in host_bound.stages] == [s.device_micro_s for s in device_bound.stages]
+    host_micro = max(s.micro_s for s in host_bound.stages)
+    assert host_micro > (m + 1) / m * micro
+    assert host_bound.step_s == pytest.approx(m * host_micro + once)
 
 
 @pytest.mark.parametrize("budget_gib", [1.5, 3, 6])

@@ -7,9 +7,11 @@ mode on one tensor-parallel rank's share, plus 4 all-reduces of its bf16 output 
 and again before the backward and reduce-scatters its fp32 gradients beside its compute, which runs slower by the
 measured overlap slowdown meanwhile; its compute, FSDP's own work around it and its memory are measured under FSDP2
 on one rank in the same checkpoint mode (checkpointing and FSDP's hooks do not simply add up). Replicated weights
-are all-reduced in fp32 once per step after the backward. A pipeline of pp stages and m micro-batches takes
-(m + pp - 1) times its slowest stage's micro-batch; interleaved, with v stages per rank, (m + (pp - 1) / v) times its
-slowest rank's (the sum of its v stages'), the bubble (pp - 1) / (v m) of the step.
+are all-reduced in fp32 once per step after the backward. A pipeline of pp stages and m micro-batches keeps its
+slowest stage's device busy for (m + pp - 1) micro-batches; interleaved, with v stages per rank, (m + (pp - 1) / v)
+of its slowest rank's (the sum of its v stages'), the bubble (pp - 1) / (v m) of the step. A stage's host issues its
+m micro-batches without waiting for its neighbours (a receive makes the stream wait, not the host), so where
+launching is slower than the kernels it fills the bubble rather than adding to it.
 """
 
 import itertools
@@ -85,6 +87,7 @@ class Cost:
     """One block's or part's share of its stage."""
 
     micro_s: float  # forward + backward of one micro-batch, with the communication that is not overlapped
+    device_micro_s: float  # the same had the host launched everything ahead: the kernels' and transfers' time
     step_s: float  # once per step: its share of the gradient reduction, and its optimizer update
     state_bytes: float  # weights, gradients and optimizer state, held all step
     activation_bytes: float  # per micro-batch in flight
@@ -98,6 +101,7 @@ class Cost:
 class StagePrediction:
     blocks: range
     micro_s: float  # per micro-batch: forward, backward and the transfers to the neighbouring stages
+    device_micro_s: float  # the same on the device alone (see Cost)
     step_s: float  # once per step: gradient reductions that do not overlap, optimizer
     peak_bytes: float
 
@@ -153,12 +157,13 @@ def overlapped(compute_s: float, comm_s: float, slowdown: float) -> float:
     return max(compute_s, comm_s) + (slowdown - 1) * min(compute_s, comm_s)
 
 
-def phase_seconds(measured: Measured, batch: int) -> tuple[float, float]:
-    """Forward and backward seconds at `batch`: the device's or, when launching is slower (eager), the host's. The
-    host launches the same kernels at any batch: its line is never taken below its least measurement (a noisy pair
-    of measurements would otherwise extrapolate to almost no host time at a larger batch)."""
+def phase_seconds(measured: Measured, batch: int, host_bound: bool = True) -> tuple[float, float]:
+    """Forward and backward seconds at `batch`: the device's or, when launching is slower (eager) and `host_bound`,
+    the host's. The host launches the same kernels at any batch: its line is never taken below its least
+    measurement (a noisy pair of measurements would otherwise extrapolate to almost no host time at a larger
+    batch)."""
     fit = lambda values: at_batch(measured.batch, values, batch)  # noqa: E731
-    host = lambda values: max(fit(values), min(values))  # noqa: E731
+    host = lambda values: max(fit(values), min(values)) if host_bound else 0.0  # noqa: E731
     return (max(fit(measured.forward_s), host(measured.forward_host_s)),
             max(fit(measured.backward_s), host(measured.backward_host_s)))
 
@@ -167,15 +172,16 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
                  tp_s: float = 0.0) -> Cost:
     """The cost of a module of `params` (local) parameters, measured as `measured` (a block: as it is held,
     replicated or under FSDP), held replicated or by FSDP."""
-    forward, backward = phase_seconds(measured, setting.microbatch)
+    phases = phase_seconds(measured, setting.microbatch), phase_seconds(measured, setting.microbatch, False)
     retained = at_batch(measured.batch, measured.retained_bytes, setting.microbatch)
     transient = max(0.0, at_batch(measured.batch, measured.peak_bytes, setting.microbatch) - retained)
     dp, crosses = setting.dp, setting.dp_crosses_nodes
     if not fsdp:
         reduce = collective_s(profile, "all_reduce", dp, crosses, GRAD_BYTES * params, latency=False)
         state = (STATE_BYTES + (REDUCE_BYTES if dp > 1 else 0)) * params
-        return Cost(forward + backward + tp_s, reduce + profile.optimizer_s_per_param * params, state, retained,
-                    transient, 0, True, GRAD_BYTES * params)
+        micro, device = (forward + backward + tp_s for forward, backward in phases)
+        return Cost(micro, device, reduce + profile.optimizer_s_per_param * params, state, retained, transient, 0,
+                    True, GRAD_BYTES * params)
     shard, inner = setting.shard, setting.shard_crosses_nodes
     gather = collective_s(profile, "all_gather", shard, inner, GATHERED_BYTES * params)
     # HSDP: each rank's reduced shard is then all-reduced over the replicas (across nodes when the shards are not)
@@ -186,11 +192,13 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
     if setting.accumulates:  # the reduce-scatter waits for the last micro-batch; until then the unreduced gradient
         # is held (fp32), and a pipeline keeps the gathered weights too (PIPELINE_FSDP_BYTES)
         held = PIPELINE_FSDP_BYTES if setting.pipelined else GRAD_BYTES
-        micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather, slowdown) + tp_s
-        return Cost(micro, scatter + optimizer, (STATE_BYTES / shard + held) * params, retained, transient, params,
-                    False)
-    micro = overlapped(forward, gather, slowdown) + overlapped(backward, gather + scatter, slowdown) + tp_s
-    return Cost(micro, optimizer, STATE_BYTES / shard * params, retained, transient, params, False,
+        micro, device = (overlapped(forward, gather, slowdown) + overlapped(backward, gather, slowdown) + tp_s
+                         for forward, backward in phases)
+        return Cost(micro, device, scatter + optimizer, (STATE_BYTES / shard + held) * params, retained, transient,
+                    params, False)
+    micro, device = (overlapped(forward, gather, slowdown) + overlapped(backward, gather + scatter, slowdown) + tp_s
+                     for forward, backward in phases)
+    return Cost(micro, device, optimizer, STATE_BYTES / shard * params, retained, transient, params, False,
                 GRAD_BYTES / shard * params)
 
 
@@ -275,8 +283,9 @@ def stage_prediction(profile: Profile, setting: Setting, blocks_cost: Sequence[C
         if setting.dp > 1 and any(c.replicated for c in costs) else 0.0  # one all-reduce for all replicated weights
     gathered = max((c.gathered_params for c in costs), default=0)
     peak = held_bytes(blocks_cost, parts, held, setting.accumulates) + FSDP_BUFFER_BYTES * gathered + transfer_bytes
-    return StagePrediction(blocks, sum(c.micro_s for c in costs) + transfer_s, sum(c.step_s for c in costs) + latency,
-                           peak)
+    transfers = lambda seconds: sum(seconds) + transfer_s  # noqa: E731
+    return StagePrediction(blocks, transfers(c.micro_s for c in costs), transfers(c.device_micro_s for c in costs),
+                           sum(c.step_s for c in costs) + latency, peak)
 
 
 def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, accumulates: bool) -> float:
@@ -315,6 +324,8 @@ def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: 
         start += count
     ranks = [stages[rank::strategy.pp] for rank in range(strategy.pp)]
     micro_s = max(sum(s.micro_s for s in own) for own in ranks)
+    device_micro_s = max(sum(s.device_micro_s for s in own) for own in ranks)
     bubble = (strategy.pp - 1) / strategy.virtual_stages  # in micro-batches of the slowest rank
-    step = (strategy.microbatches + bubble) * micro_s + max(sum(s.step_s for s in own) for own in ranks)
+    busy = max(strategy.microbatches * micro_s, (strategy.microbatches + bubble) * device_micro_s)
+    step = busy + max(sum(s.step_s for s in own) for own in ranks)
     return Prediction(step, global_batch / step, max(sum(s.peak_bytes for s in own) for own in ranks), tuple(stages))

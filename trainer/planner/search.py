@@ -205,6 +205,7 @@ def _with_parts(layout: ModelLayout, profile: Profile, setting: Setting, choice:
     for i, own in enumerate(block_costs(profile, setting, layout, range(n), (choice,) * n)):
         near = [parts[p.name] for p in layout.parts if p.before == i or (p.before == n and i == n - 1)]
         costs.append(replace(own, micro_s=own.micro_s + sum(p.micro_s for p in near),
+                             device_micro_s=own.device_micro_s + sum(p.device_micro_s for p in near),
                              state_bytes=own.state_bytes + sum(p.state_bytes for p in near),
                              activation_bytes=own.activation_bytes + sum(p.activation_bytes for p in near)))
     return costs
