@@ -24,6 +24,7 @@ from vitctl.trainer.parallel.strategy import (
     read_plan,
     strategy_problems,
 )
+from vitctl.trainer.planner import profile as profile_module
 from vitctl.trainer.planner import search as search_module
 from vitctl.trainer.planner.cost import (
     FSDP_BUFFER_BYTES,
@@ -46,6 +47,7 @@ from vitctl.trainer.planner.profile import (
     model_layout,
     profile_blocks,
     profile_collectives,
+    profile_parts,
 )
 from vitctl.trainer.planner.search import CHOICES, Option, Pipeline, cheapest_under, plan_rank, search
 
@@ -304,6 +306,37 @@ def test_profile_blocks_on_cpu(one_thread):
         assert kept[1, "full", fsdp] < kept[1, "selective", fsdp] < kept[1, "none", fsdp]
     params = {b.tp: b.params for b in profiles}
     assert params[2] < params[1]
+
+
+def _cpu_bf16_autocast(device, run, x):
+    with torch.autocast("cpu", torch.bfloat16):
+        return run(x)
+
+
+@pytest.mark.parametrize("model, bf16_from", [("swin_micro", 1), ("vit_micro", None)])
+def test_profile_feeds_blocks_and_parts_the_dtype_the_model_feeds_them(monkeypatch, one_thread, model, bf16_from):
+    """Under bf16 autocast Swin's residual stream turns bf16 at its first patch merging (a fully checkpointed block
+    keeps its input: half fp32's bytes), ViT's stays fp32: each block and part is measured on what it gets."""
+    fed = {}
+
+    def record(module, make_input, batch, device, run=None):
+        x = make_input(1)
+        fed.setdefault(tuple(x.shape[1:]), set()).add(x.dtype)
+
+    monkeypatch.setattr(profile_module, "_autocast", _cpu_bf16_autocast)
+    monkeypatch.setattr(profile_module, "_measure", record)
+    img = 224 if model.startswith("swin") else 32
+    cpu = torch.device("cpu")
+    profile_blocks(model, img, 2, cpu, tp_degrees=(1,), checkpoints=("none",))
+    blocks = model_layout(model, img).blocks
+    expected = {b.input_shape: torch.float32 if bf16_from is None or i < bf16_from else torch.bfloat16
+                for i, b in enumerate(blocks)}
+    assert fed == {shape: {dtype} for shape, dtype in expected.items()}
+    fed.clear()
+    profile_parts(model, img, 2, cpu)
+    assert fed.pop((3, img, img)) == {torch.float32}  # the images
+    merged = [blocks[p.before - 1].input_shape for p in model_layout(model, img).parts if p.name.startswith("merge")]
+    assert fed == {shape: {expected[shape]} for shape in [*merged, blocks[-1].input_shape]}
 
 
 def _collectives_rank(rank: int, init: str, results: dict) -> None:

@@ -275,18 +275,20 @@ def profile_blocks(model_name: str, img_size: int, batch: int, device: torch.dev
                    tp_degrees: Sequence[int] = (1, 2, 4, 8),
                    checkpoints: Sequence[str] = CHECKPOINT) -> tuple[BlockProfile, ...]:
     """Time and memory of one tensor-parallel rank's share of each distinct block, per degree and checkpoint mode,
-    at `batch` and a quarter of it (bf16 autocast on a GPU, fp32 on a CPU), held replicated and under FSDP2 on a
-    one-rank mesh with the trainer's mixed-precision policy (FSDP's hooks, buffer copies and casts included). Runs
-    FSDP2 in a process group of its own: call it with none initialised."""
+    at `batch` and a quarter of it (bf16 autocast on a GPU, fp32 on a CPU), fed the dtype the model feeds it, held
+    replicated and under FSDP2 on a one-rank mesh with the trainer's mixed-precision policy (FSDP's hooks, buffer
+    copies and casts included). Runs FSDP2 in a process group of its own: call it with none initialised."""
     model, layout = _build(model_name, img_size, device), model_layout(model_name, img_size)
+    dtypes = _stream_dtypes(model, img_size, device)
     first = {}
-    for shape, block in zip(layout.blocks, blocks_of(model), strict=True):
-        first.setdefault(shape.key, (shape, block))
+    for shape, block, dtype in zip(layout.blocks, blocks_of(model), dtypes, strict=True):
+        first.setdefault(shape.key, (shape, block, dtype))
     policy = Precision("bf16" if device.type == "cuda" else "fp32", device).fsdp_policy()
     profiles = []
     with _one_rank_mesh(device) as mesh:
-        for key, (shape, block) in first.items():
-            make = lambda b, s=shape: torch.randn(b, *s.input_shape, device=device, requires_grad=True)  # noqa: E731
+        for key, (shape, block, dtype) in first.items():
+            make = lambda b, s=shape, d=dtype: torch.randn(b, *s.input_shape, device=device, dtype=d,  # noqa: E731
+                                                           requires_grad=True)
             for tp in (t for t in tp_degrees if shape.heads % t == 0 and shape.hidden % t == 0):
                 local = _tp_share(copy.deepcopy(block), tp).train()
                 params = _count(local)
@@ -297,6 +299,20 @@ def profile_blocks(model_name: str, img_size: int, batch: int, device: torch.dev
                         local.checkpoint = mode
                         profiles.append(BlockProfile(key, tp, mode, fsdp, params, _measure(local, make, batch, device)))
     return tuple(profiles)
+
+
+def _stream_dtypes(model: nn.Module, img_size: int, device: torch.device) -> list[torch.dtype]:
+    """Each block's input dtype in the model as the profile runs it: under bf16 autocast Swin's stream turns bf16 at
+    its first patch merging (a linear layer's output), ViT's stays fp32 (its position embedding is)."""
+    seen: list[torch.dtype] = []
+    hooks = [b.register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype)) for b in blocks_of(model)]
+    try:
+        with torch.no_grad():
+            _autocast(device, model, torch.randn(1, 3, img_size, img_size, device=device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
 
 
 @contextmanager
@@ -312,24 +328,25 @@ def _one_rank_mesh(device: torch.device) -> Iterator[DeviceMesh]:
 def profile_parts(model_name: str, img_size: int, batch: int, device: torch.device) -> tuple[PartProfile, ...]:
     """Time and memory of the parts outside the blocks: patch embedding, Swin's patch merging, norm + head + loss."""
     model, layout = _build(model_name, img_size, device), model_layout(model_name, img_size)
+    dtypes = _stream_dtypes(model, img_size, device)  # a block's output has its input's dtype (the residual's)
     head = [model.norm, model.head, *([model.pre_logits] if hasattr(model, "pre_logits") else [])]
     pooled = isinstance(model, SwinTransformer)  # Swin's head pools; ViT's takes the class token
     last = layout.blocks[-1].input_shape
     images = lambda b: torch.randn(b, 3, img_size, img_size, device=device)  # noqa: E731
-    parts = {"head": (nn.ModuleList(head), last, lambda x: F.cross_entropy(
+    parts = {"head": (nn.ModuleList(head), last, dtypes[-1], lambda x: F.cross_entropy(
         model.head(model.norm(x)) if pooled else model.head(model.pre_logits(model.norm(x)[:, 0])),
         torch.zeros(x.shape[0], dtype=torch.long, device=device)))}
     for part in layout.parts:
         if part.name.startswith("merge"):
             merge = model.layers[int(part.name[5:])].downsample
             side, _, dim = layout.blocks[part.before - 1].input_shape
-            parts[part.name] = (merge, (side, side, dim), merge)
-    outside = {id(p) for module, _, _ in parts.values() for p in module.parameters()}
+            parts[part.name] = (merge, (side, side, dim), dtypes[part.before - 1], merge)
+    outside = {id(p) for module, *_ in parts.values() for p in module.parameters()}
     inside = {id(p) for block in blocks_of(model) for p in block.parameters()}
     embed = sum(p.numel() for p in model.parameters() if id(p) not in outside | inside)
     profiles = [PartProfile("embed", embed, _measure(model.patch_embed, images, batch, device))]
-    for name, (module, shape, run) in parts.items():
-        make = lambda b, s=shape: torch.randn(b, *s, device=device, requires_grad=True)  # noqa: E731
+    for name, (module, shape, dtype, run) in parts.items():
+        make = lambda b, s=shape, d=dtype: torch.randn(b, *s, device=device, dtype=d, requires_grad=True)  # noqa: E731
         profiles.append(PartProfile(name, _count(module), _measure(module, make, batch, device, run)))
     return tuple(sorted(profiles, key=lambda p: [p.name for p in layout.parts].index(p.name)))
 
