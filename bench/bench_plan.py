@@ -39,7 +39,7 @@ def strategies(model: str, batch: int, budgets: list[float], profile: Path, gpus
             run = runs.setdefault(key, dict(plan=key, layout=planned.strategy.layout(gpus), names={},
                                             step_s=planned.prediction.step_s, peak_gib=planned.prediction.peak_gib,
                                             fits=[], dp=gpus // (planned.strategy.tp * planned.strategy.pp)))
-            run["names"][budget] = name
+            run["names"].setdefault(budget, []).append(name)  # the searched plan may be a uniform one too
             if planned.fits:
                 run["fits"].append(budget)
     for run in runs.values():
@@ -117,7 +117,7 @@ def launch(run: dict, args: argparse.Namespace, gpus: int) -> dict | None:
 
 
 def print_row(run: dict, measured: dict | None, batch: int) -> None:
-    names = ", ".join(f"{name} at {budget:g}" for budget, name in run["names"].items())
+    names = ", ".join(f"{' = '.join(names)} at {budget:g}" for budget, names in run["names"].items())
     predicted = f"{run['step_s']:.3f} | {run['peak_gib']:.1f}"
     if measured is None or measured["oom"]:
         outcome = "predicted not to fit: not run" if measured is None else "out of memory"
