@@ -117,7 +117,7 @@ def launch(run: dict, args: argparse.Namespace, gpus: int) -> dict | None:
 
 
 def print_row(run: dict, measured: dict | None, batch: int) -> None:
-    names = ", ".join(f"{' = '.join(names)} at {budget:g}" for budget, names in run["names"].items())
+    names = ", ".join(f"{' = '.join(named)} at {budget:g}" for budget, named in run["names"].items())
     predicted = f"{run['step_s']:.3f} | {run['peak_gib']:.1f}"
     if measured is None or measured["oom"]:
         outcome = "predicted not to fit: not run" if measured is None else "out of memory"
