@@ -212,7 +212,7 @@ def test_two_gpus_resume_under_cuda_graphs_and_reshard_into_fsdp(prepared_shards
     ok("train", "--out", tmp_path / "split", "--steps", 12, "--resume", *GPU_RUN, "--data", prepared_shards,
        "--set", "parallel.fsdp=true")
     final = ckpt.list_checkpoints(tmp_path / "split")[-1]
-    assert ckpt.read_meta(final)["mesh"] == {"dp_replicate": 1, "dp_shard": 2}
+    assert ckpt.read_meta(final)["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
     assert len(list(final.glob("*.distcp"))) == 2
     records = [json.loads(line) for line in (tmp_path / "split/metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
