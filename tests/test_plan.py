@@ -133,6 +133,21 @@ def test_nothing_fits():
     assert result.least.prediction.peak_bytes > 0.05 * GIB
 
 
+def test_the_uniform_strategies_include_every_tensor_and_pipeline_degree_within_a_node():
+    """4 GPUs: TP2 and TP4 (each with FSDP over the rest), and pipelines of 2 stages (data parallel over 2) and of 4,
+    each at the micro-batch count predicted fastest of those its rank's batch divides into."""
+    profile = hand_made_profile()
+    rows = {u.name: u for u in search(LAYOUT, profile, CLUSTER, BATCH, 80 * GIB).uniform}
+    assert list(rows) == ["DDP", "FSDP", "FSDP + full checkpointing", "TP2 + FSDP", "TP4 + FSDP", "PP2", "PP4"]
+    assert [rows[name].strategy.layout(4) for name in rows] == ["dp4", "fsdp4", "fsdp4", "tp2·fsdp2", "tp4",
+                                                                "pp2·dp2", "pp4"]
+    for pp in (2, 4):
+        counts = search_module.microbatch_counts(pp, BATCH // (4 // pp))
+        fastest = min(counts, key=lambda m: predict(Strategy(pp=pp, microbatches=m, blocks=(BlockStrategy(),) * 4),
+                                                    LAYOUT, profile, CLUSTER, BATCH).step_s)
+        assert len(counts) > 1 and rows[f"PP{pp}"].strategy.microbatches == fastest
+
+
 def test_dynamic_programme_equals_brute_force():
     rng = random.Random(0)
     for _ in range(50):

@@ -277,19 +277,18 @@ def _cheapest_choices(per_stage: list, fixed: float, weight: float, budget: floa
 def uniform(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch: int,
             budget: float) -> tuple[Planned, ...]:
     """The one-setting-for-all strategies, predicted: DDP, FSDP, FSDP + full checkpointing, HSDP (on several nodes:
-    shards within a node), TP (the most within a node) + FSDP, and a pipeline over each node's GPUs (the micro-batch
-    count that does best)."""
+    shards within a node), TP + FSDP at each degree within a node, and a pipeline of each degree within a node (data
+    parallel over the rest, at the micro-batch count that does best)."""
     every = lambda fsdp, checkpoint: (BlockStrategy(fsdp, checkpoint),) * len(layout.blocks)  # noqa: E731
     rows = [("DDP", Strategy(blocks=every(False, "none"))),
             ("FSDP", Strategy(blocks=every(True, "none"), fsdp_rest=True)),
             ("FSDP + full checkpointing", Strategy(blocks=every(True, "full"), fsdp_rest=True))]
     if (hsdp := shard_degrees(cluster, 1, cluster.world)[-1]) != -1:
         rows.append(("HSDP", Strategy(dp_shard=hsdp, blocks=every(True, "none"), fsdp_rest=True)))
-    if (tp := max(tp_degrees(layout, profile, cluster), default=1)) > 1:
-        rows.append((f"TP{tp} + FSDP", Strategy(tp=tp, blocks=every(True, "none"), fsdp_rest=True)))
+    rows += [(f"TP{tp} + FSDP", Strategy(tp=tp, blocks=every(True, "none"), fsdp_rest=True))
+             for tp in tp_degrees(layout, profile, cluster) if tp > 1]
     planned = [_evaluate(name, s, layout, profile, cluster, global_batch, budget) for name, s in rows]
-    pp = cluster.gpus
-    if 1 < pp <= len(layout.blocks):
+    for pp in (p for p in _divisors(cluster.gpus) if 1 < p <= len(layout.blocks)):
         per_rank = global_batch // (cluster.world // pp)
         pipelines = [Strategy(pp=pp, microbatches=m, schedule=SCHEDULE, blocks=every(False, "none"))
                      for m in microbatch_counts(pp, per_rank) or [pp]]
