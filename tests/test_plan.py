@@ -37,6 +37,7 @@ from vitctl.trainer.planner.cost import (
 )
 from vitctl.trainer.planner.profile import (
     COLLECTIVES,
+    SHIPPED,
     BlockProfile,
     CollectiveProfile,
     LinkFit,
@@ -47,7 +48,9 @@ from vitctl.trainer.planner.profile import (
     model_layout,
     profile_blocks,
     profile_collectives,
+    profile_file,
     profile_parts,
+    read_profile,
 )
 from vitctl.trainer.planner.search import CHOICES, Option, Pipeline, cheapest_under, plan_rank, search
 
@@ -379,6 +382,19 @@ def test_collective_groups():
 def _plan_args(profile_path, out, memory_gib):
     return ("plan", "--model", "vit_mini", "--img-size", 32, "--nodes", 1, "--gpus", 4, "--memory-gib", memory_gib,
             "--batch", BATCH, "--out", out, "--profile", profile_path)
+
+
+@pytest.mark.parametrize("path", sorted(SHIPPED.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_profile_loads_under_its_own_name_and_plans_its_machine(path):
+    """A shipped profile is read as `vitctl plan` reads it, is named as it would be cached, and plans for each
+    group of GPUs of one node its collectives were measured among."""
+    model = next(m for m in ("swin_h", "vit_h14") if f"-{m}-" in path.name)
+    profile = read_profile(path, model, 224)
+    assert path.name == profile_file(profile.device, profile.torch, model, 224)
+    layout = model_layout(model, 224)
+    for ranks in sorted({c.ranks for c in profile.collectives if c.nodes == 1}):
+        result = search(layout, profile, Cluster(nodes=1, gpus=ranks), 64 * ranks, 40 * GIB)
+        assert result.best is not None and result.best.fits
 
 
 def test_cli_plans_offline_from_a_saved_profile(tmp_path):
