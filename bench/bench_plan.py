@@ -19,6 +19,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vitctl.trainer.parallel.strategy import Strategy
 
 PRESET = {"swin": "swin_b_pretrain", "vit": "vit_b16_pretrain"}
 OOM_EXIT = 3
@@ -36,7 +40,7 @@ def strategies(model: str, batch: int, budgets: list[float], profile: Path, gpus
             if planned.prediction is None:
                 continue
             key = planned.strategy.to_json(model, gpus)
-            run = runs.setdefault(key, dict(plan=key, layout=planned.strategy.layout(gpus), names={},
+            run = runs.setdefault(key, dict(plan=key, layout=_layout(planned.strategy, gpus), names={},
                                             step_s=planned.prediction.step_s, peak_gib=planned.prediction.peak_gib,
                                             fits=[], dp=gpus // (planned.strategy.tp * planned.strategy.pp)))
             run["names"].setdefault(budget, []).append(name)  # the searched plan may be a uniform one too
@@ -45,6 +49,12 @@ def strategies(model: str, batch: int, budgets: list[float], profile: Path, gpus
     for run in runs.values():
         run["cap_gib"] = min(run["fits"], default=None)
     return list(runs.values())
+
+
+def _layout(strategy: "Strategy", gpus: int) -> str:
+    """The mesh layout, and the micro-batches a step runs in where there are several (e.g. pp2·dp2, 8 micro-batches)."""
+    more = f", {strategy.microbatches} micro-batches" if strategy.microbatches > 1 else ""
+    return strategy.layout(gpus) + more
 
 
 def worker(run: dict, model: str, batch: int, warmup: int, steps: int, result: str) -> None:
