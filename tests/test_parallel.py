@@ -156,6 +156,68 @@ def test_fsdp_under_bf16_autocast_keeps_vit_s_residual_stream_in_fp32_as_replica
         assert torch.equal(results[0][fsdp][3], results[1][fsdp][3])
 
 
+def _local_shards_rank(rank: int, init: str, results: dict) -> None:
+    """Two copies of a model, FSDP2 over the ranks (an uneven shard, and a weight left whole), stepped by torch's
+    AdamW and by `step_on_local_shards`; whether each step took the local path, and whether they stayed bitwise
+    equal."""
+    from torch.distributed.fsdp import fully_shard
+
+    from vitctl.trainer.optim import param_groups, step_on_local_shards
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    mesh, copies = init_device_mesh("cpu", (WORLD,)), []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 5))
+        model.register_parameter("whole", nn.Parameter(torch.randn(5)))
+        fully_shard(model, mesh=mesh, ignored_params={model.whole})
+        copies.append((model, torch.optim.AdamW(param_groups(model, 0.05, None), lr=1e-2, foreach=True)))
+    local_steps = []
+    for step in range(4):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(6, 8)
+        for model, _ in copies:
+            (model(x) + model.whole).square().mean().backward()
+            dist.all_reduce(model.whole.grad)
+        (_, by_torch), (_, by_shards) = copies
+        by_torch.step()
+        local_steps.append(step_on_local_shards(by_shards))
+        if not local_steps[-1]:
+            by_shards.step()
+        for _, optimizer in copies:
+            optimizer.zero_grad()
+    (a, optimizer_a), (b, optimizer_b) = copies
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    same = [torch.equal(local(p), local(q)) for p, q in zip(a.parameters(), b.parameters(), strict=True)]
+    same += [torch.equal(local(optimizer_a.state[p][k]), local(optimizer_b.state[q][k]))
+             for p, q in zip(a.parameters(), b.parameters(), strict=True) for k in ("exp_avg", "exp_avg_sq", "step")]
+    results[rank] = (local_steps, same, [isinstance(p, DTensor) for p in a.parameters()])
+    dist.destroy_process_group()
+
+
+def test_adamw_on_the_local_shards_steps_as_torch_does_on_dtensors(tmp_path):
+    """The first step makes AdamW's state through torch; every later one runs on the shards and gives bitwise what
+    torch's step over the DTensors gives, the weights and their state, an uneven shard and a whole weight included."""
+    results = mp.Manager().dict()
+    mp.spawn(_local_shards_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    for rank in range(WORLD):
+        local_steps, same, sharded = results[rank]
+        assert local_steps == [False, True, True, True]
+        assert all(same) and len(same) == 4 * len(sharded)
+        assert sharded.count(False) == 1 and sharded.count(True) == 6
+
+
+def test_adamw_on_local_shards_leaves_weights_without_dtensors_and_other_optimizers_to_torch():
+    from vitctl.trainer.optim import step_on_local_shards
+
+    weight = nn.Parameter(torch.ones(3))
+    for optimizer in (torch.optim.AdamW([weight], foreach=True), torch.optim.SGD([weight], lr=0.1)):
+        weight.grad = torch.ones(3)
+        optimizer.step()
+        before = weight.detach().clone()
+        assert not step_on_local_shards(optimizer) and torch.equal(weight, before)
+
+
 RESHARD = ["--set", f"model.num_classes={CLASSES}", "--set", "model.drop_path=0", "--set", "augment.mixup=0",
            "--set", "augment.cutmix=0", "--set", "data.workers=0", "--set", "train.log_every=2",
            "--set", "train.checkpoint_every=100", "--set", "train.epochs=6", "--executor", "local", "--gpus", 0]

@@ -33,7 +33,7 @@ from .fp8 import convert_to_float8
 from .metrics import MetricsWriter, mfu
 from .models import build_model
 from .ops import resolve
-from .optim import build_optimizer, lr_at, param_groups, set_lr
+from .optim import build_optimizer, lr_at, param_groups, set_lr, step_on_local_shards
 from .parallel import (
     DistEnv,
     StopVote,
@@ -328,7 +328,7 @@ class Trainer:
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif not step_on_local_shards(self.optimizer):
             self.optimizer.step()
         return norm
 
