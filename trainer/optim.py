@@ -57,10 +57,11 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer) -> bool:
     with nothing done, where it does not apply: no DTensor weights, another optimizer or option, or before the first
     step has made the optimizer's state."""
     groups = optimizer.param_groups
+    if not isinstance(optimizer, torch.optim.AdamW) or \
+            not any(isinstance(p, DTensor) for group in groups for p in group["params"]):
+        return False  # checked first: replicated weights pay no more than this each step
     stepped = [[p for p in group["params"] if p.grad is not None] for group in groups]
-    weights = [p for params in stepped for p in params]
-    if not (isinstance(optimizer, torch.optim.AdamW) and any(isinstance(p, DTensor) for p in weights)
-            and all("step" in optimizer.state.get(p, {}) for p in weights)):
+    if not all("step" in optimizer.state.get(p, {}) for params in stepped for p in params):
         return False
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return False  # step() would run them
