@@ -7,6 +7,7 @@ import functools
 import itertools
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from vitctl.trainer.planner.profile import (
     SHIPPED,
     BlockProfile,
     CollectiveProfile,
+    FsdpHost,
     LinkFit,
     Measured,
     PartProfile,
@@ -53,6 +55,7 @@ from vitctl.trainer.planner.profile import (
     read_profile,
 )
 from vitctl.trainer.planner.search import CHOICES, Option, Pipeline, cheapest_under, plan_rank, search
+from vitctl.workflows.plan import local_measurements
 
 LAYOUT = model_layout("vit_mini", 32)  # 4 blocks of 4 heads
 CLUSTER, BATCH = Cluster(nodes=1, gpus=4), 32
@@ -372,6 +375,39 @@ def test_profile_collectives_on_two_gloo_ranks(tmp_path):
     assert set(measured.fits) == set(COLLECTIVES)
     assert all(f.bus_bytes_per_s > 0 and f.latency_s >= 0 for f in measured.fits.values())
     assert measured.overlap_slowdown >= 1 and results[1].seconds == measured.seconds  # the slowest rank's, on both
+
+
+def test_ranks_measure_collectives_and_fsdp_blocks_host_in_chains_on_two_gloo_ranks():
+    """What `vitctl plan --profile-only` measures among ranks: the collectives, and for each checkpoint mode the host
+    time an FSDP block adds to a step, its weights sharded over both ranks, which the profile keeps."""
+    collectives, hosts = local_measurements("vit_micro", 32, 2, torch.device("cpu"))
+    assert [c.ranks for c in collectives] == [2]
+    key = model_layout("vit_micro", 32).blocks[0].key
+    assert sorted((h.shape, h.checkpoint, h.ranks, h.batch) for h in hosts) == \
+        sorted((key, mode, 2, 1) for mode in CHECKPOINT)
+    assert all(min(h.forward_s, h.backward_s, h.step_s) > 0 for h in hosts)
+    profile = replace(hand_made_profile(), fsdp_hosts=hosts)
+    assert Profile.from_json(profile.to_json()) == profile
+    assert profile.fsdp_host(key, "full", 8) == next(h for h in hosts if h.checkpoint == "full")
+
+
+def test_an_fsdp_block_launches_at_the_pace_its_chains_were_measured_among_the_nearest_rank_count():
+    """Where the profile holds chains of FSDP blocks, an FSDP block's host times are theirs, for the rank count
+    nearest its shard degree, the optimizer's step spread over the micro-batches; the kernels' times stay."""
+    key, full = LAYOUT.blocks[0].key, BlockStrategy(fsdp=True, checkpoint="full")
+    chains = {2: FsdpHost(key, "full", 2, 1, 1.0, 2.0, 0.5), 4: FsdpHost(key, "full", 4, 1, 3.0, 4.0, 1.0)}
+    profile = hand_made_profile()
+    timed = replace(profile, fsdp_hosts=tuple(chains.values()))
+    for shard, m in itertools.product((2, 4), (1, 2)):
+        setting = Setting(CLUSTER, 1, 1, m, BATCH // 4 // m, shard)
+        own, chained = (block_costs(p, setting, LAYOUT, range(1), [full] * 4)[0] for p in (profile, timed))
+        host = chains[shard]
+        assert chained.micro_s == pytest.approx(host.forward_s + host.backward_s + host.step_s / m, rel=1e-3)
+        assert chained.device_micro_s == own.device_micro_s and chained.micro_s > own.micro_s
+    setting = Setting(CLUSTER, 1, 1, 1, BATCH // 4)
+    for choice in (BlockStrategy(fsdp=True), BlockStrategy(checkpoint="full")):  # no chain measured; replicated
+        assert block_costs(timed, setting, LAYOUT, range(1), [choice] * 4) == \
+            block_costs(profile, setting, LAYOUT, range(1), [choice] * 4)
 
 
 def test_collective_groups():

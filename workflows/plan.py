@@ -19,11 +19,13 @@ from vitctl.trainer.planner.cost import Cluster
 from vitctl.trainer.planner.profile import (
     SHIPPED,
     CollectiveProfile,
+    FsdpHost,
     ModelLayout,
     Profile,
     collective_sizes,
     device_name,
     measure_collectives,
+    measure_fsdp_hosts,
     model_layout,
     profile_blocks,
     profile_file,
@@ -123,7 +125,8 @@ def load_profile(model: str, img_size: int, path: Path | None,
             raise ConfigError(_missing(model, img_size, name))
         if path is None:
             echo(f"no profile of {model} at {img_size} px for {device_name(device)} yet: measuring it (minutes)")
-            path = save_profile(measure_profile(model, img_size, device, local_collectives(visible_gpus(), device)))
+            path = save_profile(measure_profile(model, img_size, device,
+                                                *local_measurements(model, img_size, visible_gpus(), device)))
     return read_profile(path, model, img_size), path
 
 
@@ -135,13 +138,13 @@ def _missing(model: str, img_size: int, name: str) -> str:
             f"pass the file it writes with --profile")
 
 
-def measure_profile(model: str, img_size: int, device: torch.device,
-                    collectives: tuple[CollectiveProfile, ...]) -> Profile:
-    """Blocks, parts and the optimizer measured on `device`, with the collectives measured among ranks."""
+def measure_profile(model: str, img_size: int, device: torch.device, collectives: tuple[CollectiveProfile, ...],
+                    fsdp_hosts: tuple[FsdpHost, ...]) -> Profile:
+    """Blocks, parts and the optimizer measured on `device`, with what was measured among ranks."""
     batch = PROFILE_BATCH[device.type]
     return Profile(device_name(device), torch.__version__, model, img_size,
                    profile_blocks(model, img_size, batch, device), profile_parts(model, img_size, batch, device),
-                   profile_optimizer(device), collectives)
+                   profile_optimizer(device), collectives, fsdp_hosts)
 
 
 def save_profile(profile: Profile, folder: Path | None = None) -> Path:
@@ -168,38 +171,50 @@ def _file_in_the_way(path: Path, blocker: Path, fix: str) -> str:
 
 
 def profile_only(model: str, img_size: int, ranks: int | None) -> Path | None:
-    """Measure and cache this machine's profile: collectives among `ranks` local ranks (default: every GPU, or 2
-    CPU ranks), spawned here, or among all ranks when a launcher (torchrun) started one process per GPU, of which
-    rank 0 then measures the rest and returns the file (the others None)."""
+    """Measure and cache this machine's profile: what needs several ranks among `ranks` local ranks (default: every
+    GPU, or 2 CPU ranks), spawned here, or among all ranks when a launcher (torchrun) started one process per GPU, of
+    which rank 0 then measures the rest and returns the file (the others None)."""
     model_layout(model, img_size)  # a bad model or image size fails before minutes of measuring
     device = local_device()
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        collectives = local_collectives(ranks or visible_gpus() or 2, device)
-        return save_profile(measure_profile(model, img_size, device, collectives))
+        among = local_measurements(model, img_size, ranks or visible_gpus() or 2, device)
+        return save_profile(measure_profile(model, img_size, device, *among))
     env = init_distributed(use_cuda=device.type == "cuda")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
-    collectives = measure_collectives(local, collective_sizes(env.device))
+    among = measure_among_ranks(model, img_size, local, env.device)
     dist.destroy_process_group()
-    return save_profile(measure_profile(model, img_size, env.device, collectives)) if env.is_main else None
+    return save_profile(measure_profile(model, img_size, env.device, *among)) if env.is_main else None
 
 
-def local_collectives(ranks: int, device: torch.device) -> tuple[CollectiveProfile, ...]:
-    """Collectives among `ranks` processes spawned on this machine, one per GPU (NCCL) or CPU ranks (gloo); none
-    for one rank."""
+def measure_among_ranks(model: str, img_size: int, local: int, device: torch.device
+                        ) -> tuple[tuple[CollectiveProfile, ...], tuple[FsdpHost, ...]]:
+    """The collectives, then FSDP blocks' host times, among groups of the first node's `local` ranks; every rank of
+    the initialised default group calls it, rank 0's answer holds every group's measurement."""
+    return (measure_collectives(local, collective_sizes(device)),
+            measure_fsdp_hosts(model, img_size, PROFILE_BATCH[device.type] // 4, local))
+
+
+def local_measurements(model: str, img_size: int, ranks: int, device: torch.device
+                       ) -> tuple[tuple[CollectiveProfile, ...], tuple[FsdpHost, ...]]:
+    """`measure_among_ranks` in `ranks` processes spawned on this machine, one per GPU (NCCL) or CPU ranks (gloo);
+    nothing for one rank."""
     if ranks == 1:
-        return ()
+        return (), ()
     results = mp.Manager().dict()
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_collectives_rank, args=(ranks, f"file://{folder}/init", device.type, results), nprocs=ranks)
+        mp.spawn(_measuring_rank, args=(model, img_size, ranks, f"file://{folder}/init", device.type, results),
+                 nprocs=ranks)
     return results[0]
 
 
-def _collectives_rank(rank: int, ranks: int, init: str, device_type: str, results: dict) -> None:
+def _measuring_rank(rank: int, model: str, img_size: int, ranks: int, init: str, device_type: str,
+                    results: dict) -> None:
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init, rank=rank,
                             world_size=ranks)
-    measured = measure_collectives(ranks, collective_sizes(torch.device(device_type)))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    measured = measure_among_ranks(model, img_size, ranks, device)
     if rank == 0:
         results[0] = measured
     dist.destroy_process_group()

@@ -6,7 +6,9 @@ mode on one tensor-parallel rank's share, plus 4 all-reduces of its bf16 output 
 (6 when fully checkpointed, the forward runs twice). An FSDP block all-gathers its bf16 weights before the forward
 and again before the backward and reduce-scatters its fp32 gradients beside its compute, which runs slower by the
 measured overlap slowdown meanwhile; its compute, FSDP's own work around it and its memory are measured under FSDP2
-on one rank in the same checkpoint mode (checkpointing and FSDP's hooks do not simply add up). Replicated weights
+on one rank in the same checkpoint mode (checkpointing and FSDP's hooks do not simply add up), and where the profile
+has them, its host's times in chains of FSDP blocks sharded over several ranks, its optimizer step's included (a
+block timed alone on one rank launches about twice as fast as inside a step). Replicated weights
 are all-reduced in fp32 once per step after the backward. A pipeline of pp stages and m micro-batches keeps its
 slowest stage's device busy for (m + pp - 1) micro-batches; interleaved, with v stages per rank, (m + (pp - 1) / v)
 of its slowest rank's (the sum of its v stages'), the bubble (pp - 1) / (v m) of the step. A stage's host issues its
@@ -21,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from ..config import ConfigError
 from ..parallel.strategy import INTERLEAVED, BlockStrategy, Strategy
-from .profile import BlockShape, LinkFit, Measured, ModelLayout, Profile, bus_factor
+from .profile import BlockShape, FsdpHost, LinkFit, Measured, ModelLayout, Profile, bus_factor
 
 STATE_BYTES = 16  # per parameter held: fp32 weight, fp32 gradient, AdamW's fp32 exp_avg and exp_avg_sq
 REDUCE_BYTES = 4  # per replicated parameter: the flat fp32 buffer its gradient is copied into and all-reduced
@@ -204,11 +206,24 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
 
 def block_cost(profile: Profile, setting: Setting, shape: BlockShape, choice: BlockStrategy) -> Cost:
     block = profile.block(shape.key, setting.tp, choice.checkpoint, choice.fsdp)
-    measured = _without_gathered(block.measured, block.params) if choice.fsdp else block.measured
+    measured = block.measured
+    if choice.fsdp:
+        measured = _without_gathered(measured, block.params)
+        if host := profile.fsdp_host(shape.key, choice.checkpoint, setting.shard):
+            measured = _with_host(measured, host, setting.microbatches)
     all_reduces = 6 if choice.checkpoint == "full" else 4  # 2 in the forward, 2 in the backward, 2 if rerun
     tp_s = all_reduces * collective_s(profile, "all_reduce", setting.tp, False,
                                       TP_BYTES * setting.microbatch * shape.tokens * shape.dim)
     return weights_cost(profile, setting, block.params, choice.fsdp, measured, tp_s)
+
+
+def _with_host(measured: Measured, host: FsdpHost, microbatches: int) -> Measured:
+    """An FSDP block's host times as measured in chains on several ranks, its optimizer step's spread over the
+    micro-batches (launched after the last backward, it delays the step only where the host is the bound). The
+    chains ran one rank's whole block: a tensor-parallel share launches as many kernels."""
+    backward = host.backward_s + host.step_s / microbatches
+    return replace(measured, forward_host_s=(host.forward_s,) * len(measured.batch),
+                   backward_host_s=(backward,) * len(measured.batch))
 
 
 def _without_gathered(measured: Measured, params: int) -> Measured:

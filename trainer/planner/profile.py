@@ -31,12 +31,14 @@ from ..config import ConfigError, ModelConfig
 from ..models import MODELS, blocks_of, build_model, default_window, model_error
 from ..models.swin import SwinTransformer
 from ..ops import Ops, resolve
+from ..optim import step_on_local_shards
 from ..parallel.strategy import CHECKPOINT, ModelShape
 from ..precision import Precision
 
 PROFILE_VERSION = 2  # 2: FSDP measured in every checkpoint mode, under the trainer's policy
 SHIPPED = Path(__file__).parent / "profiles"
 WARMUP, ITERS = 2, 7
+CHAIN_LENGTHS = (2, 6)  # FSDP blocks in the two chains whose host times differ by what the extra blocks add
 HOST_AHEAD_S = 0.02  # spin the GPU this long before a timed call: longer than any block takes to launch
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
@@ -125,6 +127,20 @@ class BlockProfile:
 
 
 @dataclass(frozen=True)
+class FsdpHost:
+    """The host's seconds one FSDP block of `shape` adds to a step when its weights are sharded over `ranks` GPUs:
+    the slope over chains of such blocks run as the trainer runs a step, each chain's median of several steps."""
+
+    shape: str  # BlockShape.key
+    checkpoint: str
+    ranks: int
+    batch: int  # samples a rank, few: the host's time, not the kernels'
+    forward_s: float
+    backward_s: float
+    step_s: float  # AdamW's step over the block's shard, and clearing its gradients
+
+
+@dataclass(frozen=True)
 class PartProfile:
     name: str
     params: int
@@ -159,9 +175,15 @@ class Profile:
     parts: tuple[PartProfile, ...]
     optimizer_s_per_param: float
     collectives: tuple[CollectiveProfile, ...]
+    fsdp_hosts: tuple[FsdpHost, ...] = ()  # none in profiles measured before them, or on one GPU
 
     def block(self, shape: str, tp: int, checkpoint: str, fsdp: bool = False) -> BlockProfile:
         return next(b for b in self.blocks if (b.shape, b.tp, b.checkpoint, b.fsdp) == (shape, tp, checkpoint, fsdp))
+
+    def fsdp_host(self, shape: str, checkpoint: str, ranks: int) -> FsdpHost | None:
+        """The chain measured among the rank count nearest `ranks` (the larger of two as near), if any."""
+        measured = [h for h in self.fsdp_hosts if (h.shape, h.checkpoint) == (shape, checkpoint)]
+        return min(measured, key=lambda h: (abs(h.ranks - ranks), -h.ranks), default=None)
 
     def part(self, name: str) -> PartProfile:
         return next(p for p in self.parts if p.name == name)
@@ -185,7 +207,8 @@ class Profile:
         return cls(**{**raw, "blocks": tuple(BlockProfile(**{**b, "measured": _measured(b["measured"])})
                                              for b in raw["blocks"]),
                       "parts": tuple(PartProfile(**{**p, "measured": _measured(p["measured"])}) for p in raw["parts"]),
-                      "collectives": tuple(_collective_from_dict(c) for c in raw["collectives"])})
+                      "collectives": tuple(_collective_from_dict(c) for c in raw["collectives"]),
+                      "fsdp_hosts": tuple(FsdpHost(**h) for h in raw.get("fsdp_hosts", ()))})
 
 
 def _measured(m: dict[str, list]) -> Measured:
@@ -278,17 +301,11 @@ def profile_blocks(model_name: str, img_size: int, batch: int, device: torch.dev
     at `batch` and a quarter of it (bf16 autocast on a GPU, fp32 on a CPU), fed the dtype the model feeds it, held
     replicated and under FSDP2 on a one-rank mesh with the trainer's mixed-precision policy (FSDP's hooks, buffer
     copies and casts included). Runs FSDP2 in a process group of its own: call it with none initialised."""
-    model, layout = _build(model_name, img_size, device), model_layout(model_name, img_size)
-    dtypes = _stream_dtypes(model, img_size, device)
-    first = {}
-    for shape, block, dtype in zip(layout.blocks, blocks_of(model), dtypes, strict=True):
-        first.setdefault(shape.key, (shape, block, dtype))
     policy = Precision("bf16" if device.type == "cuda" else "fp32", device).fsdp_policy()
     profiles = []
     with _one_rank_mesh(device) as mesh:
-        for key, (shape, block, dtype) in first.items():
-            make = lambda b, s=shape, d=dtype: torch.randn(b, *s.input_shape, device=device, dtype=d,  # noqa: E731
-                                                           requires_grad=True)
+        for shape, block, dtype in _distinct_blocks(model_name, img_size, device):
+            make = functools.partial(_block_input, shape, dtype, device)
             for tp in (t for t in tp_degrees if shape.heads % t == 0 and shape.hidden % t == 0):
                 local = _tp_share(copy.deepcopy(block), tp).train()
                 params = _count(local)
@@ -297,8 +314,24 @@ def profile_blocks(model_name: str, img_size: int, batch: int, device: torch.dev
                         local = fully_shard(local, mesh=mesh, mp_policy=policy)
                     for mode in checkpoints:
                         local.checkpoint = mode
-                        profiles.append(BlockProfile(key, tp, mode, fsdp, params, _measure(local, make, batch, device)))
+                        profiles.append(BlockProfile(shape.key, tp, mode, fsdp, params,
+                                                     _measure(local, make, batch, device)))
     return tuple(profiles)
+
+
+def _distinct_blocks(model_name: str, img_size: int,
+                     device: torch.device) -> list[tuple[BlockShape, nn.Module, torch.dtype]]:
+    """The first block of each distinct shape, with the dtype the model feeds it."""
+    model, layout = _build(model_name, img_size, device), model_layout(model_name, img_size)
+    first: dict[str, tuple[BlockShape, nn.Module, torch.dtype]] = {}
+    for shape, block, dtype in zip(layout.blocks, blocks_of(model), _stream_dtypes(model, img_size, device),
+                                   strict=True):
+        first.setdefault(shape.key, (shape, block, dtype))
+    return list(first.values())
+
+
+def _block_input(shape: BlockShape, dtype: torch.dtype, device: torch.device, batch: int) -> Tensor:
+    return torch.randn(batch, *shape.input_shape, device=device, dtype=dtype, requires_grad=True)
 
 
 def _stream_dtypes(model: nn.Module, img_size: int, device: torch.device) -> list[torch.dtype]:
@@ -360,6 +393,59 @@ def profile_optimizer(device: torch.device) -> float:
     optimizer = _ops(device).optimizer([{"params": params, "weight_decay": 0.05}], 1e-3, (0.9, 0.999), 1e-8)
     seconds = [_seconds(optimizer.step, device) for _ in range(WARMUP + ITERS)][WARMUP:]
     return statistics.median(seconds) / sum(sizes)
+
+
+def profile_fsdp_hosts(model_name: str, img_size: int, batch: int, group: dist.ProcessGroup,
+                       device: torch.device, checkpoints: Sequence[str] = CHECKPOINT) -> tuple[FsdpHost, ...]:
+    """Each distinct block's FSDP host time in each checkpoint mode, its weights sharded over `group`'s ranks, which
+    all call it: in a step the host also waits on the collectives and the other ranks, and pays FSDP's hooks around
+    every block and the optimizer's step over its shard, none of which one block timed alone shows."""
+    mesh = DeviceMesh.from_group(group, device.type)
+    policy = Precision("bf16" if device.type == "cuda" else "fp32", device).fsdp_policy()
+    measured = []
+    for shape, block, dtype in _distinct_blocks(model_name, img_size, device):
+        x = _block_input(shape, dtype, device, batch)
+        for mode in checkpoints:
+            short, long = (_chain_host_s(block, mode, n, x, mesh, policy, group) for n in CHAIN_LENGTHS)
+            measured.append((shape.key, mode, [max(0.0, (b - a) / (CHAIN_LENGTHS[1] - CHAIN_LENGTHS[0]))
+                                               for a, b in zip(short, long, strict=True)]))
+    slowest = torch.tensor([seconds for *_, seconds in measured], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # a step waits for its slowest rank
+    ranks = dist.get_world_size(group)
+    return tuple(FsdpHost(key, mode, ranks, batch, *seconds)
+                 for (key, mode, _), seconds in zip(measured, slowest.tolist(), strict=True))
+
+
+def _chain_host_s(block: nn.Module, checkpoint: str, length: int, x: Tensor, mesh: DeviceMesh, policy: Any,
+                  group: dist.ProcessGroup) -> tuple[float, float, float]:
+    """Median host seconds of the forward, the backward and the AdamW step of `length` copies of `block` under
+    FSDP2, a unit each and a root over them, as the trainer shards and steps a model."""
+    chain = nn.Sequential(*(copy.deepcopy(block) for _ in range(length))).train()
+    for member in chain:
+        member.checkpoint = checkpoint
+        fully_shard(member, mesh=mesh, mp_policy=policy)
+    fully_shard(chain, mesh=mesh, mp_policy=policy)
+    optimizer = _ops(x.device).optimizer([{"params": list(chain.parameters()), "weight_decay": 0.05}], 1e-3,
+                                         (0.9, 0.999), 1e-8)
+    steps = [_step_host_s(chain, optimizer, x, group) for _ in range(WARMUP + ITERS)][WARMUP:]
+    return tuple(statistics.median(phase) for phase in zip(*steps, strict=True))
+
+
+def _step_host_s(chain: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor,
+                 group: dist.ProcessGroup) -> tuple[float, float, float]:
+    x.grad = None
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    dist.barrier(group=group)
+    begin = time.perf_counter()
+    out = _autocast(x.device, chain, x)
+    forward = time.perf_counter()
+    out.backward(torch.ones_like(out))
+    backward = time.perf_counter()
+    if not step_on_local_shards(optimizer):
+        optimizer.step()
+    optimizer.zero_grad()
+    return forward - begin, backward - forward, time.perf_counter() - backward
 
 
 @functools.cache
@@ -644,5 +730,19 @@ def measure_collectives(local: int, sizes_bytes: Sequence[int]) -> tuple[Collect
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             results.append(profile_collectives(group, sizes_bytes))
+        dist.barrier()
+    return tuple(results)
+
+
+def measure_fsdp_hosts(model_name: str, img_size: int, batch: int, local: int) -> tuple[FsdpHost, ...]:
+    """`profile_fsdp_hosts` among 2, 4, ... ranks of the first node and all of them; every rank of the initialised
+    default group calls this, rank 0's answer holds every group's measurement."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    results: list[FsdpHost] = []
+    for ranks in collective_groups(min(local, dist.get_world_size()), local):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            results += profile_fsdp_hosts(model_name, img_size, batch, group, device)
         dist.barrier()
     return tuple(results)
