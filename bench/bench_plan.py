@@ -97,14 +97,17 @@ def worker(run: dict, model: str, batch: int, warmup: int, steps: int, result: s
                 Path(result).write_text(json.dumps({"oom": True}))
             os._exit(OOM_EXIT)
     # A cap the allocator meets makes it free its cache and retry (synchronising the device): time the plan did not
-    # predict, so each row says how often that happened in the timed steps.
+    # predict, so each row says how often that happened in the timed steps, and how much the allocator held (reserved)
+    # beside what the tensors did (allocated): what fragmentation took of the cap.
     retries = torch.cuda.memory_stats(env.device)["num_alloc_retries"] - retries
-    worst = torch.tensor([torch.cuda.max_memory_allocated(env.device), retries], device=env.device, dtype=torch.float64)
+    worst = torch.tensor([torch.cuda.max_memory_allocated(env.device), retries,
+                          torch.cuda.max_memory_reserved(env.device)], device=env.device, dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if env.rank == 0:
         ms = statistics.median(start.elapsed_time(end) for start, end in events)
         Path(result).write_text(json.dumps({"oom": False, "ms": ms, "peak_gib": worst[0].item() / 2**30,
-                                            "retries_per_step": worst[1].item() / steps}))
+                                            "retries_per_step": worst[1].item() / steps,
+                                            "reserved_gib": worst[2].item() / 2**30}))
     dist.destroy_process_group()
 
 
@@ -131,11 +134,13 @@ def print_row(run: dict, measured: dict | None, batch: int) -> None:
     predicted = f"{run['step_s']:.3f} | {run['peak_gib']:.1f}"
     if measured is None or measured["oom"]:
         outcome = "predicted not to fit: not run" if measured is None else "out of memory"
-        print(f"| {names} | {run['layout']} | {run['cap_gib'] or '-'} | {predicted} | {outcome} | | | | |", flush=True)
+        print(f"| {names} | {run['layout']} | {run['cap_gib'] or '-'} | {predicted} | {outcome} |" + " |" * 5,
+              flush=True)
         return
     s, peak = measured["ms"] / 1000, measured["peak_gib"]
     print(f"| {names} | {run['layout']} | {run['cap_gib']:g} | {predicted} | {s:.3f} | {batch / s:,.0f} | "
-          f"{peak:.1f} | {measured['retries_per_step']:.1f} | {run['step_s'] / s - 1:+.1%} / "
+          f"{peak:.1f} | {measured['reserved_gib']:.1f} | {measured['retries_per_step']:.1f} | "
+          f"{run['step_s'] / s - 1:+.1%} / "
           f"{run['peak_gib'] / peak - 1:+.1%} |", flush=True)
 
 
@@ -159,8 +164,8 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     runs = strategies(args.model, args.batch, [float(b) for b in args.memory_gib.split(",")], args.profile, gpus)
     print("| strategy (budget GiB) | layout | cap GiB | predicted s/step | predicted peak GiB | s/step | images/s | "
-          "peak GiB | allocator retries/step | prediction off by (time / memory) |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+          "peak GiB | reserved GiB | allocator retries/step | prediction off by (time / memory) |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for run in runs:
         if run["cap_gib"] is None:
             print_row(run, None, args.batch)
