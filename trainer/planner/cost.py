@@ -7,8 +7,8 @@ mode on one tensor-parallel rank's share, plus 4 all-reduces of its bf16 output 
 and again before the backward and reduce-scatters its fp32 gradients beside its compute, which runs slower by the
 measured overlap slowdown meanwhile; its compute, FSDP's own work around it and its memory are measured under FSDP2
 on one rank in the same checkpoint mode (checkpointing and FSDP's hooks do not simply add up), and where the profile
-has them, its host's times in chains of FSDP blocks sharded over several ranks, its optimizer step's included (a
-block timed alone on one rank launches about twice as fast as inside a step). Replicated weights
+has them, its host's times in chains of FSDP blocks sharded over several ranks, its optimizer step's included
+(inside a step an FSDP block costs the host up to 1.6x what it costs timed alone on one rank). Replicated weights
 are all-reduced in fp32 once per step after the backward. A pipeline of pp stages and m micro-batches keeps its
 slowest stage's device busy for (m + pp - 1) micro-batches; interleaved, with v stages per rank, (m + (pp - 1) / v)
 of its slowest rank's (the sum of its v stages'), the bubble (pp - 1) / (v m) of the step. A stage's host issues its
