@@ -277,6 +277,13 @@ def stage_parts(layout: ModelLayout, blocks: range, last: bool) -> list[str]:
     return [p.name for p in layout.parts if p.before in blocks or (last and p.before == len(layout.blocks))]
 
 
+def parts_before(layout: ModelLayout, blocks: range, last: bool) -> list[int]:
+    """For each of `stage_parts`, the index among the stage's blocks of the block it precedes (the head: one past
+    the last)."""
+    before = {p.name: p.before - blocks.start for p in layout.parts}
+    return [before[name] for name in stage_parts(layout, blocks, last)]
+
+
 def stage_fixed(profile: Profile, layout: ModelLayout, setting: Setting, blocks: range, last: bool,
                 fsdp_rest: bool) -> tuple[list[Cost], float, float]:
     """What a stage holds and spends besides its blocks: its parts' costs, the send/recv seconds per micro-batch,
@@ -290,35 +297,49 @@ def stage_fixed(profile: Profile, layout: ModelLayout, setting: Setting, blocks:
 
 
 def stage_prediction(profile: Profile, setting: Setting, blocks_cost: Sequence[Cost], parts: Sequence[Cost],
-                     transfer_s: float, transfer_bytes: float, held: int, blocks: range) -> StagePrediction:
-    """A stage from its blocks' (in forward order) and parts' costs, holding `held` micro-batches' activations at
-    once."""
+                     transfer_s: float, transfer_bytes: float, held: int, blocks: range,
+                     before: Sequence[int]) -> StagePrediction:
+    """A stage from its blocks' (in forward order) and parts' costs (each preceding the block `before` names),
+    holding `held` micro-batches' activations at once."""
     costs = [*blocks_cost, *parts]
     latency = link(profile, "all_reduce", setting.dp, setting.dp_crosses_nodes)[0].latency_s \
         if setting.dp > 1 and any(c.replicated for c in costs) else 0.0  # one all-reduce for all replicated weights
-    gathered = max((c.gathered_params for c in costs), default=0)
-    peak = held_bytes(blocks_cost, parts, held, setting.accumulates) + FSDP_BUFFER_BYTES * gathered + transfer_bytes
+    peak = held_bytes(blocks_cost, parts, held, setting.accumulates, before) + transfer_bytes
     transfers = lambda seconds: sum(seconds) + transfer_s  # noqa: E731
     return StagePrediction(blocks, transfers(c.micro_s for c in costs), transfers(c.device_micro_s for c in costs),
                            sum(c.step_s for c in costs) + latency, peak)
 
 
-def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, accumulates: bool) -> float:
-    """The most a stage holds at once besides FSDP's gather buffers and the transfers. With one micro-batch per step
-    the backward walks from the last block to the first, allocating each block's gradients as it frees its
-    activations, so that the two never peak together; with more, a micro-batch's activations live beside the
-    gradients accumulated from the ones before, so it counts both whole."""
+def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, accumulates: bool,
+               before: Sequence[int] | None = None) -> float:
+    """The most a stage holds at once besides the transfers. With one micro-batch per step the backward walks from
+    the last block to the first, allocating each block's gradients as it frees its activations, so that the two never
+    peak together; a part's activations (each preceding the block `before` names; None: all held throughout) are freed
+    once the walk has passed it, and FSDP's buffers are those of the block whose backward runs and the one gathered
+    ahead of it (Swin's largest blocks and patch mergings come last, its peak at the first). With more micro-batches,
+    a micro-batch's activations live beside the gradients accumulated from the ones before, so it counts both whole,
+    and the largest block's buffers."""
     every = [*blocks, *parts]
     state = sum(c.state_bytes for c in every)
     if accumulates or not blocks:
         return state + held * sum(c.activation_bytes for c in every) + max((c.transient_bytes for c in every),
-                                                                           default=0.0)
-    fixed = state - sum(c.grad_bytes for c in blocks) + held * sum(c.activation_bytes for c in parts)
+                                                                           default=0.0) + _buffers(every)
+    fixed = state - sum(c.grad_bytes for c in blocks)
     produced = list(itertools.accumulate(c.grad_bytes for c in reversed(blocks)))[::-1]  # of blocks i.. (backward)
     kept = list(itertools.accumulate(c.activation_bytes for c in blocks))  # of blocks ..i, not yet freed
-    walk = max(produced[i] + held * kept[i] + c.transient_bytes for i, c in enumerate(blocks))
-    first = held * kept[-1] + max((c.transient_bytes for c in parts), default=0.0)  # the head's backward
+    before = [0] * len(parts) if before is None else before
+    parts_kept = lambda i: sum(p.activation_bytes for p, b in zip(parts, before, strict=True) if b <= i)  # noqa: E731
+    walk = max(produced[i] + held * (kept[i] + parts_kept(i)) + c.transient_bytes +
+               _buffers([c, *blocks[max(0, i - 1):i], *parts]) for i, c in enumerate(blocks))
+    first = held * (kept[-1] + parts_kept(len(blocks))) + max((c.transient_bytes for c in parts), default=0.0) + \
+        _buffers([blocks[-1], *parts])  # the head's backward
     return fixed + max(walk, first)
+
+
+def _buffers(running: Sequence[Cost]) -> float:
+    """FSDP's gather and gradient buffers while `running` run: as for the largest of them (the parts, small, are
+    counted at every point: the root holds them)."""
+    return FSDP_BUFFER_BYTES * max((c.gathered_params for c in running), default=0)
 
 
 def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: Cluster,
@@ -331,11 +352,12 @@ def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: 
     stages, start = [], 0
     for stage, count in enumerate(strategy.stage_blocks(len(layout.blocks))):
         blocks = range(start, start + count)
-        parts, transfer_s, transfer_bytes = stage_fixed(profile, layout, setting, blocks,
-                                                        stage == strategy.n_stages - 1, strategy.fsdp_rest)
+        last = stage == strategy.n_stages - 1
+        parts, transfer_s, transfer_bytes = stage_fixed(profile, layout, setting, blocks, last, strategy.fsdp_rest)
         costs = block_costs(profile, setting, layout, blocks, strategy.blocks)
         held = in_flight(strategy.schedule, strategy.pp, strategy.microbatches, stage, strategy.virtual_stages)
-        stages.append(stage_prediction(profile, setting, costs, parts, transfer_s, transfer_bytes, held, blocks))
+        stages.append(stage_prediction(profile, setting, costs, parts, transfer_s, transfer_bytes, held, blocks,
+                                       parts_before(layout, blocks, last)))
         start += count
     ranks = [stages[rank::strategy.pp] for rank in range(strategy.pp)]
     micro_s = max(sum(s.micro_s for s in own) for own in ranks)
