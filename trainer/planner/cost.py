@@ -316,9 +316,9 @@ def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, accumul
     the last block to the first, allocating each block's gradients as it frees its activations, so that the two never
     peak together; a part's activations (each preceding the block `before` names; None: all held throughout) are freed
     once the walk has passed it, and FSDP's buffers are those of the block whose backward runs and the one gathered
-    ahead of it (Swin's largest blocks and patch mergings come last, its peak at the first). With more micro-batches,
-    a micro-batch's activations live beside the gradients accumulated from the ones before, so it counts both whole,
-    and the largest block's buffers."""
+    ahead of it (Swin's peak is at its first block, after its patch mergings' backwards, far from its widest blocks).
+    With more micro-batches, a micro-batch's activations live beside the gradients accumulated from the ones before,
+    so it counts both whole, and the largest block's buffers."""
     every = [*blocks, *parts]
     state = sum(c.state_bytes for c in every)
     if accumulates or not blocks:
