@@ -34,6 +34,7 @@ from vitctl.trainer.planner.cost import (
     Setting,
     block_costs,
     held_bytes,
+    parts_before,
     predict,
     stage_fixed,
 )
@@ -188,7 +189,7 @@ def _summed_peak(profile, setting: Setting, choices: tuple[BlockStrategy, ...]) 
     blocks = range(len(LAYOUT.blocks))
     costs = block_costs(profile, setting, LAYOUT, blocks, choices)
     parts, _, _ = stage_fixed(profile, LAYOUT, setting, blocks, True, False)
-    return held_bytes(costs, parts, 1, accumulates=True)  # FSDP's buffers as for the largest block
+    return held_bytes(costs, parts, parts_before(LAYOUT, blocks, True), 1, accumulates=True)
 
 
 @pytest.mark.parametrize("budget_gib", [2, 3, 6.5])
@@ -232,9 +233,10 @@ def test_the_backward_frees_a_part_once_past_it_and_holds_the_fsdp_buffers_of_th
     first_block = 22 + (1 + 5) + 100 + FSDP_BUFFER_BYTES * 1  # every gradient, block 0's and the embedding's inputs
     second_block = 20 + (2 + 5 + 30) + 1 + FSDP_BUFFER_BYTES * 5
     head = (2 + 5 + 30) + FSDP_BUFFER_BYTES * 5
-    assert held_bytes(blocks, [embed, merge], 1, False, [0, 1]) == fixed + max(first_block, second_block, head)
-    assert held_bytes(blocks, [embed, merge], 1, False) == fixed + 22 + (1 + 35) + 100 + FSDP_BUFFER_BYTES * 1
-    assert held_bytes(blocks, [embed, merge], 1, True, [0, 1]) == 110 + 37 + 100 + FSDP_BUFFER_BYTES * 5
+    assert held_bytes(blocks, [embed, merge], [0, 1], 1, False) == fixed + max(first_block, second_block, head)
+    # the merge before block 0 instead: its activations live until after block 0's backward, the peak
+    assert held_bytes(blocks, [embed, merge], [0, 0], 1, False) == fixed + first_block + 30
+    assert held_bytes(blocks, [embed, merge], [0, 1], 1, True) == 110 + 37 + 100 + FSDP_BUFFER_BYTES * 5
 
 
 @pytest.mark.parametrize("share", [0.2, 0.3, 0.5])

@@ -191,7 +191,7 @@ def measure_among_ranks(model: str, img_size: int, local: int, device: torch.dev
     """The collectives, then FSDP blocks' host times, among groups of the first node's `local` ranks; every rank of
     the initialised default group calls it, rank 0's answer holds every group's measurement."""
     return (measure_collectives(local, collective_sizes(device)),
-            measure_fsdp_hosts(model, img_size, PROFILE_BATCH[device.type] // 4, local))
+            measure_fsdp_hosts(model, img_size, PROFILE_BATCH[device.type] // 4, local, device))
 
 
 def local_measurements(model: str, img_size: int, ranks: int, device: torch.device

@@ -304,17 +304,17 @@ def stage_prediction(profile: Profile, setting: Setting, blocks_cost: Sequence[C
     costs = [*blocks_cost, *parts]
     latency = link(profile, "all_reduce", setting.dp, setting.dp_crosses_nodes)[0].latency_s \
         if setting.dp > 1 and any(c.replicated for c in costs) else 0.0  # one all-reduce for all replicated weights
-    peak = held_bytes(blocks_cost, parts, held, setting.accumulates, before) + transfer_bytes
+    peak = held_bytes(blocks_cost, parts, before, held, setting.accumulates) + transfer_bytes
     transfers = lambda seconds: sum(seconds) + transfer_s  # noqa: E731
     return StagePrediction(blocks, transfers(c.micro_s for c in costs), transfers(c.device_micro_s for c in costs),
                            sum(c.step_s for c in costs) + latency, peak)
 
 
-def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, accumulates: bool,
-               before: Sequence[int] | None = None) -> float:
+def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], before: Sequence[int], held: int,
+               accumulates: bool) -> float:
     """The most a stage holds at once besides the transfers. With one micro-batch per step the backward walks from
     the last block to the first, allocating each block's gradients as it frees its activations, so that the two never
-    peak together; a part's activations (each preceding the block `before` names; None: all held throughout) are freed
+    peak together; a part's activations (each preceding the block `before` names) are freed
     once the walk has passed it, and FSDP's buffers are those of the block whose backward runs and the one gathered
     ahead of it (Swin's peak is at its first block, after its patch mergings' backwards, far from its widest blocks).
     With more micro-batches, a micro-batch's activations live beside the gradients accumulated from the ones before,
@@ -327,7 +327,6 @@ def held_bytes(blocks: Sequence[Cost], parts: Sequence[Cost], held: int, accumul
     fixed = state - sum(c.grad_bytes for c in blocks)
     produced = list(itertools.accumulate(c.grad_bytes for c in reversed(blocks)))[::-1]  # of blocks i.. (backward)
     kept = list(itertools.accumulate(c.activation_bytes for c in blocks))  # of blocks ..i, not yet freed
-    before = [0] * len(parts) if before is None else before
     parts_kept = lambda i: sum(p.activation_bytes for p, b in zip(parts, before, strict=True) if b <= i)  # noqa: E731
     walk = max(produced[i] + held * (kept[i] + parts_kept(i)) + c.transient_bytes +
                _buffers([c, *blocks[max(0, i - 1):i], *parts]) for i, c in enumerate(blocks))

@@ -395,15 +395,16 @@ def profile_optimizer(device: torch.device) -> float:
     return statistics.median(seconds) / sum(sizes)
 
 
-def profile_fsdp_hosts(model_name: str, img_size: int, batch: int, group: dist.ProcessGroup,
-                       device: torch.device, checkpoints: Sequence[str] = CHECKPOINT) -> tuple[FsdpHost, ...]:
-    """Each distinct block's FSDP host time in each checkpoint mode, its weights sharded over `group`'s ranks, which
-    all call it: in a step the host also waits on the collectives and the other ranks, and pays FSDP's hooks around
-    every block and the optimizer's step over its shard, none of which one block timed alone shows."""
+def profile_fsdp_hosts(blocks: Sequence[tuple[BlockShape, nn.Module, torch.dtype]], batch: int,
+                       group: dist.ProcessGroup, device: torch.device,
+                       checkpoints: Sequence[str] = CHECKPOINT) -> tuple[FsdpHost, ...]:
+    """Each of `_distinct_blocks`' FSDP host time in each checkpoint mode, its weights sharded over `group`'s ranks,
+    which all call it: in a step the host also waits on the collectives and the other ranks, and pays FSDP's hooks
+    around every block and the optimizer's step over its shard, none of which one block timed alone shows."""
     mesh = DeviceMesh.from_group(group, device.type)
     policy = Precision("bf16" if device.type == "cuda" else "fp32", device).fsdp_policy()
     measured = []
-    for shape, block, dtype in _distinct_blocks(model_name, img_size, device):
+    for shape, block, dtype in blocks:
         x = _block_input(shape, dtype, device, batch)
         for mode in checkpoints:
             short, long = (_chain_host_s(block, mode, n, x, mesh, policy, group) for n in CHAIN_LENGTHS)
@@ -725,24 +726,27 @@ def collective_groups(world: int, local: int) -> list[list[int]]:
 
 def measure_collectives(local: int, sizes_bytes: Sequence[int]) -> tuple[CollectiveProfile, ...]:
     """Every rank of the initialised default group calls this; rank 0's answer holds every group's measurement."""
-    results = []
-    for ranks in collective_groups(dist.get_world_size(), local):
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            results.append(profile_collectives(group, sizes_bytes))
-        dist.barrier()
-    return tuple(results)
+    return tuple(_in_each_group(collective_groups(dist.get_world_size(), local),
+                                lambda group: profile_collectives(group, sizes_bytes)))
 
 
-def measure_fsdp_hosts(model_name: str, img_size: int, batch: int, local: int) -> tuple[FsdpHost, ...]:
+def measure_fsdp_hosts(model_name: str, img_size: int, batch: int, local: int,
+                       device: torch.device) -> tuple[FsdpHost, ...]:
     """`profile_fsdp_hosts` among 2, 4, ... ranks of the first node and all of them; every rank of the initialised
     default group calls this, rank 0's answer holds every group's measurement."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
-    results: list[FsdpHost] = []
-    for ranks in collective_groups(min(local, dist.get_world_size()), local):
+    blocks = _distinct_blocks(model_name, img_size, device)
+    groups = collective_groups(min(local, dist.get_world_size()), local)
+    return tuple(h for hosts in _in_each_group(groups, lambda group: profile_fsdp_hosts(blocks, batch, group, device))
+                 for h in hosts)
+
+
+def _in_each_group(groups: Sequence[list[int]], measure: Callable[[dist.ProcessGroup], Any]) -> list[Any]:
+    """`measure(group)` on the ranks of each group in turn (every rank makes every group, as torch requires); this
+    rank's answers."""
+    results = []
+    for ranks in groups:
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
-            results += profile_fsdp_hosts(model_name, img_size, batch, group, device)
+            results.append(measure(group))
         dist.barrier()
-    return tuple(results)
+    return results
