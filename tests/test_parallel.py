@@ -80,6 +80,45 @@ def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path, backend, r
         assert torch.equal(a, b)
 
 
+def _fp32_replicated_rank(rank: int, init: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 8), nn.Linear(8, 8))  # the last one unused
+    plain = copy.deepcopy(model)
+    reducer = ReduceAfterBackward([(p, p) for p in model.parameters()], None, WORLD)
+    storage = reducer.flat.untyped_storage().data_ptr()
+    torch.manual_seed(1 + rank)
+    for step in range(2):
+        micro = [torch.randn(16, 32) for _ in range(3)]
+        for x in micro:
+            reducer.accumulate_in_place()
+            model[:3](x).square().mean().backward()
+            plain[:3](x).square().mean().backward()
+        reducer.reduce()
+        in_buffer = [p.grad.untyped_storage().data_ptr() == storage for p in model.parameters()]
+        own = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in plain.parameters()]
+        for total in own:  # the mean over ranks of each rank's sum over micro-batches
+            dist.all_reduce(total)
+            total /= WORLD
+        results[(rank, step)] = (in_buffer, [p.grad.clone() for p in model.parameters()], own)
+        model.zero_grad()
+        plain.zero_grad()
+    dist.destroy_process_group()
+
+
+def test_fp32_gradients_accumulate_in_the_reduction_buffer_itself(tmp_path):
+    """No second fp32 copy of the gradients: from a step's first micro-batch they are views of the all-reduce's
+    buffer, which the backward adds to; reduced, they are the mean over ranks of the sums over micro-batches, and a
+    weight the step did not use has a zero gradient, every step."""
+    results = mp.Manager().dict()
+    mp.spawn(_fp32_replicated_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    for (rank, step), (in_buffer, got, want) in results.items():
+        assert all(in_buffer), (rank, step)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        assert not got[-1].any() and not got[-2].any()
+
+
 @pytest.mark.parametrize(("parallel", "world", "dims"), [
     (dict(fsdp=False), 4, (1, 4, 1, 1)), (dict(fsdp=True), 4, (1, 1, 4, 1)),
     (dict(fsdp=True, dp_shard=2), 4, (1, 2, 2, 1)), (dict(fsdp=True, dp_shard=3), 6, (1, 2, 3, 1)),

@@ -208,18 +208,25 @@ def test_stage_search_equals_brute_force_over_sharding_and_checkpointing(budget_
     assert planned.step_s == pytest.approx(min(fitting))
 
 
-def test_the_predicted_peak_never_holds_all_gradients_and_activations_at_once():
-    """Without a pipeline the backward frees activations as it allocates gradients: the predicted peak lies between
-    the larger of the two and their sum, and the search plans against it (a larger plan than the sum allows)."""
-    profile, setting = hand_made_profile(), Setting(CLUSTER, tp=1, pp=1, microbatches=1, microbatch=BATCH // 4)
-    ddp = (BlockStrategy(),) * len(LAYOUT.blocks)
+def test_one_gpu_never_holds_all_gradients_and_activations_at_once_where_several_hold_the_gradients_all_step():
+    """Alone, the backward frees activations as it allocates gradients: the predicted peak lies between the larger
+    of the two and their sum, and the search plans against it (a larger plan than the sum allows). On several ranks
+    the gradients are views of the all-reduce's buffer, held all step: the peak is the sum."""
+    profile, ddp, alone = hand_made_profile(), (BlockStrategy(),) * len(LAYOUT.blocks), Cluster(nodes=1, gpus=1)
+    setting = Setting(alone, tp=1, pp=1, microbatches=1, microbatch=BATCH)
     costs = block_costs(profile, setting, LAYOUT, range(len(LAYOUT.blocks)), ddp)
     gradients, activations = sum(c.grad_bytes for c in costs), sum(c.activation_bytes for c in costs)
-    peak, summed = predict(Strategy(blocks=ddp), LAYOUT, profile, CLUSTER, BATCH).peak_bytes, \
+    peak, summed = predict(Strategy(blocks=ddp), LAYOUT, profile, alone, BATCH).peak_bytes, \
         _summed_peak(profile, setting, ddp)
-    assert summed - min(gradients, activations) <= peak < summed
-    best = search(LAYOUT, profile, CLUSTER, BATCH, (peak + summed) / 2).best
+    assert gradients > 0 and summed - min(gradients, activations) <= peak < summed
+    best = search(LAYOUT, profile, alone, BATCH, (peak + summed) / 2).best
     assert best.strategy == Strategy(blocks=ddp)
+    several = Setting(CLUSTER, tp=1, pp=1, microbatches=1, microbatch=BATCH // CLUSTER.world)
+    costs = block_costs(profile, several, LAYOUT, range(len(LAYOUT.blocks)), ddp)
+    summed = _summed_peak(profile, several, ddp)  # with the largest transient, which the start need not meet
+    assert not any(c.grad_bytes for c in costs)
+    assert summed - max(c.transient_bytes for c in costs) <= \
+        predict(Strategy(blocks=ddp), LAYOUT, profile, CLUSTER, BATCH).peak_bytes <= summed
 
 
 def test_the_backward_frees_a_part_once_past_it_and_holds_the_fsdp_buffers_of_the_blocks_it_runs():

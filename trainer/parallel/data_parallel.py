@@ -4,7 +4,8 @@ HSDP on a 2-D mesh).
 Gradients are reduced in fp32 in all of them. FSDP2 does it by its mixed-precision policy. DDP does it as it is for
 fp32 weights; for a bf16 model (bf16-pure) a communication hook upcasts each bucket, adds the earlier
 micro-batches' fp32 sums, reduces in fp32 and hands the result to the fp32 master weights. The reduction after the
-backward copies every gradient into one fp32 buffer and all-reduces it at once.
+backward all-reduces every gradient at once in one fp32 buffer: fp32 weights' gradients accumulate in it as the backward
+writes them, a bf16 model's are copied into it.
 """
 
 import socket
@@ -81,9 +82,36 @@ class ReduceAfterBackward:
         self.flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=pairs[0][0].device)
         self.views = [v.view(s) for v, s in zip(self.flat.split([s.numel() for s in shapes]), shapes, strict=True)]
         self.average = dist.get_backend(group) == "nccl"  # gloo has no AVG
+        # fp32 weights' gradients accumulate in their views of the buffer, as DDP's gradient_as_bucket_view: a second
+        # fp32 copy of them would otherwise peak beside it at the end of the backward (4 bytes a weight: 4 GB of
+        # Swin-H's, where its memory peaks)
+        self.in_place = all(m is p and p.dtype == torch.float32 for p, m in pairs)
+
+    @torch.no_grad()
+    def accumulate_in_place(self) -> None:
+        """Before a micro-batch's backward: a step's first makes the weights' gradients zeroed views of the buffer,
+        which the backward then adds to."""
+        if not self.in_place or self.pairs[0][0].grad is not None:
+            return
+        self.flat.zero_()
+        for view, (p, _) in zip(self.views, self.pairs, strict=True):
+            p.grad = _like(view, p)
 
     @torch.no_grad()
     def reduce(self) -> None:
+        if not self.in_place:
+            self._copy_in()
+        if not self.average:
+            self.flat.div_(self.size)
+        dist.all_reduce(self.flat, op=dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM, group=self.group)
+        if self.in_place:
+            return
+        for view, (p, m) in zip(self.views, self.pairs, strict=True):
+            p.grad = None
+            m.grad = _like(view, m)
+
+    def _copy_in(self) -> None:
+        """The bf16 gradients of this micro-batch, and the fp32 sums of the earlier ones', into the buffer."""
         fresh = [(v, _local(p.grad)) for v, (p, _) in zip(self.views, self.pairs, strict=True) if p.grad is not None]
         earlier = [(v, m.grad) for v, (p, m) in zip(self.views, self.pairs, strict=True)
                    if m is not p and m.grad is not None]  # bf16-pure micro-batches summed by MasterWeights
@@ -93,18 +121,18 @@ class ReduceAfterBackward:
             torch._foreach_copy_([v for v, _ in fresh], [g for _, g in fresh])
         if earlier:
             torch._foreach_add_([v for v, _ in earlier], [g for _, g in earlier])
-        if not self.average:
-            self.flat.div_(self.size)
-        dist.all_reduce(self.flat, op=dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM, group=self.group)
-        for view, (p, m) in zip(self.views, self.pairs, strict=True):
-            if m is not p:
-                p.grad = None
-            m.grad = DTensor.from_local(view, m.device_mesh, m.placements, run_check=False, shape=m.shape,
-                                        stride=m.stride()) if isinstance(m, DTensor) else view
 
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(view: Tensor, weight: Tensor) -> Tensor:
+    """`view` as the gradient of `weight`: a DTensor of the same layout for a tensor-parallel weight."""
+    if isinstance(weight, DTensor):
+        return DTensor.from_local(view, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                                  stride=weight.stride())
+    return view
 
 
 def _places(buffer: Tensor, grads: list[Tensor]) -> list[tuple[int, torch.Size]]:

@@ -46,6 +46,8 @@ class Parallelized:
                          backward: Callable[[Tensor], None], sync: bool) -> Tensor:
         """One micro-batch: forward, loss, backward; `sync` on the last of a step reduces the gradients. Returns
         the loss, detached (zero on pipeline stages other than the last)."""
+        if self.reducer is not None:
+            self.reducer.accumulate_in_place()
         with self._micro_batch(sync):
             with self.precision.autocast():
                 if self.pipeline is not None:  # the schedule runs the backward too

@@ -26,7 +26,6 @@ from ..parallel.strategy import INTERLEAVED, BlockStrategy, Strategy
 from .profile import BlockShape, FsdpHost, LinkFit, Measured, ModelLayout, Profile, bus_factor
 
 STATE_BYTES = 16  # per parameter held: fp32 weight, fp32 gradient, AdamW's fp32 exp_avg and exp_avg_sq
-REDUCE_BYTES = 4  # per replicated parameter: the flat fp32 buffer its gradient is copied into and all-reduced
 GRAD_BYTES = 4  # fp32 gradients are what is reduced
 GATHERED_BYTES = 2  # an FSDP block's weights all-gathered in bf16 for compute
 FSDP_BUFFER_BYTES = 2 * GATHERED_BYTES + 2 + GRAD_BYTES  # per parameter of the largest FSDP block: it and the
@@ -96,7 +95,8 @@ class Cost:
     transient_bytes: float  # above its activations while its backward runs
     gathered_params: int  # FSDP: parameters all-gathered for its compute; 0 when replicated
     replicated: bool  # its gradients join the stage's all-reduce after the backward
-    grad_bytes: float = 0.0  # of state_bytes: its fp32 gradients, which the backward allocates and the step frees
+    grad_bytes: float = 0.0  # of state_bytes: its fp32 gradients where the backward allocates them and the step
+    # frees them (FSDP's shards, a replicated block's on one data-parallel rank)
 
 
 @dataclass(frozen=True)
@@ -180,10 +180,11 @@ def weights_cost(profile: Profile, setting: Setting, params: int, fsdp: bool, me
     dp, crosses = setting.dp, setting.dp_crosses_nodes
     if not fsdp:
         reduce = collective_s(profile, "all_reduce", dp, crosses, GRAD_BYTES * params, latency=False)
-        state = (STATE_BYTES + (REDUCE_BYTES if dp > 1 else 0)) * params
         micro, device = (forward + backward + tp_s for forward, backward in phases)
-        return Cost(micro, device, reduce + profile.optimizer_s_per_param * params, state, retained, transient, 0,
-                    True, GRAD_BYTES * params)
+        # over several ranks the gradients are views of the all-reduce's buffer, held all step; alone, the backward
+        # allocates them as it goes
+        return Cost(micro, device, reduce + profile.optimizer_s_per_param * params, STATE_BYTES * params, retained,
+                    transient, 0, True, 0.0 if dp > 1 else GRAD_BYTES * params)
     shard, inner = setting.shard, setting.shard_crosses_nodes
     gather = collective_s(profile, "all_gather", shard, inner, GATHERED_BYTES * params)
     # HSDP: each rank's reduced shard is then all-reduced over the replicas (across nodes when the shards are not)
