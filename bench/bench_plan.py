@@ -8,7 +8,9 @@ Each strategy runs once, in fresh processes (torchrun over all GPUs), as a plan 
 (`Trainer.train_step`: the preset's recipe, bf16 autocast, fused ops, eager as the profile measured the blocks) on
 synthetic batches resident on the GPU, capped with `torch.cuda.set_per_process_memory_fraction` at the smallest budget
 it is predicted to fit (one predicted to fit none is listed, not run). The figure is rank 0's median step after
-`--warmup`, the peak the most any rank allocated.
+`--warmup`, the peak the most any rank allocated in the timed steps. Before the cap, the same process runs uncapped
+and records the most the allocator reserved (the least cap under which it need never free its cache and retry) and
+how far that reserve lies above the tensors' peak (the room a plan needs beside what it holds).
 """
 
 import argparse
@@ -42,6 +44,7 @@ def strategies(model: str, batch: int, budgets: list[float], profile: Path, gpus
             key = planned.strategy.to_json(model, gpus)
             run = runs.setdefault(key, dict(plan=key, layout=_layout(planned.strategy, gpus), names={},
                                             step_s=planned.prediction.step_s, peak_gib=planned.prediction.peak_gib,
+                                            room_gib=planned.prediction.room_bytes / 2**30,
                                             fits=[], dp=gpus // (planned.strategy.tp * planned.strategy.pp)))
             run["names"].setdefault(budget, []).append(name)  # the searched plan may be a uniform one too
             if planned.fits:
@@ -68,8 +71,6 @@ def worker(run: dict, model: str, batch: int, warmup: int, steps: int, result: s
     expandable_cuda_memory()  # as a training rank does
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     env = init_distributed(True)
-    total = torch.cuda.get_device_properties(env.device).total_memory
-    torch.cuda.set_per_process_memory_fraction(run["cap_gib"] * 2**30 / total, env.device)
     with tempfile.TemporaryDirectory() as out_dir:
         plan_file = Path(out_dir) / "plan.json"
         plan_file.write_text(run["plan"])
@@ -80,9 +81,13 @@ def worker(run: dict, model: str, batch: int, warmup: int, steps: int, result: s
         try:
             trainer = Trainer(config, env, resume=False)
             batches = trainer.data.train(0, 0)
+            needed = _uncapped_reserve(trainer, batches, env.device, warmup)
+            total = torch.cuda.get_device_properties(env.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(run["cap_gib"] * 2**30 / total, env.device)
             for _ in range(warmup):
                 trainer.train_step(batches)
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(env.device)
             retries = torch.cuda.memory_stats(env.device)["num_alloc_retries"]
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(steps)]
@@ -101,14 +106,37 @@ def worker(run: dict, model: str, batch: int, warmup: int, steps: int, result: s
     # beside what the tensors did (allocated): what fragmentation took of the cap.
     retries = torch.cuda.memory_stats(env.device)["num_alloc_retries"] - retries
     worst = torch.tensor([torch.cuda.max_memory_allocated(env.device), retries,
-                          torch.cuda.max_memory_reserved(env.device)], device=env.device, dtype=torch.float64)
+                          torch.cuda.max_memory_reserved(env.device), *needed], device=env.device,
+                         dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if env.rank == 0:
         ms = statistics.median(start.elapsed_time(end) for start, end in events)
         Path(result).write_text(json.dumps({"oom": False, "ms": ms, "peak_gib": worst[0].item() / 2**30,
                                             "retries_per_step": worst[1].item() / steps,
-                                            "reserved_gib": worst[2].item() / 2**30}))
+                                            "reserved_gib": worst[2].item() / 2**30,
+                                            "uncapped_reserved_gib": worst[3].item() / 2**30,
+                                            "room_gib": worst[4].item() / 2**30}))
     dist.destroy_process_group()
+
+
+def _uncapped_reserve(trainer, batches, device, warmup: int) -> tuple[float, float]:
+    """Without a cap, the most the allocator reserves over three steady steps from an emptied cache, and that reserve
+    above the tensors' peak (bytes): under a cap below that reserve the same allocations must free the cache and
+    retry."""
+    import torch
+
+    for _ in range(warmup):
+        trainer.train_step(batches)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what the first steps reserved (e.g. for the optimizer's state) says nothing of the rest
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(3):
+        trainer.train_step(batches)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.max_memory_reserved(device)
+    room = reserved - torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    return float(reserved), float(room)
 
 
 def launch(run: dict, args: argparse.Namespace, gpus: int) -> dict | None:
@@ -131,15 +159,16 @@ def launch(run: dict, args: argparse.Namespace, gpus: int) -> dict | None:
 
 def print_row(run: dict, measured: dict | None, batch: int) -> None:
     names = ", ".join(f"{' = '.join(named)} at {budget:g}" for budget, named in run["names"].items())
-    predicted = f"{run['step_s']:.3f} | {run['peak_gib']:.1f}"
+    predicted = f"{run['step_s']:.3f} | {run['peak_gib']:.1f} + {run['room_gib']:.1f}"
     if measured is None or measured["oom"]:
         outcome = "predicted not to fit: not run" if measured is None else "out of memory"
-        print(f"| {names} | {run['layout']} | {run['cap_gib'] or '-'} | {predicted} | {outcome} |" + " |" * 5,
+        print(f"| {names} | {run['layout']} | {run['cap_gib'] or '-'} | {predicted} | {outcome} |" + " |" * 7,
               flush=True)
         return
     s, peak = measured["ms"] / 1000, measured["peak_gib"]
     print(f"| {names} | {run['layout']} | {run['cap_gib']:g} | {predicted} | {s:.3f} | {batch / s:,.0f} | "
           f"{peak:.1f} | {measured['reserved_gib']:.1f} | {measured['retries_per_step']:.1f} | "
+          f"{measured['uncapped_reserved_gib']:.1f} | {measured['room_gib']:.2f} | "
           f"{run['step_s'] / s - 1:+.1%} / "
           f"{run['peak_gib'] / peak - 1:+.1%} |", flush=True)
 
@@ -163,9 +192,10 @@ def main() -> None:
 
     gpus = torch.cuda.device_count()
     runs = strategies(args.model, args.batch, [float(b) for b in args.memory_gib.split(",")], args.profile, gpus)
-    print("| strategy (budget GiB) | layout | cap GiB | predicted s/step | predicted peak GiB | s/step | images/s | "
-          "peak GiB | reserved GiB | allocator retries/step | prediction off by (time / memory) |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    print("| strategy (budget GiB) | layout | cap GiB | predicted s/step | predicted peak + room GiB | s/step | "
+          "images/s | peak GiB | reserved GiB | allocator retries/step | uncapped reserved GiB | room GiB | "
+          "prediction off by (time / memory) |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for run in runs:
         if run["cap_gib"] is None:
             print_row(run, None, args.batch)

@@ -101,7 +101,8 @@ def _plan_table(outcome: wf.PlanOutcome) -> Table:
     table = Table("stage", "blocks", "block", "weights", "checkpoint", title=f"{outcome.request.model}: searched plan",
                   caption=f"{s.layout(outcome.world)}"
                           + (f", {s.microbatches} micro-batches ({s.schedule})" if s.pp > 1 else "")
-                          + f"\n{p.step_s:.3g} s/step, {p.images_per_s:,.0f} images/s, {p.peak_gib:.3g} GiB peak/GPU")
+                          + f"\n{p.step_s:.3g} s/step, {p.images_per_s:,.0f} images/s, {p.peak_gib:.3g} GiB peak/GPU "
+                            f"+ {p.room_bytes / 2**30:.3g} for the allocator")
     for stage, prediction in enumerate(p.stages):
         for first, last in _groups(outcome, prediction.blocks):
             choice = s.blocks[first]
@@ -124,7 +125,7 @@ def _groups(outcome: wf.PlanOutcome, blocks: range) -> list[tuple[int, int]]:
 
 def _uniform_table(outcome: wf.PlanOutcome) -> Table:
     r = outcome.request
-    table = Table("strategy", "layout", "s/step", "images/s", "peak GiB", "fits",
+    table = Table("strategy", "layout", "s/step", "images/s", "peak GiB", "room GiB", "fits",
                   title=f"{r.nodes} x {r.gpus} GPUs, batch {r.batch}, {r.memory_gib:g} GiB/GPU")
     rows = ([outcome.result.best] if outcome.result.best else []) + list(outcome.result.uniform)
     for planned in rows:
@@ -132,5 +133,6 @@ def _uniform_table(outcome: wf.PlanOutcome) -> Table:
         fits = "[green]yes[/]" if planned.fits else "[red]does not fit[/]" if p else f"[red]cannot run[/]: " \
             f"{planned.problem}"
         table.add_row(planned.name, planned.strategy.layout(outcome.world), *(
-            [f"{p.step_s:.3g}", f"{p.images_per_s:,.0f}", f"{p.peak_gib:.3g}"] if p else ["-", "-", "-"]), fits)
+            [f"{p.step_s:.3g}", f"{p.images_per_s:,.0f}", f"{p.peak_gib:.3g}", f"{p.room_bytes / 2**30:.3g}"]
+            if p else ["-"] * 4), fits)
     return table

@@ -134,6 +134,22 @@ def test_tight_memory_shards_checkpoints_or_pipelines_within_the_budget():
     assert times == sorted(times, reverse=True)  # more memory never plans slower
 
 
+def test_a_plan_keeps_the_allocator_s_room_beside_its_tensors_the_larger_with_fsdp():
+    """A strategy fits where its tensors and the allocator's room do (under a cap within that room the allocator
+    frees its cache and retries several times a step): DDP's tensors alone fit here, not with its room."""
+    profile, roomy = hand_made_profile(), replace(CLUSTER, allocator_room=(0.1 * GIB, 0.3 * GIB))
+    ddp = next(u for u in search(LAYOUT, profile, CLUSTER, BATCH, 80 * GIB).uniform if u.name == "DDP").prediction
+    budget = ddp.peak_bytes + 0.05 * GIB
+    bare, kept = search(LAYOUT, profile, CLUSTER, BATCH, budget), search(LAYOUT, profile, roomy, BATCH, budget)
+    assert _is_ddp(bare.best.strategy) and bare.best.prediction.room_bytes == 0
+    rows = {u.name: u for u in kept.uniform}
+    assert not rows["DDP"].fits and rows["DDP"].prediction.room_bytes == 0.1 * GIB
+    assert rows["FSDP"].prediction.room_bytes == rows["FSDP + full checkpointing"].prediction.room_bytes == 0.3 * GIB
+    best = kept.best.prediction
+    assert best.room_bytes == roomy.room(kept.best.strategy.fsdp) and best.needs_bytes <= budget
+    assert best.step_s > bare.best.prediction.step_s
+
+
 def test_nothing_fits():
     result = search(LAYOUT, hand_made_profile(), CLUSTER, BATCH, 0.05 * GIB)
     assert result.best is None

@@ -15,7 +15,7 @@ from vitctl.datasets.atomic import partial_open, publish
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.parallel.env import init_distributed
-from vitctl.trainer.planner.cost import Cluster
+from vitctl.trainer.planner.cost import ALLOCATOR_ROOM, Cluster
 from vitctl.trainer.planner.profile import (
     SHIPPED,
     CollectiveProfile,
@@ -78,7 +78,7 @@ def plan(request: PlanRequest, echo: Callable[[str], None]) -> PlanOutcome:
     """Search the strategy of `request`; the outcome's `result.best` is None when nothing fits (write_plan says)."""
     layout = model_layout(request.model, request.img_size)
     profile, path = load_profile(request.model, request.img_size, request.profile, echo)
-    cluster = Cluster(request.nodes, request.gpus)
+    cluster = Cluster(request.nodes, request.gpus, ALLOCATOR_ROOM)
     return PlanOutcome(request, layout, profile, path,
                        search(layout, profile, cluster, request.batch, request.memory_gib * 2**30))
 
@@ -90,7 +90,8 @@ def write_plan(outcome: PlanOutcome, out: Path) -> None:
         raise ConfigError(_no_fit(outcome))
     p = best.prediction
     _write(out, best.strategy.to_json(request.model, outcome.world, predicted={
-        "step_s": round(p.step_s, 4), "peak_gib": round(p.peak_gib, 2), "images_per_s": round(p.images_per_s, 1)}),
+        "step_s": round(p.step_s, 4), "peak_gib": round(p.peak_gib, 2), "room_gib": round(p.room_bytes / 2**30, 2),
+        "images_per_s": round(p.images_per_s, 1)}),
            "choose another --out")
 
 
@@ -106,7 +107,8 @@ def check_out(out: Path) -> None:
 
 def _no_fit(outcome: PlanOutcome) -> str:
     r, least = outcome.request, outcome.result.least
-    needs = "" if least is None else (f"; the least any searched strategy needs is {least.prediction.peak_gib:.1f} GiB "
+    needs = "" if least is None else (f"; the least any searched strategy needs is "
+                                      f"{least.prediction.needs_bytes / 2**30:.1f} GiB "
                                       f"({least.strategy.layout(outcome.world)}, every block FSDP and fully "
                                       f"checkpointed)")
     return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "

@@ -34,16 +34,25 @@ PIPELINE_FSDP_BYTES = GATHERED_BYTES + GRAD_BYTES  # torch.distributed.pipelinin
 # its gradient unreduced (fp32) from the first micro-batch's backward until the last's
 RESIDUAL_BYTES = 4  # autocast keeps the residual stream, which crosses the pipeline stages, in fp32
 TP_BYTES = 2  # the tensor-parallel all-reduces sum bf16 matmul outputs
+# What a GPU keeps for the CUDA caching allocator (expandable segments) above the tensors' peak, without FSDP and with
+# it (bytes): capped below its reserve, the allocator frees its cache and retries, synchronising the device, several
+# times a step. Uncapped, Swin-H's and ViT-H's plans reserved up to 0.8 GiB above their tensors without FSDP and up to
+# 2.3 GiB with it, on two H200s (torch 2.11; bench/bench_plan.py's room column, docs/performance.md).
+ALLOCATOR_ROOM = (1.5 * 2**30, 2.5 * 2**30)
 
 
 @dataclass(frozen=True)
 class Cluster:
     nodes: int
     gpus: int  # per node
+    allocator_room: tuple[float, float] = (0.0, 0.0)  # bytes a GPU keeps for the allocator: replicated, with FSDP
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus
+
+    def room(self, fsdp: bool) -> float:
+        return self.allocator_room[fsdp]
 
 
 @dataclass(frozen=True)
@@ -112,12 +121,18 @@ class StagePrediction:
 class Prediction:
     step_s: float
     images_per_s: float
-    peak_bytes: float  # of the fullest GPU
+    peak_bytes: float  # of the fullest GPU's tensors
     stages: tuple[StagePrediction, ...]
+    room_bytes: float = 0.0  # kept beside them for the allocator (Cluster.allocator_room)
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / 2**30
+
+    @property
+    def needs_bytes(self) -> float:
+        """The memory a GPU must have: the tensors' peak and the allocator's room."""
+        return self.peak_bytes + self.room_bytes
 
 
 def at_batch(batches: Sequence[int], values: Sequence[float], batch: float) -> float:
@@ -365,4 +380,5 @@ def predict(strategy: Strategy, layout: ModelLayout, profile: Profile, cluster: 
     bubble = (strategy.pp - 1) / strategy.virtual_stages  # in micro-batches of the slowest rank
     busy = max(strategy.microbatches * micro_s, (strategy.microbatches + bubble) * device_micro_s)
     step = busy + max(sum(s.step_s for s in own) for own in ranks)
-    return Prediction(step, global_batch / step, max(sum(s.peak_bytes for s in own) for own in ranks), tuple(stages))
+    return Prediction(step, global_batch / step, max(sum(s.peak_bytes for s in own) for own in ranks), tuple(stages),
+                      cluster.room(strategy.fsdp))
