@@ -145,6 +145,9 @@ BF16_GPU = ["--executor", "local", "--set", "train.precision=bf16", "--set", "tr
             "--set", "train.compile=false"]
 GPU_LAYOUTS = {  # name: (data-parallel degree, --set overrides) on 2 GPUs
     "dp2": (2, ["parallel.grad_reduce=after_backward"]),
+    # the presets' way on one node: compiled, CUDA graphs, the gradients accumulated in the all-reduce's buffer
+    "dp2-graphs": (2, ["parallel.grad_reduce=after_backward", "train.compile=true",
+                       "train.compile_mode=reduce-overhead"]),
     "fsdp2": (2, ["parallel.fsdp=true"]),
     "tp2": (1, ["parallel.tp=2"]),
     "pp2": (1, ["parallel.pp=2", "parallel.microbatches=2"]),
