@@ -88,10 +88,15 @@ def _fp32_replicated_rank(rank: int, init: str, results: dict) -> None:
     reducer = ReduceAfterBackward([(p, p) for p in model.parameters()], None, WORLD)
     storage = reducer.flat.untyped_storage().data_ptr()
     torch.manual_seed(1 + rank)
-    for step in range(2):
+    for step in range(3):
         micro = [torch.randn(16, 32) for _ in range(3)]
+        if step == 2:  # as torch's pipeline runs a step's micro-batches: one call, which on its first step infers
+            reducer.accumulate_in_place()  # shapes with a real backward, then sets the gradients to None
+            model[:3](torch.randn(16, 32)).sum().backward()
+            model.zero_grad()
         for x in micro:
-            reducer.accumulate_in_place()
+            if step < 2:
+                reducer.accumulate_in_place()
             model[:3](x).square().mean().backward()
             plain[:3](x).square().mean().backward()
         reducer.reduce()
@@ -109,7 +114,8 @@ def _fp32_replicated_rank(rank: int, init: str, results: dict) -> None:
 def test_fp32_gradients_accumulate_in_the_reduction_buffer_itself(tmp_path):
     """No second fp32 copy of the gradients: from a step's first micro-batch they are views of the all-reduce's
     buffer, which the backward adds to; reduced, they are the mean over ranks of the sums over micro-batches, and a
-    weight the step did not use has a zero gradient, every step."""
+    weight the step did not use has a zero gradient, every step, also where something set the gradients to None after
+    the step's first micro-batch began (they are copied in, as they were before they accumulated in place)."""
     results = mp.Manager().dict()
     mp.spawn(_fp32_replicated_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
     for (rank, step), (in_buffer, got, want) in results.items():

@@ -99,7 +99,9 @@ class ReduceAfterBackward:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        if not self.in_place:
+        if self.in_place:
+            self._adopt_replaced()
+        else:
             self._copy_in()
         if not self.average:
             self.flat.div_(self.size)
@@ -109,6 +111,20 @@ class ReduceAfterBackward:
         for view, (p, m) in zip(self.views, self.pairs, strict=True):
             p.grad = None
             m.grad = _like(view, m)
+
+    def _adopt_replaced(self) -> None:
+        """Gradients that are no longer views of the buffer are copied into it, and a view whose weight then has none
+        is zeroed: the buffer holds what the weights' gradients do, as the copy would. torch's pipeline, on its first
+        step, infers shapes with a real backward and then sets its FSDP modules' gradients, ignored weights too, to
+        None."""
+        for view, (p, _) in zip(self.views, self.pairs, strict=True):
+            if p.grad is None:
+                view.zero_()
+            elif _local(p.grad).data_ptr() != view.data_ptr():
+                view.copy_(_local(p.grad))
+            else:
+                continue
+            p.grad = _like(view, p)
 
     def _copy_in(self) -> None:
         """The bf16 gradients of this micro-batch, and the fp32 sums of the earlier ones', into the buffer."""
