@@ -125,14 +125,16 @@ def _groups(outcome: wf.PlanOutcome, blocks: range) -> list[tuple[int, int]]:
 
 def _uniform_table(outcome: wf.PlanOutcome) -> Table:
     r = outcome.request
-    table = Table("strategy", "layout", "s/step", "images/s", "peak GiB", "room GiB", "fits",
-                  title=f"{r.nodes} x {r.gpus} GPUs, batch {r.batch}, {r.memory_gib:g} GiB/GPU")
+    replicated, fsdp = (room / 2**30 for room in wf.ALLOCATOR_ROOM)
+    table = Table("strategy", "layout", "s/step", "images/s", "peak GiB", "fits",
+                  title=f"{r.nodes} x {r.gpus} GPUs, batch {r.batch}, {r.memory_gib:g} GiB/GPU",
+                  caption=f"a strategy fits with {replicated:g} GiB beside its peak for the allocator ({fsdp:g} "
+                          f"with FSDP)")
     rows = ([outcome.result.best] if outcome.result.best else []) + list(outcome.result.uniform)
     for planned in rows:
         p = planned.prediction
         fits = "[green]yes[/]" if planned.fits else "[red]does not fit[/]" if p else f"[red]cannot run[/]: " \
             f"{planned.problem}"
         table.add_row(planned.name, planned.strategy.layout(outcome.world), *(
-            [f"{p.step_s:.3g}", f"{p.images_per_s:,.0f}", f"{p.peak_gib:.3g}", f"{p.room_bytes / 2**30:.3g}"]
-            if p else ["-"] * 4), fits)
+            [f"{p.step_s:.3g}", f"{p.images_per_s:,.0f}", f"{p.peak_gib:.3g}"] if p else ["-", "-", "-"]), fits)
     return table
