@@ -34,7 +34,7 @@ PIPELINES = ((SCHEDULE, 1), (INTERLEAVED, 2))
 # The dynamic programme adds up every block's activations and FSDP gradients and reserves the largest transient up
 # front, which a backward without a pipeline never holds together (cost.held_bytes): it runs again over these
 # multiples of the budget, each plan kept only where its predicted peak and room fit the budget itself. 5% apart to 1.2:
-# steps of 15% left most of Swin-H's memory at 24 GiB unused (21.2 GiB of tensors planned, 23.6 within the budget).
+# 15% apart, Swin-H at 24 GiB was planned with 21.2 GiB of tensors where 23.6 fitted (before the room was kept).
 SLACK = (1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.5)
 
 
