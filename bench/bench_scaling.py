@@ -1,17 +1,21 @@
 """Data-parallel scaling on one host, in one call: our trainer on 1 GPU and on N GPUs (one all-reduce after the
-backward, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU.
+backward, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU, and our DALI path on real-size JPEGs.
 
     python bench/bench_scaling.py --models swin_b,vit_b16 --gpus 2 --timm swin_b
     python bench/bench_scaling.py --models vit_b16 --gpus 2,4 --timm ""      # 1, 2 and 4 GPUs on a 4-GPU machine
     python bench/bench_scaling.py --strategies "1 GPU,DDP" --nccl NCCL_MAX_CTAS=4   # DDP rows with an NCCL setting
+    python bench/bench_scaling.py --models swin_b --timm "" --data synthetic,dali   # each row on both
 
 Every configuration runs in fresh processes (torchrun): a 1-GPU one on every GPU at once, and multi-GPU ones side by
 side on disjoint GPUs where they fit (two 2-GPU runs on a 4-GPU machine), so that every GPU is busy in every wave and
 each row is compared with the 1-GPU figures of its own GPUs. Ours is the real
 trainer (`Trainer.train_step`: the preset's recipe with mixup, drop path and clipping, bf16-pure, compile, fused
 all); timm runs its model with the same recipe under its strongest setting (bf16 autocast, compile, fused
-attention). Each rank times `--steps` steps back to back after `--warmup` with CUDA events; the figure is rank 0's
-median step. Rows print as they finish.
+attention). Each rank times `--steps` steps back to back after `--warmup` with CUDA events: images/s is rank 0's
+over the span from the first step's start to the last one's end, so that the GPU's waits for data count; ms/step is
+its median step. With `--data dali` each rank reads its data-parallel share of bench_loaders.py's generated JPEGs
+(500x375, ~110 KB) through the DALI path with the preset's full recipe, and each row's efficiency is against the
+1-GPU rows of the same data. Rows print as they finish.
 """
 
 import argparse
@@ -34,8 +38,16 @@ STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "DDP
 
 
 def configurations(models: list[str], counts: list[int], timm: list[str], strategies: list[str], nccl: list[str],
-                   profile: bool) -> list[dict]:
-    """Every configuration to run; `counts` are the multi-GPU sizes, and the 1-GPU ones run on each of max(counts)."""
+                   profile: bool, data: dict[str, dict]) -> list[dict]:
+    """Every configuration to run, on each of `data` (timm's on synthetic data only); `counts` are the multi-GPU
+    sizes, and the 1-GPU ones run on each of max(counts)."""
+    runs = _configurations(models, counts, timm, strategies, nccl, profile)
+    return [dict(run, data=name, **source) for name, source in data.items() for run in runs
+            if name == "synthetic" or run["impl"] == "vitctl"]
+
+
+def _configurations(models: list[str], counts: list[int], timm: list[str], strategies: list[str], nccl: list[str],
+                    profile: bool) -> list[dict]:
     runs, gpus = [], max(counts)
     for model in models:
         runs += [dict(model=model, impl="vitctl", strategy="1 GPU", gpus=1, mode=mode, gpu=gpu)
@@ -61,20 +73,22 @@ def configurations(models: list[str], counts: list[int], timm: list[str], strate
 # ---------------------------------------------------------------- one configuration, in each rank
 
 
-def ours(run: dict, out_dir: str) -> tuple[Callable[[], None], str]:
+def ours(run: dict, out_dir: str) -> tuple[Callable[[], float], str]:
     from vitctl.trainer.config import load_config
     from vitctl.trainer.loop import Trainer
-    from vitctl.trainer.parallel import expandable_cuda_memory, init_distributed
+    from vitctl.trainer.parallel import init_distributed
 
-    expandable_cuda_memory()  # as a training rank does
     preset, batch = PRESET[run["model"]]
+    data = [f"data.source={run['data']}"] + ([f"data.path={run['shards']}"] if "shards" in run else [])
+    data += [f"data.workers={run['workers']}"] if run.get("workers") else []
+    data += [f"model.num_classes={run['classes']}"] if "classes" in run else []
     config = load_config(preset, [
-        "data.source=synthetic", f"data.batch_size={batch}", "train.precision=bf16-pure", "train.fused=all",
+        *data, f"data.batch_size={batch}", "train.precision=bf16-pure", "train.fused=all",
         "train.compile=true", f"train.compile_mode={run['mode']}", f"parallel.fsdp={run['strategy'] == 'FSDP2'}",
         f"parallel.grad_reduce={STRATEGIES[run['strategy']] or 'auto'}", f"train.out_dir={out_dir}"])
     trainer = Trainer(config, init_distributed(True), resume=False)
     batches = trainer.data.train(0, 0)
-    return (lambda: trainer.train_step(batches)), trainer.ops.describe()
+    return (lambda: trainer.train_step(batches)[2]), trainer.ops.describe()
 
 
 def timm_ddp(run: dict) -> tuple[Callable[[], None], str]:
@@ -114,19 +128,29 @@ def timm_ddp(run: dict) -> tuple[Callable[[], None], str]:
 
 
 def worker(run: dict, warmup: int, steps: int, result: str) -> None:
+    import contextlib
+
     import torch
 
+    from vitctl.trainer.parallel import expandable_cuda_memory, own_stream, widen_cuda_queues
+
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    with tempfile.TemporaryDirectory() as out_dir:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if run["impl"] == "vitctl":
+        widen_cuda_queues()  # as a training rank does, on its stream: DALI fed Swin-B 0.85x synthetic without both
+        expandable_cuda_memory()
+    stream = own_stream(device) if run["impl"] == "vitctl" else contextlib.nullcontext()
+    torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory() as out_dir, stream:
         step, setting = ours(run, out_dir) if run["impl"] == "vitctl" else timm_ddp(run)
         for _ in range(warmup):
             step()
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        launched = time.perf_counter()
+        launched, waited = time.perf_counter(), 0.0
         for start, end in events:
             start.record()
-            step()
+            waited += step() or 0.0  # ours returns its seconds waiting for data
             end.record()
         launched = time.perf_counter() - launched
         torch.cuda.synchronize()
@@ -134,9 +158,10 @@ def worker(run: dict, warmup: int, steps: int, result: str) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         times = [start.elapsed_time(end) for start, end in events]
         batch = PRESET[run["model"]][1]
-        median = statistics.median(times)
-        Path(result).write_text(json.dumps({**run, **extra, "setting": setting, "ms": median, "batch": batch,
-                                            "images_per_s": run["gpus"] * batch * 1000 / median,
+        span = events[0][0].elapsed_time(events[-1][1])
+        Path(result).write_text(json.dumps({**run, **extra, "setting": setting, "ms": statistics.median(times),
+                                            "batch": batch, "images_per_s": run["gpus"] * batch * steps * 1000 / span,
+                                            "longest_ms": max(times), "wait_ms": waited * 1000 / steps,
                                             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -297,7 +322,7 @@ def print_row(row: dict, results: list[dict]) -> None:
     """Efficiency: the N-GPU images/s over the sum of its own GPUs' 1-GPU images/s (of the same compile mode, and
     of the faster mode)."""
     singles = [r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1
-               and r["gpu"] in row["on"]]
+               and r["gpu"] in row["on"] and r["data"] == row["data"]]
     modes = {r["mode"]: sum(s["images_per_s"] for s in singles if s["mode"] == r["mode"]) for r in singles}
 
     def scale(ideal: float | None) -> str:
@@ -305,9 +330,9 @@ def print_row(row: dict, results: list[dict]) -> None:
 
     strategy = row["strategy"] + (f" ({row['env']})" if row.get("env") else "")
     strategy += f" (GPU {row['gpu']})" if row["gpus"] == 1 else f" (GPUs {','.join(map(str, row['on']))})"
-    print(f"| {row['model']} | {row['impl']} | {strategy} | {row['mode']} | {row['gpus']} | "
-          f"{row['images_per_s']:,.0f} | {row['ms']:.2f} | {scale(modes.get(row['mode']))} | "
-          f"{scale(max(modes.values(), default=None))} | {row['peak_gib']:.1f} |"
+    print(f"| {row['model']} | {row['impl']} | {row['data']} | {strategy} | {row['mode']} | {row['gpus']} | "
+          f"{row['images_per_s']:,.0f} | {row['ms']:.2f} | {row['longest_ms']:.1f} | {row['wait_ms']:.1f} | "
+          f"{scale(modes.get(row['mode']))} | {scale(max(modes.values(), default=None))} | {row['peak_gib']:.1f} |"
           + "".join(f" {key}={row[key]:.2f}" for key in PROFILED if key in row), flush=True)
 
 
@@ -324,25 +349,63 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also, GPU ms per step: in NCCL kernels, of them beside other kernels, in all others, "
                         "with no kernel running; and an all-reduce probe")
+    parser.add_argument("--data", default="synthetic", help="synthetic and/or dali (comma-separated)")
+    parser.add_argument("--images", type=int, default=4000, help="generated JPEGs for --data dali")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="DALI workers (and as many DALI threads) per rank [default: the preset's]")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_loaders"), help="where the JPEGs and shards go")
     parser.add_argument("--worker")
     parser.add_argument("--result")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker), args.warmup, args.steps, args.result)
         return
-    print("| model | impl | strategy | compile mode | GPUs | images/s | ms/step | efficiency, same setting | "
-          "efficiency vs best 1 GPU | peak GiB |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
-    results: list[dict] = []
     counts = sorted(int(n) for n in args.gpus.split(","))
+    data = {name: data_source(name, args) for name in args.data.split(",")}
+    if len(data) > 1:  # the generated JPEGs' classes in every row, so that each row has a twin of the same work
+        classes = next(source["classes"] for source in data.values() if "classes" in source)
+        data = {name: dict(source, classes=classes) for name, source in data.items()}
+    print("| model | impl | data | strategy | compile mode | GPUs | images/s | ms/step | longest ms | data wait ms | "
+          "efficiency, same setting | efficiency vs best 1 GPU | peak GiB |\n"
+          "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    results: list[dict] = []
     runs = configurations(args.models.split(","), counts, args.timm.split(",") if args.timm else [],
-                          args.strategies.split(","), [s for s in args.nccl.split(",") if s], args.profile)
+                          args.strategies.split(","), [s for s in args.nccl.split(",") if s], args.profile, data)
     for wave in waves(runs, max(counts)):
         launched = [Launched(run, args.warmup, args.steps) for run in wave]
         for row in filter(None, (job.finish(args.timeout) for job in launched)):
             results.append(row)
             print_row(row, results)
+    against_synthetic(results)
     for row in results:
         print(f"{row['model']} {row['impl']} {row['strategy']} {row['mode']}: {row['setting']}", flush=True)
+
+
+def data_source(name: str, args: argparse.Namespace) -> dict:
+    """What a configuration needs to read `name`: nothing for synthetic data; for DALI, shards made once and the
+    workers."""
+    if name == "synthetic":
+        return {}
+    if name != "dali":
+        raise SystemExit(f"--data: {name!r} is neither synthetic nor dali")
+    from bench_data import WNIDS
+    from bench_loaders import prepare
+
+    _, shards = prepare(args.work, args.images)
+    return {"shards": str(shards), "workers": args.workers, "classes": len(WNIDS)}
+
+
+def against_synthetic(results: list[dict]) -> None:
+    """Each real-data row's images/s over its synthetic twin's (same model, strategy, mode and GPUs: with --data
+    synthetic,dali both with the generated JPEGs' classes)."""
+    key = lambda r: (r["model"], r["impl"], r["strategy"], r["mode"], tuple(r["on"]))  # noqa: E731
+    synthetic = {key(r): r for r in results if r["data"] == "synthetic"}
+    for row in results:
+        twin = synthetic.get(key(row))
+        if row["data"] != "synthetic" and twin:
+            print(f"{row['model']} {row['strategy']} on GPUs {row['on']} {row['mode']}: {row['data']} "
+                  f"{row['images_per_s']:,.0f} img/s = {row['images_per_s'] / twin['images_per_s']:.3f}x synthetic "
+                  f"({twin['images_per_s']:,.0f})", flush=True)
 
 
 if __name__ == "__main__":
