@@ -239,6 +239,50 @@ def test_an_unanswering_sinfo_is_a_clear_error(tmp_path, monkeypatch):
     assert "error: sinfo did not answer within 1 s: slurmctld is down or overloaded" in result.stderr
 
 
+def fake_cluster(folder: Path, node_cpus: int) -> None:
+    """sinfo and sbatch on PATH for a partition `gpu` of two idle nodes with 8 GPUs and `node_cpus` CPUs each."""
+    folder.mkdir()
+    partition = f"gpu*|2|{node_cpus}|gpu:h200:8|infinite"
+    (folder / "sinfo").write_text(f'#!/bin/sh\ncase "$*" in *%P*) echo "{partition}";; *) echo "idle|2|n[1-2]|up";; '
+                                  "esac\n")
+    (folder / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    for tool in ("sinfo", "sbatch"):
+        (folder / tool).chmod(0o755)
+
+
+def cpus_per_task(*args) -> tuple[int, str]:
+    result = vitctl("train", "--config", "swin_b_pretrain", "--set", "data.source=synthetic", "--executor", "slurm",
+                    "--nodes", 2, "--gpus", 8, "--dry-run", *args)
+    assert result.exit_code == 0, result.output + result.stderr
+    return int(re.search(r"^#SBATCH --cpus-per-task=(\d+)$", result.output, re.MULTILINE)[1]), result.stderr
+
+
+def test_a_rank_gets_a_share_of_its_node_s_cpus_for_its_loader_unless_told(tmp_path, monkeypatch):
+    # Slurm's default is one CPU a task: the preset's 8 loader workers (and DALI's threads) would share it
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no cluster: its loader workers and the rank
+    assert cpus_per_task("--out", tmp_path / "a") == (9, "")
+    assert cpus_per_task("--out", tmp_path / "b", "--set", "data.workers=3") == (4, "")
+    fake_cluster(tmp_path / "big", node_cpus=96)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'big'}:{Path(sys.executable).parent}")
+    assert cpus_per_task("--out", tmp_path / "c") == (9, "")
+    assert cpus_per_task("--out", tmp_path / "d", "--cpus-per-gpu", 10) == (10, "")
+    fake_cluster(tmp_path / "small", node_cpus=32)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'small'}:{Path(sys.executable).parent}")
+    assert cpus_per_task("--out", tmp_path / "e") == (4, "")  # as many as 8 tasks on 32 CPUs can each have
+
+
+def test_too_few_cpus_for_the_loader_are_a_warning_whose_fix_works(tmp_path, monkeypatch):
+    fake_cluster(tmp_path / "bin", node_cpus=96)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{Path(sys.executable).parent}")
+    cpus, warning = cpus_per_task("--out", tmp_path / "a", "--cpus-per-gpu", 4)
+    assert cpus == 4 and warning.startswith("warning: --cpus-per-gpu 4: each rank's 8 loader workers and the rank "
+                                            "itself would share 4 CPUs")
+    fixes = re.findall(r"give (--cpus-per-gpu \d+) or more .*, or (--set data.workers=\d+)$", warning.strip())[0]
+    assert fixes == ("--cpus-per-gpu 9", "--set data.workers=3")
+    assert cpus_per_task("--out", tmp_path / "b", *fixes[0].split()) == (9, "")
+    assert cpus_per_task("--out", tmp_path / "c", "--cpus-per-gpu", 4, *fixes[1].split()) == (4, "")
+
+
 def test_dry_run_prints_a_complete_script_byte_for_byte(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch: nothing to check it against
     monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))

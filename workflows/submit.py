@@ -293,6 +293,32 @@ def validate_slurm(request: LaunchRequest) -> str:
     return name
 
 
+def partition_cpus(partition: str) -> int:
+    """CPUs per node of `partition` (its smallest node's)."""
+    return _sinfo_partitions()[partition]["cpus"]
+
+
+def with_cpus_per_task(request: LaunchRequest, node_cpus: int | None, loader_workers: int) -> LaunchRequest:
+    """A Slurm request without --cpus-per-gpu: a CPU for each of a task's loader workers and one for the rank, at
+    most an equal share of a node's CPUs where the nodes are known (not in a dry run away from the cluster). Slurm's
+    default, one CPU a task, would make a rank's loader workers and DALI's threads share one."""
+    if request.executor != "slurm" or request.cpus_per_gpu is not None:
+        return request
+    need = loader_workers + 1
+    return replace(request, cpus_per_gpu=max(1, min(need, node_cpus // request.tasks) if node_cpus else need))
+
+
+def cpus_warning(request: LaunchRequest, loader_workers: int) -> str | None:
+    """Why a Slurm job's --cpus-per-gpu would starve its loader: fewer CPUs a task than its workers and the rank."""
+    cpus = request.cpus_per_gpu
+    if request.executor != "slurm" or cpus is None or cpus > loader_workers:
+        return None
+    return (f"--cpus-per-gpu {cpus}: each rank's {loader_workers} loader workers and the rank itself would share "
+            f"{cpus} CPU{'s' if cpus != 1 else ''}, and loading may hold the step back; give --cpus-per-gpu "
+            f"{loader_workers + 1} or more (or leave it out: vitctl then asks for that many, at most a node's share), "
+            f"or --set data.workers={cpus - 1}")
+
+
 # sinfo's node states (%T, less the suffixes such as * for "not responding") in which a node starts no new job.
 UNAVAILABLE_STATES = {"down", "drained", "draining", "fail", "failing", "maint", "reserved", "inval", "future"}
 

@@ -23,7 +23,9 @@ from .submit import (
     check_run_dir,
     check_time,
     command_line,
+    cpus_warning,
     default_executor,
+    partition_cpus,
     refuse_busy_run_dir,
     resolve_container_image,
     run_rank,
@@ -31,6 +33,7 @@ from .submit import (
     submit,
     validate_slurm,
     wait_local,
+    with_cpus_per_task,
 )
 
 __all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfig", "build_config", "checkpoint",
@@ -78,10 +81,15 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if config.parallel.plan:
         config.parallel.plan = str(Path(config.parallel.plan).absolute())
     name = f"{config.model.name}-{run_dir.name}"
+    node_cpus = None
     if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
         partition = validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
+        node_cpus = partition_cpus(partition)
         if warning := availability_warning(request, partition):
             echo(f"warning: {warning}")
+    if warning := cpus_warning(request, config.data.workers):
+        echo(f"warning: {warning}")
+    request = with_cpus_per_task(request, node_cpus, config.data.workers)
     # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
     strategy = preflight(config, request.nodes * request.tasks, local_device)
