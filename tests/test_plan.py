@@ -467,7 +467,7 @@ def _plan_args(profile_path, out, memory_gib):
 def test_every_shipped_profile_loads_under_its_own_name_and_plans_its_machine(path):
     """A shipped profile is read as `vitctl plan` reads it, is named as it would be cached, and plans for each
     group of GPUs of one node its collectives were measured among."""
-    model = next(m for m in ("swin_h", "vit_h14") if f"-{m}-" in path.name)
+    model = path.stem.rsplit("-", 2)[1]  # DEVICE-TORCH-MODEL-IMG_SIZE
     profile = read_profile(path, model, 224)
     assert path.name == profile_file(profile.device, profile.torch, model, 224)
     layout = model_layout(model, 224)
