@@ -265,8 +265,9 @@ def _mem_problem(mem: str | None, partition: str) -> str | None:
             f"ask for --mem {largest}M or less")
 
 
-def validate_slurm(request: LaunchRequest) -> str:
-    """Check the request against the cluster before anything is submitted; returns the partition used."""
+def validate_slurm(request: LaunchRequest) -> tuple[str, int]:
+    """Check the request against the cluster before anything is submitted; returns the partition used and its CPUs
+    per node (its smallest node's)."""
     if not shutil.which("sbatch"):
         raise ConfigError("--executor slurm: no sbatch on PATH (use --executor local to run on this machine)")
     partitions = _sinfo_partitions()
@@ -290,12 +291,7 @@ def validate_slurm(request: LaunchRequest) -> str:
         problems.append(mem)
     if problems:
         raise ConfigError("; ".join(problems))
-    return name
-
-
-def partition_cpus(partition: str) -> int:
-    """CPUs per node of `partition` (its smallest node's)."""
-    return _sinfo_partitions()[partition]["cpus"]
+    return name, part["cpus"]
 
 
 def with_cpus_per_task(request: LaunchRequest, node_cpus: int | None, loader_workers: int) -> LaunchRequest:

@@ -25,7 +25,6 @@ from .submit import (
     command_line,
     cpus_warning,
     default_executor,
-    partition_cpus,
     refuse_busy_run_dir,
     resolve_container_image,
     run_rank,
@@ -83,8 +82,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     name = f"{config.model.name}-{run_dir.name}"
     node_cpus = None
     if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
-        partition = validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
-        node_cpus = partition_cpus(partition)
+        partition, node_cpus = validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
         if warning := availability_warning(request, partition):
             echo(f"warning: {warning}")
     if warning := cpus_warning(request, config.data.workers):
