@@ -72,6 +72,18 @@ def test_each_rand_augment_op_matches_timm_s(monkeypatch, interpolation, resampl
             assert np.abs(out - opposite).mean() > 10, (name, sign)
 
 
+def test_auto_contrast_s_table_is_pil_s_to_the_level():
+    """Every level of channels spanning 55-255, 3-250 and 0-200 as ImageOps.autocontrast maps it (a division taken
+    otherwise than PIL's moved 95 of the first to 51, where PIL gives 50)."""
+    from PIL import ImageOps
+
+    spans = [(55, 255), (3, 250), (0, 200)]
+    pixels = np.stack([np.linspace(low, high, 256).round() for low, high in spans], -1).astype(np.uint8)[None]
+    expected = np.asarray(ImageOps.autocontrast(Image.fromarray(pixels)))
+    ours = rand_augment(_batch([pixels]), *_inputs([[_rand_op("AutoContrast", 9, _Sign(0), 256)]]), FILL)
+    assert np.array_equal(ours[0].permute(1, 2, 0).numpy(), expected)
+
+
 def _drawn_batch(count: int, layers: int) -> tuple[torch.Tensor, list[list]]:
     """`count` different images, each with `layers` ops drawn as the DALI path draws them (None: not applied)."""
     spec = parse_rand_augment(f"rand-m9-mstd0.5-inc1-n{layers}-p0.8")

@@ -247,7 +247,9 @@ def _auto_contrast(images: Tensor, _param: Tensor) -> Tensor:
     low = images.amin(dim=(2, 3)).double().unsqueeze(-1)
     high = images.amax(dim=(2, 3)).double().unsqueeze(-1)
     levels = torch.arange(256, dtype=torch.float64, device=images.device)
-    scale = 255.0 / (high - low).clamp(min=1)
+    # tensor over tensor: torch on the CPU rounds a Python number over a tensor otherwise than PIL's division (255 over
+    # 200 came to 1.2750000000000001, not 1.275), and a channel spanning 55-255 then mapped 95 to 51 where PIL gives 50
+    scale = torch.full_like(high, 255.0) / (high - low).clamp(min=1)
     offset = -low * scale
     stretched = (levels * scale + offset).trunc().clamp(0, 255)
     return _apply_luts(images, torch.where(high > low, stretched, levels))
