@@ -2,7 +2,11 @@
 op, on CPU tensors; a batch grouped by op kind gives each sample what it gets alone."""
 
 import io
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +23,7 @@ from vitctl.trainer.data.augment import (
     draw_erasing,
     draw_rand_augment,
 )
-from vitctl.trainer.data.draws import draw_sample, stack_draws
+from vitctl.trainer.data.draws import draw_for_size, draw_sample, stack_draws
 from vitctl.trainer.data.gpu_augment import augment_batch, color_jitter, erase, rand_augment
 from vitctl.trainer.recipe import RAND_INCREASING_OPS, RAND_OPS, parse_rand_augment
 
@@ -180,16 +184,65 @@ def test_erase_noise_is_standard_normal_and_differs_by_seed():
     assert abs(torch.corrcoef(noise.view(8, -1))[0, 1:]).max() < 0.05  # seeds differing in their high bits only
 
 
+_KERNELS_AGAINST_REFERENCE = """
+import sys
+import numpy as np, torch
+sys.path.insert(0, {tests!r})
+from test_gpu_augment import FILL, _erasures, _inputs
+from test_recipe import smooth_image
+from vitctl.trainer.data import augment_kernels, gpu_augment
+from vitctl.trainer.data.augment import KINDS, draw_rand_augment
+from vitctl.trainer.recipe import parse_rand_augment
+
+rng = np.random.default_rng(3)
+ops = [draw_rand_augment(rng, parse_rand_augment("rand-m9-mstd0.5-inc1-n2-p0.9"), 64) for _ in range(48)]
+assert {{KINDS[op.kind] if op else "identity" for sample in ops for op in sample}} == set(KINDS)
+images = torch.stack([torch.from_numpy(smooth_image(64, 72, seed=i)).permute(2, 0, 1) for i in range(48)])
+kinds, params, matrices = _inputs(ops)
+for interpolation in ("bicubic", "bilinear"):
+    expected = gpu_augment.rand_augment(images, kinds, params, matrices, FILL, interpolation)
+    on = [torch.from_numpy(a) for a in (kinds, params, matrices)]
+    got = augment_kernels.rand_augment(images.contiguous(), kinds, *on, FILL, interpolation)
+    wrong = (got != expected).flatten(1).any(1).nonzero().flatten().tolist()
+    assert not wrong, [(i, [op and op.name for op in ops[i]]) for i in wrong]
+boxes, seeds, _ = _erasures(3, 48)
+mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+for mode in ("const", "rand", "pixel"):
+    expected = gpu_augment.erase(gpu_augment._normalized(images, mean, std), boxes, seeds, mode)
+    got = augment_kernels.normalize_erase(images, *gpu_augment._grey_levels(mean, std), boxes, seeds, mode)
+    assert (got - expected).abs().max() < 1e-5, mode
+assert torch.equal(augment_kernels.normalize_erase(images, *gpu_augment._grey_levels(mean, std), None, None, "pixel"),
+                   gpu_augment._normalized(images, mean, std))
+"""
+
+
+def test_the_triton_kernels_give_what_the_torch_reference_gives():
+    """augment_kernels run in Triton's interpreter on the CPU against the torch reference: every RandAugment kind on
+    images of five tiles a channel, both interpolations, each erasing mode. The interpreter is chosen when triton is
+    imported, hence the fresh process."""
+    script = _KERNELS_AGAINST_REFERENCE.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_gpu_gives_what_the_cpu_gives():
-    """The same ops on CUDA as on the CPU: integer arithmetic exactly, float blends and resampling to a grey level."""
+    """The same recipe on CUDA (augment_kernels) as on the CPU (the torch reference): integer arithmetic exactly,
+    float blends and resampling to a grey level, erasing's noise to 1e-5."""
     images, ops = _drawn_batch(96, 2)
     inputs = _inputs(ops)
     cpu = rand_augment(images, *inputs, FILL)
     gpu = rand_augment(images.cuda(), *inputs, FILL).cpu()
     difference = (cpu.int() - gpu.int()).abs()
     assert difference.max() <= 1 and difference.float().mean() < 0.01
+    recipe = Recipe(32, rand_augment="rand-m9-mstd0.5-inc1", reprob=1.0, recount=3)
+    drawn = stack_draws([draw_for_size((40, 48), recipe, np.random.default_rng(i)) for i in range(96)])
+    assert drawn["erase_box"][:, :, 2].all(axis=1).any()
+    level = 1 / (255 * min(recipe.std))  # a grey level, normalised
+    batch = (augment_batch(images, drawn, recipe) - augment_batch(images.cuda(), drawn, recipe).cpu()).abs()
+    assert batch.max() <= level + 1e-5 and batch.mean() < 0.01 * level
     factors = torch.from_numpy(np.stack([draw_color_jitter(np.random.default_rng(i), 0.4) for i in range(96)]))
     jitter = (color_jitter(images, factors).int() - color_jitter(images.cuda(), factors.cuda()).cpu().int()).abs()
     assert jitter.max() <= 1

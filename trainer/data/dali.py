@@ -8,9 +8,9 @@ DALI random operator runs, so a batch depends only on (seed, epoch, draw): a res
 epoch's start).
 
 DALI decodes the crop (image_slice), resizes it (bicubic per augment.interpolation), and flips it as it writes the batch
-channels first (crop_mirror_normalize, uint8, no normalisation: the layout torch computes on); the rest runs in torch on
-the batch's device (gpu_augment.augment_batch): RandAugment and colour jitter with PIL's arithmetic as whole-batch
-compiled graphs, normalisation to the model's mean and std, random erasing. DALI's own RandAugment (one conditional
+channels first (crop_mirror_normalize, uint8, no normalisation: the layout torch computes on); the rest runs on the
+batch's device (gpu_augment.augment_batch, Triton kernels on a GPU): RandAugment and colour jitter with PIL's
+arithmetic, normalisation to the model's mean and std, random erasing. DALI's own RandAugment (one conditional
 `select` per layer) and erasing (per-sample noise patches) delivered 1,743 img/s at Swin-B b128 on one H200 where its
 decode, crop and flip alone deliver 3,205. Evaluation uses the index loader (loader.py): exact, in order, padded so all
 ranks run the same count.

@@ -7,26 +7,21 @@ reference), with PIL's arithmetic wherever it decides a grey level: its fixed-po
 formulas, truncation after a blend or a resampling, rounding after the smoothing filter. Rotate, shear and translate
 resample with PIL's own kernels (Geometry.c: bilinear, or bicubic with a = -1, interpolated through differences),
 not grid_sample's: its bicubic (a = -0.75) is 1 to 3 grey levels from PIL's on textured images, and its weighted
-sums lose a level to truncation on flat ones. A layer computes its ops but warp and equalize on the whole batch and
-keeps each sample's own (pixel_ops), then applies those two to their samples, a group each: on a GPU all are
-compiled, so a batch costs a few dozen launches whatever its draws (launched op by op for each kind's group, they
-cost the host 7-10 ms a batch, more than the GPU spent on them). color_jitter is torchvision's adjust_* on uint8
-tensors. Erasing fills its boxes with noise hashed from each box's seed. Nothing here waits for the GPU: the draws
-reach it through pinned memory, so a batch's work is queued behind the training step before it, not run after it.
+sums lose a level to truncation on flat ones. The torch functions here are the reference and run on the CPU: a layer
+computes its ops but warp and equalize on the whole batch and keeps each sample's own (pixel_ops), then applies those
+two to their samples, a group each. On a CUDA batch augment_kernels runs the same arithmetic as Triton kernels, a
+pass a layer. color_jitter is torchvision's adjust_* on uint8 tensors. Erasing fills its boxes with noise hashed from
+each box's seed. Nothing here waits for the GPU: the draws reach it through pinned memory, so a batch's work is
+queued behind the training step before it, not run after it.
 """
 
-import functools
-import logging
 import math
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .augment import KINDS, Recipe
-
-log = logging.getLogger("vitctl.data")
 
 # PIL's RGB -> L: (299 R + 587 G + 114 B) / 1000 in 16-bit fixed point, rounded (Convert.c's L24)
 _GREY_WEIGHTS = (19595, 38470, 7471)
@@ -35,28 +30,27 @@ _GREY_WEIGHTS = (19595, 38470, 7471)
 def augment_batch(images: Tensor, drawn: dict[str, np.ndarray], recipe: Recipe) -> Tensor:
     """Cropped uint8 (B, 3, H, W) -> the recipe's float32 (B, 3, H, W): RandAugment, colour jitter, normalisation and
     erasing with the batch's draws (draws.stack_draws)."""
-    device = images.device
     if recipe.rand_augment:
         images = rand_augment(images, drawn["ra_kind"], drawn["ra_param"], drawn["ra_matrix"], recipe.fill,
                               recipe.interpolation)
     wanted = [name for name, used in (("jitter", recipe.color_jitter), ("erase_box", recipe.reprob),
                                       ("erase_seed", recipe.reprob)) if used]
-    on = dict(zip(wanted, to_device_all([drawn[name] for name in wanted], device), strict=True))
-    return _for(device, _finish)(images.contiguous(), on.get("jitter"), on.get("erase_box"), on.get("erase_seed"),
-                                 recipe.mean, recipe.std, recipe.remode)
+    on = dict(zip(wanted, to_device_all([drawn[name] for name in wanted], images.device), strict=True))
+    images = images.contiguous()
+    if "jitter" in on:
+        images = color_jitter(images, on["jitter"])
+    if images.is_cuda:
+        from . import augment_kernels
+
+        return augment_kernels.normalize_erase(images, *_grey_levels(recipe.mean, recipe.std), on.get("erase_box"),
+                                               on.get("erase_seed"), recipe.remode)
+    images = _normalized(images, recipe.mean, recipe.std)
+    return images if "erase_box" not in on else erase(images, on["erase_box"], on["erase_seed"], recipe.remode)
 
 
 def model_input(views: Tensor, drawn: dict[str, np.ndarray] | None, recipe: Recipe) -> Tensor:
     """Cropped uint8 views -> the model's float32 input: evaluation's normalisation (drawn None), or augment_batch."""
     return normalize(views, recipe) if drawn is None else augment_batch(views, drawn, recipe)
-
-
-def _finish(images: Tensor, jitter: Tensor | None, boxes: Tensor | None, seeds: Tensor | None,
-            mean: tuple[float, ...], std: tuple[float, ...], remode: str) -> Tensor:
-    if jitter is not None:
-        images = color_jitter(images, jitter)
-    images = _normalized(images, mean, std)
-    return images if boxes is None else erase(images, boxes, seeds, remode)
 
 
 def normalize(images: Tensor, recipe: Recipe) -> Tensor:
@@ -65,13 +59,18 @@ def normalize(images: Tensor, recipe: Recipe) -> Tensor:
 
 
 def _normalized(images: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
-    mean, std = ([float(np.float32(v) * np.float32(255)) for v in values] for values in (mean, std))
+    mean, std = _grey_levels(mean, std)
     return (images.float() - _per_channel(mean, images)) / _per_channel(std, images)
+
+
+def _grey_levels(*values: tuple[float, ...]) -> list[tuple[float, ...]]:
+    """Each triple of [0, 1] values in grey levels, as float32 computes them."""
+    return [tuple(float(np.float32(v) * np.float32(255)) for v in triple) for triple in values]
 
 
 def _per_channel(values: list[float] | tuple[float, ...], like: Tensor) -> Tensor:
     """Three constants as a float32 (1, 3, 1, 1) on `like`'s device, built there: no copy from the host, which from
-    pageable memory would wait for the work queued on the stream, and no tensor a compiled graph must guard."""
+    pageable memory would wait for the work queued on the stream."""
     channel = torch.arange(3, device=like.device).view(1, 3, 1, 1)
     return torch.where(channel == 0, values[0], torch.where(channel == 1, values[1], values[2])).float()
 
@@ -102,35 +101,32 @@ def rand_augment(images: Tensor, kinds: np.ndarray, params: np.ndarray, matrices
                  fill: tuple[int, int, int], interpolation: str = "bicubic") -> Tensor:
     """Each sample's ops, layer by layer: kinds (B, L) index augment.KINDS, params (B, L) are RandOp.param, matrices
     (B, L, 2, 3) RandOp.matrix; a warp fills what it uncovers with `fill` and resamples with `interpolation`."""
-    device = images.device
     kinds_on, params_on, matrices_on = to_device_all(
-        [kinds, params.astype(np.float32), matrices.astype(np.float32)], device)
+        [kinds, params.astype(np.float32), matrices.astype(np.float32)], images.device)
+    if images.is_cuda:
+        from . import augment_kernels
+
+        return augment_kernels.rand_augment(images.contiguous(), kinds, kinds_on, params_on, matrices_on, fill,
+                                            interpolation)
     fill_colour = _per_channel(fill, images)
     for layer in range(kinds.shape[1]):
-        images = _for(device, pixel_ops)(images, kinds_on[:, layer], params_on[:, layer])
+        images = pixel_ops(images, kinds_on[:, layer], params_on[:, layer])
         for kind in GROUPED:
-            count = int((kinds[:, layer] == KINDS.index(kind)).sum())
-            if count == 0:
+            index = torch.from_numpy(np.flatnonzero(kinds[:, layer] == KINDS.index(kind)))
+            if len(index) == 0:
                 continue
-            # the group's samples in order, found on the device from the count the host knows: no copy, no sync
-            index = torch.argsort((kinds_on[:, layer] != KINDS.index(kind)).byte(), stable=True)[:count]
-            # a group of one would be compiled again, for its size
-            op = _for(device, _OPS[kind], dynamic=True) if count > 1 else _OPS[kind]
             extra = (matrices_on[index, layer], fill_colour, interpolation) if kind == "warp" else (None,)
-            images.index_copy_(0, index, op(images.index_select(0, index), *extra))
+            images.index_copy_(0, index, _OPS[kind](images.index_select(0, index), *extra))
     return images
 
 
-# Applied to their samples only: on the whole batch, warp's 16 gathers a pixel and equalize's histograms (atomics)
-# would cost the GPU more than their group's launches cost the host. One H200, ViT-B's b256: a layer of the other
-# ops took 0.42 ms for the whole batch, 1.49 ms with equalize; equalize on a group of 17, 0.10 ms.
+# Applied to their samples only: warp's 16 taps a pixel and equalize's histograms cost the most on the whole batch.
 GROUPED = ("warp", "equalize")
 
 
 def pixel_ops(images: Tensor, kinds: Tensor, params: Tensor) -> Tensor:
     """One layer of RandAugment but its GROUPED ops: each sample's op (kinds (B,) into KINDS, params (B,)) selected
-    from every op computed on the whole batch, a graph of fixed shape that compiles into a few kernels. A new tensor;
-    samples drawn a GROUPED op are left as they are."""
+    from every op computed on the whole batch. A new tensor; samples drawn a GROUPED op are left as they are."""
     out, params = images, params.view(-1, 1, 1, 1)
     for index, kind in enumerate(KINDS):
         if kind != "identity" and kind not in GROUPED:
@@ -356,16 +352,3 @@ def _pil_interpolate(values: list[Tensor], d: Tensor) -> Tensor:
 _OPS = {"auto_contrast": _auto_contrast, "equalize": _equalize, "invert": _invert, "posterize": _posterize,
         "solarize": _solarize, "solarize_add": _solarize_add, "color": _color, "contrast": _contrast,
         "brightness": _brightness, "sharpness": _sharpness, "warp": _warp}
-
-
-@functools.cache
-def _compiled(fn: Callable[..., Tensor], dynamic: bool) -> Callable[..., Tensor]:
-    log.info("data: compiling the recipe's %s for the GPU (once per process: seconds, less from inductor's cache)",
-             fn.__name__.strip("_"))
-    return torch.compile(fn, dynamic=dynamic, fullgraph=True)
-
-
-def _for(device: torch.device, fn: Callable[..., Tensor], dynamic: bool = False) -> Callable[..., Tensor]:
-    """fn compiled on a GPU, where its eager launches would cost more host time than its kernels take; eager on the
-    CPU."""
-    return _compiled(fn, dynamic) if device.type == "cuda" else fn
