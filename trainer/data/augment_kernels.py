@@ -75,6 +75,7 @@ def normalize_erase(images: Tensor, mean: tuple[float, ...], std: tuple[float, .
 
 @triton.jit
 def _stats_kernel(images, kinds, stats, layer, layers, hw, BLOCK: tl.constexpr):
+    """A tile's share of the STATS its sample's op needs, added to the sample's row by atomics."""
     b = tl.program_id(0)
     kind = tl.load(kinds + b * layers + layer)
     if (kind == AUTO_CONTRAST) | (kind == CONTRAST) | (kind == EQUALIZE):
@@ -181,6 +182,7 @@ def _pointwise(v, kind, param, grey, mean, lut):
 
 @triton.jit
 def _pil_grey(r, g, b):
+    """gpu_augment._pil_grey: PIL's convert("L") in 16-bit fixed point."""
     return (19595 * r + 38470 * g + 7471 * b + 0x8000) >> 16
 
 
