@@ -284,7 +284,7 @@ def _normalize_erase_kernel(src, dst, boxes, seeds, hw, width, mean0, mean1, mea
         mean = mean0 if c == 0 else (mean1 if c == 1 else mean2)
         std = std0 if c == 0 else (std1 if c == 1 else std2)
         levels = tl.load(src + (b * 3 + c) * hw + p, mask=inside, other=0).to(tl.float32)
-        value = tl.div_rn(levels - mean, std)
+        value = tl.div_rn(levels - mean, std)  # rounded as torch divides: Triton's `/` on float32 is approximate
         for k in tl.static_range(BOXES):
             box = boxes + (b * BOXES + k) * 4
             top = tl.load(box)
