@@ -4,6 +4,7 @@ GPU and host ms a batch, for each preset's recipe and batch, with the batch's dr
 between two training steps, so it is what a GPU loader adds to a step."""
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -59,7 +60,7 @@ def main() -> None:
     for case in args.cases.split(","):
         preset, batch = case.split(":")
         inputs = [batch_inputs(preset, int(batch), seed) for seed in range(args.draws)]
-        turn = iter(range(10**9))
+        turn = itertools.count()
 
         def call(inputs=inputs, turn=turn) -> torch.Tensor:
             return gpu_augment.augment_batch(*inputs[next(turn) % len(inputs)])

@@ -33,6 +33,7 @@ _MAX: tl.constexpr = tl.constexpr(3)
 _GREY_SUM: tl.constexpr = tl.constexpr(6)
 _HISTOGRAMS: tl.constexpr = tl.constexpr(8)
 STATS: tl.constexpr = tl.constexpr(8 + 3 * 256)
+_NEEDS_STATS = [KINDS.index(k) for k in ("auto_contrast", "contrast", "equalize")]
 MODES = ("const", "rand", "pixel")
 BLOCK = 1024  # pixels of one sample a program
 
@@ -47,8 +48,7 @@ def rand_augment(images: Tensor, kinds: np.ndarray, kinds_on: Tensor, params_on:
     luts = torch.empty(batch, 3, 256, dtype=torch.uint8, device=images.device)
     stats = torch.zeros(layers, batch, STATS.value, dtype=torch.int32, device=images.device)
     for layer in range(layers):
-        needs = np.isin(kinds[:, layer], [KINDS.index(k) for k in ("auto_contrast", "contrast", "equalize")])
-        if needs.any():
+        if np.isin(kinds[:, layer], _NEEDS_STATS).any():
             _stats_kernel[grid](images, kinds_on, stats[layer], layer, layers, height * width, BLOCK=BLOCK)
             _luts_kernel[(batch, 3)](stats[layer], kinds_on, luts, layer, layers, height * width)
         out = torch.empty_like(images)
