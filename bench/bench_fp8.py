@@ -50,13 +50,15 @@ def ours(name: str, batch: int, flops: float, recipe: str | None, min_width: int
 def ours_on_te(name: str, batch: int, flops: float, recipe: str, min_width: int, mode: str,
                args: argparse.Namespace) -> BenchResult:
     """Our model, bf16-pure, with Transformer Engine's float8 modules (`recipe`) in the blocks at least min_width
-    wide; eager, as TE's CUDA graphs ("graphs"), or compiled in `mode`."""
+    wide; eager, as TE's CUDA graphs of the model eager ("graphs") or compiled ("compiled-graphs"), or compiled in
+    `mode`."""
     device = torch.device("cuda")
-    compiling = mode not in ("eager", "graphs")
+    compiling = mode in COMPILE_MODES  # the whole step; "compiled-graphs" compiles the model inside TE's graphs
     model = build_model(ModelConfig(name=name, img_size=IMG_SIZE, drop_path=0.0),
-                        resolve("all", device, compiling=compiling)).to(device)
+                        resolve("all", device, compiling=mode not in ("eager", "graphs"))).to(device)
     convert_to_te(model, min_width)
-    wrapped = TEGraphed(model, recipe) if mode == "graphs" else TEAutocast(model, recipe)
+    graphed = mode in ("graphs", "compiled-graphs")
+    wrapped = TEGraphed(model, recipe, mode == "compiled-graphs") if graphed else TEAutocast(model, recipe)
     return measure(f"vitctl {name}", f"te {recipe} {mode}", wrapped, Precision("bf16-pure", device), compiling, batch,
                    IMG_SIZE, flops, args.steps, args.warmup, mode if compiling else "default")
 

@@ -4,8 +4,8 @@ Each block at least `min_width` wide gets TE's modules in place of its matmuls, 
 LayerNorm fused with the MLP (LayerNormMLP) and, in ViT, with qkv (LayerNormLinear); Swin's first LayerNorm comes
 before the window partition, so its qkv is a plain te.Linear. Attention, the patch embedding, the head and what lies
 between the blocks stay ours. TE's modules are opaque to torch.compile (TE disables dynamo on them): a compiled step
-compiles what lies between them, and CUDA graphs come from TE's own make_graphed_callables (TEGraphed). The weights
-are TE's fresh ones; only the speed is compared.
+compiles what lies between them, and CUDA graphs come from TE's own make_graphed_callables (TEGraphed), around the
+model eager or compiled. The weights are TE's fresh ones; only the speed is compared.
 """
 
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 from vitctl.trainer.models import blocks_of
 
 TE_RECIPES = ("delayed", "current", "block")  # TE's names: DelayedScaling, Float8CurrentScaling, Float8BlockScaling
-TE_MODES = ("eager", "graphs")  # and torch.compile's modes
+TE_MODES = ("eager", "graphs", "compiled-graphs")  # and torch.compile's modes
 
 
 def te_recipe(name: str):
@@ -40,17 +40,23 @@ class TEAutocast(nn.Module):
 
 
 class TEGraphed(TEAutocast):
-    """TEAutocast whose model runs as CUDA graphs (forward and backward) that TE captures at the first forward,
-    after the step's MasterWeights has cast the model to bf16."""
+    """TEAutocast whose model runs as CUDA graphs (forward and backward) that TE captures at the first forward, after
+    the step's MasterWeights has cast the model to bf16; with `compile_rest`, what lies between TE's modules is
+    compiled (torch.compile's default mode) before the capture."""
 
     graphed = None
+
+    def __init__(self, model: nn.Module, recipe: str, compile_rest: bool) -> None:
+        super().__init__(model, recipe)
+        self.compile_rest = compile_rest
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import transformer_engine.pytorch as te
 
         if self.graphed is None:
+            model = torch.compile(self.model) if self.compile_rest else self.model
             # Not a submodule: the graphed callable is the model itself with its forward replaced.
-            object.__setattr__(self, "graphed", te.make_graphed_callables(self.model, (x,), enabled=True,
+            object.__setattr__(self, "graphed", te.make_graphed_callables(model, (x,), enabled=True,
                                                                          recipe=self.recipe))
         with te.autocast(enabled=True, recipe=self.recipe):
             return self.graphed(x)
