@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ok, vitctl
-from vitctl.workflows import registry
+from vitctl.workflows import registry, status, submit
+from vitctl.workflows.errors import Interrupted
 from vitctl.workflows.process import children
 
 VITCTL = str(Path(sys.executable).parent / "vitctl")
@@ -74,6 +75,35 @@ def test_ctrl_c_or_sigterm_stops_a_local_job_with_a_checkpoint_and_resume_goes_o
         ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 40, "--out", out, "--resume")
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert steps[-1]["step"] == 40 and any(s.get("event") == "resume" for s in steps)
+
+
+def test_a_second_ctrl_c_during_the_cancel_does_not_leave_the_job_running(tmp_path, monkeypatch):
+    """`timeout -s INT` signals vitctl and its group: the second Ctrl-C, a few ms after the first, landed inside the
+    cancel (in the registry's fsync), and vitctl left with the job running on. Here it lands there every time."""
+    record = registry.JobRecord("1", "local", "vit_micro-run", str(tmp_path), str(tmp_path / "submitit"), 1, 2, 0,
+                                time.time())
+    follows, asked = iter([KeyboardInterrupt, None]), []
+
+    def follow(*args):
+        if (raised := next(follows)) is not None:
+            raise raised
+
+    def cancel(job):
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C
+        time.sleep(0.05)  # Python runs a signal's handler between bytecodes: give it the chance
+        asked.append(job.job_id)
+
+    monkeypatch.setattr(submit, "_follow", follow)
+    monkeypatch.setattr(registry, "reload", lambda job: job)
+    monkeypatch.setattr(status, "cancel", cancel)
+    monkeypatch.setattr(submit, "state_of", lambda job: status.JobState("CANCELLED", 1.0, "checkpointed at step 3"))
+    try:
+        submit.wait_local(None, record, lambda line: None)
+    except Interrupted as e:
+        assert str(e).startswith("job 1 was stopped: checkpointed at step 3")
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C cut the cancel short: the job was never asked to stop")
+    assert asked == ["1"]
 
 
 @pytest.mark.slow

@@ -550,7 +550,7 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
             _follow(submitted, record, log, echo)
         except KeyboardInterrupt:
             interrupted = True
-            status.cancel(registry.reload(record))
+            _cancel_undisturbed(record)
             echo(f"stopping job {record.job_id}: its ranks checkpoint after the step they are in (interrupt again "
                  "to leave it stopping on its own)")
             try:
@@ -569,6 +569,17 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
     if state.state in ("INTERRUPTED", "CANCELLED", "TIMEOUT"):
         raise LaunchError(f"job {record.job_id} was stopped ({state.state.lower()}): {state.note}")
     raise LaunchError(f"job {record.job_id} failed: {state.note}")
+
+
+def _cancel_undisturbed(record: JobRecord) -> None:
+    """Cancel the job with Ctrl-C and SIGTERM ignored until it is asked to stop: a second Ctrl-C a few ms after the
+    first (`timeout -s INT` signals the process and its group) once cut the cancel short and left the job running."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status.cancel(registry.reload(record))
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str], None]) -> None:
