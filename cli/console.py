@@ -27,6 +27,15 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+class GivenPath(click.Path):
+    """click.Path that refuses an empty value: "" (an unset shell variable) would otherwise mean the current folder."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty (an unset shell variable?); give a path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class ByteSize(click.ParamType):
     """Sizes such as 1GB, 500MB, 64KiB or a plain number of bytes."""
 

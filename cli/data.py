@@ -15,14 +15,14 @@ from vitctl.datasets.shard import ShardSpec, read_source, shard_split
 from vitctl.datasets.synth import SynthSpec, write_synthetic
 from vitctl.datasets.verify import verify as verify_folder
 
-from .console import ByteSize, console, progress_bar
+from .console import ByteSize, GivenPath, console, progress_bar
 
 FULL_IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 workers_option = click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="CPUs",
                               help="Worker processes.")
 
 
-class ExistingPath(click.Path):
+class ExistingPath(GivenPath):
     """click.Path(exists=True) that names a symbolic link leading nowhere as such, not as a path that does not exist."""
 
     def __init__(self, **kwargs) -> None:
@@ -58,11 +58,12 @@ def data() -> None:
 
 
 @data.command(short_help="Write a small dataset in the ILSVRC2012 archive formats.")
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", type=GivenPath(file_okay=False, path_type=Path))
 @click.option("--classes", default=10, show_default=True, help="Number of classes (3 to 36 real WNIDs).")
 @click.option("--train-per-class", default=20, show_default=True, help="Train images per class.")
 @click.option("--val-per-class", default=5, show_default=True, help="Validation images per class.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the images and of the val labels.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the images and of the val labels.")
 def synth(out: Path, classes: int, train_per_class: int, val_per_class: int, seed: int) -> None:
     """Write a small dataset in the real ILSVRC2012 archive formats into OUT."""
     paths = write_synthetic(out, SynthSpec(classes, train_per_class, val_per_class, seed))
@@ -75,7 +76,7 @@ def synth(out: Path, classes: int, train_per_class: int, val_per_class: int, see
 @data.command(short_help="Extract the ILSVRC2012 archives into a dataset root; a rerun resumes.")
 @click.option("--train-tar", type=existing, help="ILSVRC2012_img_train.tar (nested per-class tars).")
 @click.option("--val-tar", type=existing, help="ILSVRC2012_img_val.tar (flat).")
-@click.option("--out", "root", required=True, type=click.Path(file_okay=False, path_type=Path), help="Dataset root.")
+@click.option("--out", "root", required=True, type=GivenPath(file_okay=False, path_type=Path), help="Dataset root.")
 @workers_option
 def extract(train_tar: Path | None, val_tar: Path | None, root: Path, workers: int) -> None:
     """Extract the archives into ROOT/train/<wnid>/ and ROOT/val/; a rerun resumes."""
@@ -97,7 +98,7 @@ def extract(train_tar: Path | None, val_tar: Path | None, root: Path, workers: i
 
 
 @data.command(name="valprep", short_help="Move the flat val images into WNID folders.")
-@click.argument("val_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("val_dir", type=GivenPath(file_okay=False, path_type=Path))
 @click.option("--devkit", type=existing, help="ILSVRC2012_devkit_t12.tar.gz")
 @click.option("--solution", type=existing, help="Kaggle's LOC_val_solution.csv")
 def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -> None:
@@ -114,7 +115,7 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
 
 @data.command(short_help="Write WebDataset shards and manifest.json; a rerun resumes.")
 @click.argument("root", type=ExistingPath(file_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", required=True, type=GivenPath(file_okay=False, path_type=Path),
               help="Shard folder (created; a rerun into it resumes).")
 @click.option("--split", type=click.Choice(["train", "val", "both"]), default="both", show_default=True,
               help="The split(s) to shard.")

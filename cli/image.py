@@ -8,7 +8,7 @@ import click
 from vitctl.workflows import image as wf
 from vitctl.workflows.provenance import vitctl_version
 
-from .console import console, err_console
+from .console import GivenPath, console, err_console
 
 
 @click.group()
@@ -22,12 +22,12 @@ def image() -> None:
                    "containers/base/build-base builds (localhost/vitctl-base:torch2.11.0).")
 @click.option("--tag", callback=lambda ctx, param, tag: _checked(tag, wf.tag_problem),
               help="Name of the image [default: localhost/vitctl:VERSION].")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=wf.ImageRequest.out,
+@click.option("--out", type=GivenPath(file_okay=False, path_type=Path), default=wf.ImageRequest.out,
               show_default=True, help="Folder for NAME.oci.tar and NAME.sqsh.")
 @click.option("--arch-list", default=wf.DEFAULT_ARCHS, show_default=True,
               callback=lambda ctx, param, archs: _checked(archs, wf.arch_list_problem),
               help="TORCH_CUDA_ARCH_LIST: the GPU archs the ops and apex are compiled for.")
-@click.option("--apex", "apex_archive", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--apex", "apex_archive", type=GivenPath(dir_okay=False, path_type=Path),
               help="apex's source as a .tar.gz, for builds without access to its git repository "
                    "[default: the pinned git ref].")
 @click.option("--max-jobs", type=click.IntRange(min=1), help="Parallel compiler jobs [default: one per CPU].")

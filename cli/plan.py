@@ -11,7 +11,7 @@ from vitctl.trainer.parallel.strategy import is_plan
 from vitctl.workflows import plan as wf
 from vitctl.workflows.bench import MODEL_NAMES
 
-from .console import console, err_console
+from .console import GivenPath, console, err_console
 
 
 class GiB(click.FloatRange):
@@ -35,9 +35,9 @@ class GiB(click.FloatRange):
                    "collectives among [default: every GPU, or 2 CPU ranks].")
 @click.option("--memory-gib", type=GiB(), help="Memory budget per GPU, GiB.")
 @click.option("--batch", type=click.IntRange(min=1), help="Global batch: all data-parallel ranks together.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="The plan file to write (JSON).")
+@click.option("--out", type=GivenPath(dir_okay=False, path_type=Path), help="The plan file to write (JSON).")
 @click.option("--img-size", type=click.IntRange(min=32), default=224, show_default=True)
-@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--profile", type=GivenPath(dir_okay=False, path_type=Path),
               help="A profile from `vitctl plan --profile-only` [default: the cached or shipped one of this GPU "
                    "type; measured now on a GPU].")
 @click.option("--profile-only", is_flag=True,

@@ -8,7 +8,7 @@ from rich.table import Table
 from vitctl.workflows import train as wf
 from vitctl.workflows.bench import PRECISIONS
 
-from .console import console, err_console
+from .console import GivenPath, console, err_console
 
 PRECISION_CHOICE = click.Choice(PRECISIONS)
 
@@ -16,8 +16,8 @@ PRECISION_CHOICE = click.Choice(PRECISIONS)
 def run_options(command):
     options = [
         click.option("--config", "preset", help="Preset name (e.g. swin_b_pretrain) or a YAML file."),
-        click.option("--data", type=click.Path(path_type=Path), help="Shard folder from `vitctl data shard`."),
-        click.option("--out", type=click.Path(path_type=Path), help="Run folder (checkpoints, metrics, logs)."),
+        click.option("--data", type=GivenPath(path_type=Path), help="Shard folder from `vitctl data shard`."),
+        click.option("--out", type=GivenPath(path_type=Path), help="Run folder (checkpoints, metrics, logs)."),
         click.option("--model", help="Model name, e.g. vit_b16, swin_b."),
         click.option("--batch", type=click.IntRange(min=1), help="Batch size per rank."),
         click.option("--epochs", type=float),
@@ -26,7 +26,7 @@ def run_options(command):
         click.option("--fused", help="Fused ops: all, none, or comma-separated seams; seam=impl picks one "
                      "(e.g. all,optimizer=apex)."),
         click.option("--compile/--no-compile", default=None, help="torch.compile the model."),
-        click.option("--plan", type=click.Path(dir_okay=False, path_type=Path),
+        click.option("--plan", type=GivenPath(dir_okay=False, path_type=Path),
                      help="A parallel plan from `vitctl plan` (the same as --set parallel.plan=PATH)."),
         click.option("--resume", is_flag=True, help="Continue the run in --out from its last checkpoint."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -128,7 +128,7 @@ def train(**options) -> None:
 
 
 @click.command()
-@click.option("--from-ckpt", required=True, type=click.Path(path_type=Path),
+@click.option("--from-ckpt", required=True, type=GivenPath(path_type=Path),
               help="Our checkpoint, a timm or official Swin checkpoint, or a plain state_dict.")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Unpickle --from-ckpt in full when it holds Python objects besides tensors (official Swin "
@@ -141,8 +141,8 @@ def finetune(**options) -> None:
 
 @click.command()
 @click.option("--config", "preset", help="Preset name or a YAML file.")
-@click.option("--data", type=click.Path(path_type=Path), help="Shard folder.")
-@click.option("--out", type=click.Path(path_type=Path), help="Run folder (shared by all ranks).")
+@click.option("--data", type=GivenPath(path_type=Path), help="Shard folder.")
+@click.option("--out", type=GivenPath(path_type=Path), help="Run folder (shared by all ranks).")
 @click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
 def rank(preset, data, out, steps, overrides) -> None:

@@ -2,6 +2,7 @@
 one `error: ...` line naming what, where and how to fix it (exit 1), and the fix it names works."""
 
 import json
+import shutil
 
 import pytest
 import yaml
@@ -237,6 +238,44 @@ def test_a_toml_config_file_is_refused_as_toml_and_other_suffixes_are_read_as_fi
         assert yaml.safe_load(ok("config", "show", name).stdout)["model"]["name"] == "vit_micro"
 
 
+def test_a_config_file_named_with_a_dot_slash_is_read_and_a_folder_is_refused(tmp_path, monkeypatch):
+    """Before: `no preset './myconf'` for a file that is there (Path drops the ./), and the same for a folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myconf").write_text(ok("config", "show", "demo_vit").stdout)
+    assert yaml.safe_load(ok("config", "show", "./myconf").stdout)["model"]["name"] == "vit_micro"
+    (tmp_path / "folder").mkdir()
+    _refused(vitctl("config", "show", "./folder"), "config file folder is a folder; pass a YAML file in it, or a "
+                                                   "preset name")
+
+
+def test_an_empty_config_or_out_is_refused_not_taken_as_the_defaults_or_the_current_folder(tmp_path, monkeypatch):
+    """An unset shell variable: `--config ""` trained vit_b16 at 224 px, `--out ""` wrote the run into the current
+    folder, and `data shard --out ""` the shards."""
+    monkeypatch.chdir(tmp_path)
+    config_at = DRY_RUN.index("--config") + 1
+    _refused(vitctl(*DRY_RUN[:config_at], "", *DRY_RUN[config_at + 1:], "--out", "run"),
+             "--config is empty; pass a preset name or a YAML file")
+    for command in ([*DRY_RUN, "--out", ""], ["data", "shard", tmp_path, "--out", ""]):
+        result = vitctl(*command)
+        assert result.exit_code == 2 and "Invalid value for '--out': is empty (an unset shell variable?); give a " \
+            "path" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("inside", ["", "run"])
+def test_a_run_folder_in_the_shard_folder_is_refused(prepared_shards, tmp_path, inside):
+    """Before, the run's checkpoints and logs went in among the shards, and a later `vitctl data shard` into that
+    folder refused the files vitctl itself had written there."""
+    shards = shutil.copytree(prepared_shards, tmp_path / "shards")
+    out = shards / inside
+    train = ["train", "--config", "demo_vit", "--data", shards, "--batch", 4, "--executor", "local", "--gpus", 0,
+             "--dry-run", "--set", "model.num_classes=5"]
+    where = "" if not inside else "inside "
+    _refused(vitctl(*train, "--out", out), f"run folder {out} (--out) is {where}the shard folder {shards} (--data); "
+                                           "choose a run folder outside it")
+    ok(*train, "--out", tmp_path / "run")
+
+
 @pytest.mark.parametrize(("override", "message", "fix"), [
     ("optim.lr.x=1", "optim.lr is a value, not a section of keys; there is no optim.lr.x: set it as optim.lr=VALUE",
      "optim.lr=1"),
@@ -269,6 +308,8 @@ def test_an_override_of_the_wrong_shape_says_which_key_is_meant(override, messag
     ("optim.min_lr=1", "optim.min_lr 1 is above optim.lr 0.002, from which the schedule decays down to it; lower "
                        "optim.min_lr"),
     ("model.window_size=-7", "model.window_size must be at least 1 (null: the model's own)"),  # was a traceback
+    ("train.seed=-1", "train.seed must be in [0, 4294967295], got -1"),  # numpy's ValueError in the ranks
+    ("train.seed=4294967296", "train.seed must be in [0, 4294967295], got 4294967296"),
     ("parallel.tp=0", "parallel.tp must be at least 1, got 0"),
     ("parallel.checkpoint=al", "parallel.checkpoint must be one of none, selective, full, got 'al'"),
     ("parallel.schedule=zigzag", "parallel.schedule must be one of gpipe, 1f1b, interleaved_1f1b, got 'zigzag'"),

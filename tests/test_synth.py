@@ -87,6 +87,13 @@ def test_classes_out_of_range_give_the_range_synth_accepts(tmp_path, classes):
 SMALL = ("--classes", 3, "--train-per-class", 1, "--val-per-class", 1)
 
 
+def test_a_negative_seed_is_refused_before_anything_is_written(tmp_path):
+    """Before: numpy's ValueError as a traceback, and an empty OUT left behind."""
+    result = vitctl("data", "synth", tmp_path / "a", *SMALL, "--seed", -1)
+    assert result.exit_code == 2 and "Invalid value for '--seed': -1 is not in the range x>=0" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("earlier_synth", [False, True])
 def test_archives_synth_did_not_write_are_never_replaced(tmp_path, earlier_synth):
     out = tmp_path / "downloads"

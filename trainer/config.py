@@ -297,11 +297,15 @@ def parse_override(text: str) -> dict[str, Any]:
 
 
 def preset_path(name: str) -> Path:
-    """A YAML file when `name` looks like one (a suffix, e.g. .yaml, or a folder in it), else a shipped preset."""
+    """A YAML file when `name` looks like one (a suffix, e.g. .yaml, or a slash in it), else a shipped preset."""
+    if not name.strip():  # an unset shell variable: training the defaults (vit_b16) instead would go unseen
+        raise ConfigError("--config is empty; pass a preset name or a YAML file")
     path = Path(name)
-    if path.suffix or len(path.parts) > 1:  # presets are named without a suffix
+    if path.suffix or "/" in name:  # presets are named without a suffix; Path drops the "./" of ./my_config
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist; check the path, or pass a preset name")
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder; pass a YAML file in it, or a preset name")
         if path.suffix == ".toml":
             raise ConfigError(f"config file {path} is TOML, and vitctl reads YAML: write its tables as YAML sections "
                               f"(`[optim]` and `lr = 1e-3` become `optim:` and an indented `lr: 1e-3`), as `vitctl "
@@ -350,7 +354,7 @@ def _read_preset(path: Path) -> dict[str, Any]:
 
 def load_config(preset: str | None, overrides: list[str] = (), extra: dict[str, Any] | None = None) -> RunConfig:
     """Preset, then `extra` (from CLI flags), then `--set` overrides; validated."""
-    values: dict[str, Any] = _read_preset(preset_path(preset)) if preset else {}
+    values: dict[str, Any] = _read_preset(preset_path(preset)) if preset is not None else {}
     values = _merge(values, extra or {})
     for text in overrides:
         values = _merge(values, parse_override(text))
@@ -370,7 +374,10 @@ LOADER_BRANCHES = ("pil", "pil-crop", "nvjpeg")  # data.decode's values
 
 def validate(c: RunConfig) -> None:
     checks = [
-        (c.train.precision in PRECISIONS, f"train.precision must be one of {PRECISIONS}, got {c.train.precision!r}"),
+        (c.train.precision in PRECISIONS,
+         f"train.precision must be one of {', '.join(PRECISIONS)}, got {c.train.precision!r}"),
+        # numpy's generators, seeded from it in every rank, take no other
+        (0 <= c.train.seed < 2**32, f"train.seed must be in [0, {2**32 - 1}], got {c.train.seed}"),
         (c.train.fp8_recipe in FP8_RECIPES,
          f"train.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {c.train.fp8_recipe!r}"),
         (c.train.fp8_min_width >= 0, f"train.fp8_min_width must be 0 or more, got {c.train.fp8_min_width}"),

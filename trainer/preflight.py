@@ -52,7 +52,8 @@ def _config_checks(config: RunConfig, resuming: bool) -> tuple[list[str], Strate
     source = None if resuming else _source_error(config)
     model = model_error(config.model)
     problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
-                            None if model else _fp8_width_error(config), _out_dir_error(config.train.out_dir)) if p]
+                            None if model else _fp8_width_error(config), _out_dir_error(config.train.out_dir),
+                            _out_in_data_error(config)) if p]
     strategy = None
     if model is None:
         try:
@@ -124,6 +125,18 @@ def _out_dir_error(out_dir: str) -> str | None:
         return None
     return f"run folder {out_dir} (--out, train.out_dir) cannot be made: {what_it_is(blocker)}, not a folder; choose " \
            "another --out"
+
+
+def _out_in_data_error(config: RunConfig) -> str | None:
+    """A run folder in the shard folder: its checkpoints and logs would mix with the shards, and a later `vitctl data
+    shard` into that folder refuses the files it did not write."""
+    if config.data.source == "synthetic" or config.data.path is None:
+        return None
+    out, data = Path(config.train.out_dir).resolve(), Path(config.data.path).resolve()
+    if out != data and data not in out.parents:
+        return None
+    return f"run folder {config.train.out_dir} (--out) is {'' if out == data else 'inside '}the shard folder " \
+           f"{config.data.path} (--data); choose a run folder outside it"
 
 
 def _mixup_error(config: RunConfig) -> str | None:
