@@ -7,6 +7,7 @@ import functools
 import itertools
 import json
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -495,6 +496,9 @@ def test_cli_fails_clearly_when_nothing_fits(tmp_path):
     assert "does not fit" in result.output
     assert "no strategy for vit_mini" in result.stderr and "--memory-gib" in result.stderr
     assert not out.exists()
+    least = re.search(r"pass --memory-gib (\d+\.\d) or more", result.stderr)
+    ok(*_plan_args(profile_path, out, least[1]))  # the figure it names fits: before, it was rounded down
+    assert out.exists()
 
 
 @pytest.mark.parametrize(("edit", "reason"), [

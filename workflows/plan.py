@@ -1,6 +1,7 @@
 """`vitctl plan`: find (or measure) the profile of this GPU type, search the layerwise strategy for a job, write the
 plan that `vitctl train --set parallel.plan=FILE` runs."""
 
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -107,12 +108,14 @@ def check_out(out: Path) -> None:
 
 def _no_fit(outcome: PlanOutcome) -> str:
     r, least = outcome.request, outcome.result.least
-    needs = "" if least is None else (f"; the least any searched strategy needs is "
-                                      f"{least.prediction.needs_bytes / 2**30:.1f} GiB "
-                                      f"({least.strategy.layout(outcome.world)}, every block FSDP and fully "
-                                      f"checkpointed)")
+    if least is None:
+        return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
+                f"--memory-gib {r.memory_gib:g}; raise --memory-gib, add GPUs (--nodes, --gpus) or lower --batch")
+    least_gib = math.ceil(least.prediction.needs_bytes / 2**30 * 10) / 10  # rounded up: the figure given then fits
     return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
-            f"--memory-gib {r.memory_gib:g}{needs}; raise --memory-gib, add GPUs (--nodes, --gpus) or lower --batch")
+            f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:.1f} GiB "
+            f"({least.strategy.layout(outcome.world)}, every block FSDP and fully checkpointed): pass --memory-gib "
+            f"{least_gib:.1f} or more, or add GPUs (--nodes, --gpus) or lower --batch")
 
 
 def load_profile(model: str, img_size: int, path: Path | None,
