@@ -103,6 +103,18 @@ def test_a_file_that_is_no_checkpoint_is_refused_before_launch(weights, tmp_path
         assert ACCEPTED in result.stderr
 
 
+@pytest.mark.parametrize("name", ["__0_0.distcp", "meta.json", ".metadata"])
+def test_a_file_inside_a_checkpoint_folder_names_the_folder_and_that_works(pretrained, tmp_path, name):
+    """Before, a shard file was 'damaged or not a torch.save file (PytorchStreamReader failed ...); copy it again'."""
+    folder = ckpt.list_checkpoints(pretrained)[-1]
+    result = finetune(folder / name, tmp_path / "ft")
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
+    assert result.stderr == (f"error: finetune.from_ckpt {folder / name} is one file of the checkpoint folder "
+                             f"{folder}; pass that folder, or the run folder for its last checkpoint\n")
+    ok("finetune", "--from-ckpt", folder, "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, "--steps", 1,
+       *SETS)
+
+
 @pytest.mark.slow
 def test_python_objects_need_trust_which_the_flag_gives_the_ranks(weights, tmp_path):
     """timm's training checkpoints pickle their argparse arguments (official Swin's, a yacs config)."""

@@ -36,6 +36,7 @@ EXPORT_SHA256 = "vitctl_sha256"  # safetensors metadata key: the digest `vitctl 
 HEAD_SEED_SALT = "vitctl finetune head"
 ACCEPTED = ("accepted: a vitctl run or checkpoint folder, a .safetensors file (`vitctl export`, timm), or a torch.save "
             "file (.pt, .pth, .bin: timm, official Swin, vitctl 0.1 checkpoints)")
+DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint writes beside a checkpoint's shard files
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save since torch 1.6 writes a zip archive
 LEGACY_MAGIC = pickle.dumps(MAGIC_NUMBER, protocol=2)  # before, a pickle stream opening with this number
 UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
@@ -51,6 +52,9 @@ def source_kind(path: Path, trust: bool) -> str:
         raise ConfigError(f"finetune.from_ckpt {path}: no such file or folder")
     if not path.is_file():
         raise ConfigError(f"finetune.from_ckpt {path} is neither a file nor a folder; {ACCEPTED}")
+    if (path.parent / DCP_METADATA).is_file():  # its shards alone are no checkpoint: "damaged" would mislead
+        raise ConfigError(f"finetune.from_ckpt {path} is one file of the checkpoint folder {path.parent}; pass that "
+                          f"folder, or the run folder for its last checkpoint")
     kind = _file_kind(path)
     if kind == "zip":
         try:
