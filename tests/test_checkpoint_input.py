@@ -242,6 +242,18 @@ def test_a_checkpoint_without_a_head_says_how_to_start_one_and_that_works(weight
     assert train(config(tmp_path / "ft", "train.max_steps=1", f"finetune.from_ckpt={source}", *fix))["step"] == 1
 
 
+def test_a_run_of_another_model_is_named_before_launch_and_the_fix_works(pretrained, tmp_path):
+    """Before, the ranks listed 50 missing and 76 unexpected keys after launch and said `--model set to the
+    architecture they are of` without naming it (a vitctl run records it)."""
+    result = finetune(pretrained, tmp_path / "ft", "--set", "model.name=swin_micro", "--set", "model.window_size=4")
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
+    assert result.stderr == (f"error: finetune.from_ckpt {pretrained} holds a vit_micro, and this run builds a "
+                             "swin_micro; finetune it as the model it is: --model vit_micro\n")
+    assert not (tmp_path / "ft").exists()  # nothing was launched
+    ok("finetune", "--from-ckpt", pretrained, "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, "--steps",
+       1, *[a for s in BASE if not s.startswith("model.name") for a in ("--set", s)], "--model", "vit_micro")
+
+
 @pytest.mark.parametrize("reset_head", [None, True])
 def test_weights_of_another_architecture_are_not_told_to_reset_the_head(tmp_path, reset_head):
     """A new head would leave the rest unfitted: the message names the architecture instead."""

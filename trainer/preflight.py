@@ -9,6 +9,7 @@ import torch
 from vitctl.datasets.index import index_path
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
+from .checkpoint import read_meta, resolve_checkpoint
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.images import gpu_decode_available
@@ -111,11 +112,24 @@ def _source_error(config: RunConfig) -> str | None:
     """What can be known of finetune.from_ckpt without reading its weights: its format, whether it needs trust."""
     if not config.finetune.from_ckpt:
         return None
+    source = Path(config.finetune.from_ckpt)
     try:
-        source_kind(Path(config.finetune.from_ckpt), config.finetune.trust_checkpoint)
+        if source_kind(source, config.finetune.trust_checkpoint) == "folder":
+            return _architecture_error(config, source)
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _architecture_error(config: RunConfig, source: Path) -> str | None:
+    """A vitctl checkpoint of another model: its meta.json says which, so the fix can name it before launch (after
+    launch, the ranks listed the keys that did not match)."""
+    trained = read_meta(resolve_checkpoint(source)).get("config", {}).get("model")
+    if not isinstance(trained, dict) or trained.get("name") in (None, config.model.name):
+        return None
+    window = f" --set model.window_size={trained['window_size']}" if trained.get("window_size") else ""
+    return f"finetune.from_ckpt {source} holds a {trained['name']}, and this run builds a {config.model.name}; " \
+           f"finetune it as the model it is: --model {trained['name']}{window}"
 
 
 def _out_dir_error(out_dir: str) -> str | None:
