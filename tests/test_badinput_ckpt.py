@@ -16,11 +16,12 @@ import torch
 
 from conftest import ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
-from vitctl.trainer.config import ConfigError, ModelConfig
+from vitctl.trainer.config import ConfigError, ModelConfig, load_config
 from vitctl.trainer.loop import train
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
 from vitctl.trainer.pretrained import load_pretrained, read_state_dict
+from vitctl.workflows.train import check_resumable
 
 SETS, config, follow = base.SETS, base.config, base.follow
 pretrained, run_copy = base.pretrained, base.run_copy  # fixtures: a run with checkpoints of steps 2 and 3, a copy
@@ -245,3 +246,22 @@ def test_resume_with_another_model_names_the_keys_and_both_ways_on_work(run_copy
     ok("finetune", *SETS, *finetune[2:], "--executor", "local", "--gpus", 0, "--steps", 1)  # its --set comes last
     assert json.loads((ckpt.list_checkpoints(tmp_path / "ft")[-1] / "meta.json").read_text())["config"]["model"][
         "num_classes"] == 7
+
+
+def test_a_resume_onto_shards_of_other_classes_names_the_data_not_num_classes(tmp_path, monkeypatch):
+    """Before, the two checks sent the user round in a circle: --resume said `rerun with --set model.num_classes=3`,
+    and then the shards' check said `pass --set model.num_classes=5`."""
+    def run_config(shards: str, classes: int):
+        return load_config("demo_vit", [f"data.path={tmp_path / shards}", f"model.num_classes={classes}"])
+
+    monkeypatch.setattr(ckpt, "read_meta", lambda path: {"config": run_config("sh3", 3).to_dict()})
+    last = tmp_path / "run/checkpoints/step-00000003"
+    with pytest.raises(ConfigError) as error:
+        check_resumable([last], run_config("sh5", 5))
+    assert str(error.value) == (
+        f"{tmp_path / 'run'} was trained on {tmp_path / 'sh3'} (3 classes), and --data {tmp_path / 'sh5'} is another "
+        f"shard folder, for model.num_classes=5: --resume goes on with the data a run began with; pass --data "
+        f"{tmp_path / 'sh3'}, or start a new run from its weights: `vitctl finetune --from-ckpt {tmp_path / 'run'} "
+        f"--out NEW --data {tmp_path / 'sh5'}` (with the other options of this command)")
+    check_resumable([last], run_config("sh3", 3))  # the fix: its own data
+    check_resumable([last], run_config("moved", 3))  # shards moved elsewhere, the same classes: not refused

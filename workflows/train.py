@@ -129,6 +129,20 @@ def check_local(request: LaunchRequest) -> None:
                           "--gpus 0 for CPU ranks, or run on GPU nodes with --executor slurm")
 
 
+def _other_data(last: Path, saved: dict, config: RunConfig) -> str | None:
+    """A resume onto shards of another number of classes: said as such, where the model's num_classes and the data's
+    checks would each send the user to the other's fix."""
+    was, classes = saved.get("data", {}).get("path"), saved["model"].get("num_classes")
+    now = config.data.path
+    if not was or not now or Path(was).resolve() == Path(now).resolve() or classes == config.model.num_classes:
+        return None
+    run_dir = last.parent.parent
+    return (f"{run_dir} was trained on {was} ({classes} classes), and --data {now} is another shard folder, for "
+            f"model.num_classes={config.model.num_classes}: --resume goes on with the data a run began with; pass "
+            f"--data {was}, or start a new run from its weights: `vitctl finetune --from-ckpt {run_dir} --out NEW "
+            f"--data {now}` (with the other options of this command)")
+
+
 def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
     """ConfigError if --resume would continue a pretraining run as a finetune or the reverse (finetune.from_ckpt would
     be ignored without a word), or with other model settings than it saved (the ranks would refuse, on Slurm only
@@ -136,6 +150,8 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
     if not checkpoints:
         return
     saved = checkpoint.read_meta(checkpoints[-1])["config"]
+    if other_data := _other_data(checkpoints[-1], saved, config):
+        raise ConfigError(other_data)
     if changed := checkpoint.model_change(checkpoints[-1], saved["model"], config.to_dict()["model"]):
         raise ConfigError(changed)
     source = saved.get("finetune", {}).get("from_ckpt")
