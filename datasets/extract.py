@@ -19,7 +19,7 @@ from typing import Any
 
 from .atomic import PARTIAL_SUFFIX, fsync_dir, partial_path, sync_filesystem, write_json_atomic
 from .errors import DataError
-from .ilsvrc import TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
+from .ilsvrc import DEVKIT_DIR, DEVKIT_NAME, TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
 from .lock import writing_in
 from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
@@ -73,9 +73,22 @@ def _damaged(known: str, then: str = "rerun") -> str:
     return f"the archive is damaged or not the original: download {known} again and {then}"
 
 
-def _check_archive(path: Path) -> None:
+def _check_archive(path: Path, wanted: str) -> None:
     if not path.is_file():
         raise DataError("not found" if not path.exists() else "not a file", str(path), "pass the archive file")
+    if "devkit" in path.name.lower():  # else its gzip error's fix, followed, led to an "unsafe member path" error
+        raise _devkit_given(path, wanted)
+
+
+def _devkit_given(path: Path, wanted: str) -> DataError:
+    return DataError(f"this is the ILSVRC2012 devkit ({DEVKIT_NAME}), not {wanted}", str(path),
+                     f"pass it to `vitctl data valprep VAL_DIR --devkit {path}`, and {wanted} here")
+
+
+def _refuse_devkit(members: list[TarMember], archive: Path, wanted: str) -> None:
+    """A devkit renamed, or decompressed as the gzip error advised: its members lie in the devkit's folder."""
+    if members and all(m.name.startswith(f"{DEVKIT_DIR}/") for m in members):
+        raise _devkit_given(archive, wanted)
 
 
 def _check_file_names(members: list[TarMember], where: str, fix: str) -> None:
@@ -92,6 +105,7 @@ def _check_file_names(members: list[TarMember], where: str, fix: str) -> None:
 
 def _class_tars(archive: Path, dest: Path) -> list[TarMember]:
     members = scan_path(archive)
+    _refuse_devkit(members, archive, TRAIN_ARCHIVE)
     _check_file_names(members, str(archive), _train_damaged(dest))
     for m in members:
         if not (m.name.endswith(".tar") and WNID.fullmatch(m.name[:-4])):
@@ -107,6 +121,7 @@ def _train_damaged(dest: Path) -> str:
 
 def _val_images(archive: Path) -> list[TarMember]:
     members = scan_path(archive)
+    _refuse_devkit(members, archive, VAL_ARCHIVE)
     _check_file_names(members, str(archive), _damaged(VAL_ARCHIVE))
     for m in members:
         if not VAL_PATTERN.fullmatch(m.name):
@@ -233,7 +248,7 @@ def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
                   on_total: Progress) -> ExtractReport:
     """Extract the nested train tar into `root/train/<wnid>/`, keeping classes an earlier run completed."""
     with os_errors_explained(root):
-        _check_archive(archive)
+        _check_archive(archive, TRAIN_ARCHIVE)
         dest = root / "train"
         _load_ledger(root)  # refused before the archive is read
         members = _class_tars(archive, dest)
@@ -280,7 +295,7 @@ def _count_files(path: Path) -> int:
 def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_total: Progress) -> int:
     """Extract the flat val tar into `root/val/`; returns the image count."""
     with os_errors_explained(root):
-        _check_archive(archive)
+        _check_archive(archive, VAL_ARCHIVE)
         _load_ledger(root)  # refused before anything is written
         # checked before --out is made; a finished val/ is not read again
         members = None if os.path.lexists(root / "val") else _val_images(archive)

@@ -25,6 +25,7 @@ TRAIN_ARCHIVE = "ILSVRC2012_img_train.tar (147,897,477,120 bytes, md5 1d675b47d9
 VAL_ARCHIVE = "ILSVRC2012_img_val.tar (6,744,924,160 bytes, md5 29b22e2961454d5413ddabcf34fc5622)"
 SOLUTION_CSV = "LOC_val_solution.csv"
 DEVKIT_NAME = "ILSVRC2012_devkit_t12.tar.gz"
+DEVKIT_DIR = "ILSVRC2012_devkit_t12"  # the folder every member of the devkit lies in
 SOLUTION_FIX = (f"pass Kaggle's {SOLUTION_CSV} (a CSV text file with the columns ImageId,PredictionString), or the "
                 "devkit with --devkit")
 

@@ -14,12 +14,11 @@ from PIL import Image
 
 from .atomic import partial_open, partial_path, publish, write_json_atomic
 from .errors import DataError
-from .ilsvrc import GROUND_TRUTH, META_MAT, SYNSET_FIELDS, VAL_NAME
+from .ilsvrc import DEVKIT_DIR, GROUND_TRUTH, META_MAT, SYNSET_FIELDS, VAL_NAME
 from .manifest import file_sha256
 from .oserrors import make_folder, os_errors_explained
 
 TRAIN_TAR, VAL_TAR, DEVKIT = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz"
-DEVKIT_DIR = "ILSVRC2012_devkit_t12"
 MARKER = ".vitctl-synth.json"  # name -> [[bytes, sha256], ...] of the archives synth wrote here: its own to replace
 MIN_CLASSES = 3  # the PNG, CMYK and grayscale images each take a class
 MAX_TRAIN_NUMBER = 39_999  # a class's images are numbered from 1 to this, each number once

@@ -45,6 +45,23 @@ def _tree(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
+@pytest.mark.parametrize(("flag", "wanted"), [("--val-tar", "ILSVRC2012_img_val.tar"),
+                                              ("--train-tar", "ILSVRC2012_img_train.tar")])
+@pytest.mark.parametrize("given", ["as shipped", "gunzipped and renamed"])
+def test_the_devkit_given_for_an_image_archive_is_named_and_its_fix_works(archives, tmp_path, flag, wanted, given):
+    """Before: 'the file is gzip-compressed ... decompress it', and, followed, 'unsafe member path
+    ILSVRC2012_devkit_t12/data/meta.mat ... use the original archive'."""
+    devkit = archives / DEVKIT
+    if given != "as shipped":
+        devkit = tmp_path / "dk.tar"
+        subprocess.run(f"gunzip --stdout {shlex.quote(str(archives / DEVKIT))} > {devkit}", shell=True, check=True)
+    result = vitctl("data", "extract", flag, devkit, "--out", tmp_path / "r")
+    fix = _error(result, str(devkit), f"this is the ILSVRC2012 devkit (ILSVRC2012_devkit_t12.tar.gz), not {wanted}")
+    assert fix.startswith("pass it to `vitctl data valprep VAL_DIR --devkit ") and not (tmp_path / "r").exists()
+    root = _extracted(archives, tmp_path / "r", "val")
+    ok(*[str(root / "val") if arg == "VAL_DIR" else arg for arg in _quoted(fix)])
+
+
 @pytest.mark.parametrize("wrong", ["root", "train"])
 def test_valprep_of_the_root_or_the_train_folder_names_the_val_folder(archives, tmp_path, wrong):
     root = _extracted(archives, tmp_path / "r", "train", "val")
