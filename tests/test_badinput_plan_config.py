@@ -2,7 +2,10 @@
 one `error: ...` line naming what, where and how to fix it (exit 1), and the fix it names works."""
 
 import json
+import re
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -260,6 +263,46 @@ def test_an_empty_config_or_out_is_refused_not_taken_as_the_defaults_or_the_curr
         assert result.exit_code == 2 and "Invalid value for '--out': is empty (an unset shell variable?); give a " \
             "path" in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def immutable():
+    """chattr +i (root ignores permission bits, not this flag); undone at the end, or pytest could not clean up."""
+    made = []
+
+    def make(path: Path) -> None:
+        if subprocess.run(["chattr", "+i", path], capture_output=True).returncode:
+            pytest.skip("chattr +i is not available on this filesystem")
+        made.append(path)
+
+    yield make
+    for path in made:
+        subprocess.run(["chattr", "-i", path], check=True)
+
+
+@pytest.mark.parametrize("part", ["metrics.jsonl", "checkpoints"])
+def test_a_part_of_the_run_folder_this_user_cannot_write_is_refused_before_launch(tmp_path, immutable, part):
+    """Before: a rank's PermissionError on metrics.jsonl after launch, or for checkpoints/ the whole run trained
+    and then failed to save."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").touch()
+    immutable(run / part)
+    _refused(vitctl(*DRY_RUN, "--out", run), f"run folder {run} (--out): this user cannot write {run / part} (its "
+                                             "permissions, or read-only or immutable); give this user write access "
+                                             "there, or choose another --out")
+
+
+def test_a_submitit_folder_this_user_cannot_write_is_named_with_the_fix(tmp_path, immutable):
+    """Before: `submission failed: [Errno 1] Operation not permitted: '.../submitit/<hash>.pkl'`, and no fix."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    immutable(run / "submitit")
+    result = vitctl(*[arg for arg in DRY_RUN if arg != "--dry-run"], "--steps", 1, "--out", run)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.stderr
+    assert re.fullmatch(rf"error: submission failed: this user cannot write {re.escape(str(run))}/submitit/\w+\.pkl "
+                        rf"\(Operation not permitted\); give this user write access to "
+                        rf"{re.escape(str(run / 'submitit'))}, or choose another --out\n", result.stderr), result.stderr
 
 
 @pytest.mark.parametrize("inside", ["", "run"])

@@ -2,6 +2,7 @@
 Slurm user hears of a bad request at once rather than after the queue wait; each rank calls it again at start,
 where the device is known."""
 
+import os
 from pathlib import Path
 
 import torch
@@ -9,17 +10,19 @@ import torch
 from vitctl.datasets.index import index_path
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
-from .checkpoint import read_meta, resolve_checkpoint
+from .checkpoint import checkpoint_dir, read_meta, resolve_checkpoint
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.images import gpu_decode_available
 from .data.shards import split_shards
 from .fp8 import fp8_problems
+from .metrics import METRICS_FILE
 from .models import block_widths, model_error, model_shape
 from .ops import parse_fused
 from .parallel import parallel_dims
 from .parallel.strategy import Strategy, strategy_from_config, strategy_problems
 from .pretrained import source_kind
+from .runlock import LOCK
 
 
 def preflight(config: RunConfig, world_size: int, device: torch.device | None, resuming: bool = False) -> Strategy:
@@ -133,12 +136,19 @@ def _architecture_error(config: RunConfig, source: Path) -> str | None:
 
 
 def _out_dir_error(out_dir: str) -> str | None:
-    """A file where the run folder, or a folder above it, would have to be: the run could write nothing there."""
+    """A file where the run folder, or a folder above it, would have to be: the run could write nothing there. Or a
+    part of the run folder this user cannot write: found before launch, not by a rank (the metrics) or after the
+    whole run (its first checkpoint)."""
     blocker = file_in_the_way(Path(out_dir))
-    if blocker is None:
-        return None
-    return f"run folder {out_dir} (--out, train.out_dir) cannot be made: {what_it_is(blocker)}, not a folder; choose " \
-           "another --out"
+    if blocker is not None:
+        return f"run folder {out_dir} (--out, train.out_dir) cannot be made: {what_it_is(blocker)}, not a folder; " \
+               "choose another --out"
+    run = Path(out_dir)
+    parts = [run, checkpoint_dir(run), run / METRICS_FILE, run / LOCK]
+    if locked := [p for p in parts if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))]:
+        return f"run folder {out_dir} (--out): this user cannot write {', '.join(map(str, locked))} (its " \
+               "permissions, or read-only or immutable); give this user write access there, or choose another --out"
+    return None
 
 
 def _out_in_data_error(config: RunConfig) -> str | None:

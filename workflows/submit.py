@@ -466,6 +466,10 @@ def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str])
         registry.remove_record(record.key)  # else the next command settles it as the FAILED job sacct records
         raise LaunchError(f"sbatch refused the job: {_sbatch_errors(str(e))}; nothing was submitted: change what it "
                           "names (--mem, --account, --qos, --partition, ...) and run the command again") from None
+    except PermissionError as e:  # submitit writes the job's pickle and logs into the run folder's submitit/
+        registry.remove_record(record.key)
+        raise LaunchError(f"submission failed: this user cannot write {e.filename} ({e.strerror}); give this user "
+                          f"write access to {folder}, or choose another --out") from None
     except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError, OSError) as e:
         registry.remove_record(record.key)
         raise LaunchError(f"submission failed: {e}") from None
