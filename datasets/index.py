@@ -69,23 +69,23 @@ def format_index(samples: list[list[Component]]) -> str:
 
 
 def parse_index(text: str, where: str) -> list[list[Component]]:
+    rebuild = f"rebuild the folder's index files with `vitctl data index {Path(where).parent}`"
     lines = text.splitlines()
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != VERSION or not head[1].isdigit():
-        raise DataError(f"line 1 is {lines[0] if lines else ''!r}, expected '{VERSION} <samples>'", where,
-                        "rebuild it with `vitctl data index`")
+        raise DataError(f"line 1 is {lines[0] if lines else ''!r}, expected '{VERSION} <samples>'", where, rebuild)
     samples = []
     for number, line in enumerate(lines[1:], start=2):
         fields = line.split()
         if not fields or len(fields) % 4:
-            raise DataError(f"line {number} does not hold groups of '<ext> <offset> <size> <name>'", where)
+            raise DataError(f"line {number} does not hold groups of '<ext> <offset> <size> <name>'", where, rebuild)
         try:
             samples.append([(fields[i], int(fields[i + 1]), int(fields[i + 2]), fields[i + 3])
                             for i in range(0, len(fields), 4)])
         except ValueError:
-            raise DataError(f"line {number} holds a non-integer offset or size", where) from None
+            raise DataError(f"line {number} holds a non-integer offset or size", where, rebuild) from None
     if len(samples) != int(head[1]):
-        raise DataError(f"header says {head[1]} samples, the file lists {len(samples)}", where)
+        raise DataError(f"header says {head[1]} samples, the file lists {len(samples)}", where, rebuild)
     return samples
 
 

@@ -305,6 +305,14 @@ def test_a_submitit_folder_this_user_cannot_write_is_named_with_the_fix(tmp_path
                         rf"{re.escape(str(run / 'submitit'))}, or choose another --out\n", result.stderr), result.stderr
 
 
+def test_a_data_path_that_is_missing_or_a_file_is_said_to_be_so(tmp_path):
+    (tmp_path / "file").touch()
+    for name, what in (("missing", "does not exist"), ("file", "is not a folder")):
+        _refused(vitctl("train", "--config", "demo_vit", "--data", tmp_path / name, "--out", tmp_path / "run",
+                        "--executor", "local", "--gpus", 0, "--dry-run"),
+                 f"data.path {tmp_path / name} {what}; prepare one with `vitctl data shard`")
+
+
 @pytest.mark.parametrize("inside", ["", "run"])
 def test_a_run_folder_in_the_shard_folder_is_refused(prepared_shards, tmp_path, inside):
     """Before, the run's checkpoints and logs went in among the shards, and a later `vitctl data shard` into that

@@ -96,8 +96,9 @@ def test_parse_rejects_a_damaged_index():
     assert parse_index(good, "x") == [[("cls", 512, 1, "a.cls")]]
     for bad, message in [("v1.1 1\ncls 512 1\n", "expected 'v1.2"), ("v1.2 2\ncls 512 1 a.cls\n", "header says 2"),
                          ("v1.2 1\ncls 512 one a.cls\n", "non-integer"), ("v1.2 1\ncls 512 1\n", "groups")]:
-        with pytest.raises(DataError, match=message):
-            parse_index(bad, "x")
+        with pytest.raises(DataError, match=message) as error:
+            parse_index(bad, "shards/x.idx")
+        assert error.value.fix == "rebuild the folder's index files with `vitctl data index shards`"
 
 
 def test_index_without_manifest_is_a_clear_error(tmp_path):

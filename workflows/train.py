@@ -45,7 +45,8 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     if config.data.source != "synthetic" and config.data.path is None:
         raise ConfigError("data.path is required (or data.source=synthetic): pass --data SHARDS")
     if config.data.source != "synthetic" and not Path(config.data.path).is_dir():
-        raise ConfigError(f"data.path {config.data.path} is not a folder; prepare one with `vitctl data shard`")
+        what = "is not a folder" if Path(config.data.path).exists() else "does not exist"
+        raise ConfigError(f"data.path {config.data.path} {what}; prepare one with `vitctl data shard`")
     if config.finetune.from_ckpt and not Path(config.finetune.from_ckpt).exists():
         raise ConfigError(f"--from-ckpt {config.finetune.from_ckpt}: no such file or folder")
     return config
