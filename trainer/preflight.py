@@ -136,9 +136,8 @@ def _architecture_error(config: RunConfig, source: Path) -> str | None:
 
 
 def _out_dir_error(out_dir: str) -> str | None:
-    """A file where the run folder, or a folder above it, would have to be: the run could write nothing there. Or a
-    part of the run folder this user cannot write: found before launch, not by a rank (the metrics) or after the
-    whole run (its first checkpoint)."""
+    """A file where the run folder (or one above it) would have to be, or a part of it this user cannot write: found
+    before launch, not by a rank (the metrics) or after the whole run (its first checkpoint)."""
     blocker = file_in_the_way(Path(out_dir))
     if blocker is not None:
         return f"run folder {out_dir} (--out, train.out_dir) cannot be made: {what_it_is(blocker)}, not a folder; " \
