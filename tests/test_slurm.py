@@ -191,7 +191,7 @@ def test_a_bad_config_is_refused_before_the_queue(prepared_shards, tmp_path):
 
 def test_missing_paths_and_unwritable_run_folder_are_refused(prepared_shards, tmp_path):
     result = vitctl("train", "--data", tmp_path / "nope", "--out", tmp_path / "run", *RUN, *SLURM_2x2)
-    assert result.exit_code == 1 and "is not a folder" in result.stderr
+    assert result.exit_code == 1 and "does not exist" in result.stderr
     blocker = tmp_path / "file"
     blocker.write_text("")
     result = vitctl("train", "--data", prepared_shards, "--out", blocker / "run", *RUN, *SLURM_2x2)

@@ -147,7 +147,7 @@ def test_fsdp_on_two_gloo_ranks(prepared_shards, tmp_path):
 
 def test_cli_errors_are_clear(prepared_shards, tmp_path):
     result = vitctl("train", "--config", "demo_vit", "--data", tmp_path / "missing")
-    assert result.exit_code == 1 and "is not a folder" in result.stderr
+    assert result.exit_code == 1 and "does not exist" in result.stderr
     result = vitctl("finetune", "--from-ckpt", tmp_path / "none.pt", "--config", "demo_vit", "--data", prepared_shards)
     assert result.exit_code == 1 and "no such file" in result.stderr
     result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--executor", "local", "--gpus", 1)
