@@ -66,11 +66,11 @@ def convert_to_te(model: nn.Module, min_width: int) -> None:
     """Swap the matmuls (and the LayerNorms TE fuses with them) of each block at least `min_width` wide, in place."""
     import transformer_engine.pytorch as te
 
+    kwargs = {"params_dtype": torch.bfloat16, "device": "cuda"}
     for block in blocks_of(model):
         dim, hidden = block.mlp.fc1.in_features, block.mlp.fc1.out_features
         if dim < min_width:
             continue
-        kwargs = {"params_dtype": torch.bfloat16, "device": "cuda"}
         if hasattr(block.attn, "window"):  # Swin: norm1 runs before the window partition
             block.attn.qkv = te.Linear(dim, 3 * dim, **kwargs)
         else:

@@ -117,17 +117,18 @@ def _source_error(config: RunConfig) -> str | None:
         return None
     source = Path(config.finetune.from_ckpt)
     try:
-        if source_kind(source, config.finetune.trust_checkpoint) == "folder":
-            return _architecture_error(config, source)
+        if source.is_dir():  # what source_kind checks of a folder, its meta.json kept for the model's name
+            return _architecture_error(config, source, read_meta(resolve_checkpoint(source)))
+        source_kind(source, config.finetune.trust_checkpoint)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def _architecture_error(config: RunConfig, source: Path) -> str | None:
+def _architecture_error(config: RunConfig, source: Path, meta: dict) -> str | None:
     """A vitctl checkpoint of another model: its meta.json says which, so the fix can name it before launch (after
     launch, the ranks listed the keys that did not match)."""
-    trained = read_meta(resolve_checkpoint(source)).get("config", {}).get("model")
+    trained = meta.get("config", {}).get("model")
     if not isinstance(trained, dict) or trained.get("name") in (None, config.model.name):
         return None
     window = f" --set model.window_size={trained['window_size']}" if trained.get("window_size") else ""

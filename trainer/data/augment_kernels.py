@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .augment import KINDS
+from .gpu_augment import GREY_WEIGHTS
 
 WARP: tl.constexpr = tl.constexpr(KINDS.index("warp"))
 AUTO_CONTRAST: tl.constexpr = tl.constexpr(KINDS.index("auto_contrast"))
@@ -26,6 +27,9 @@ COLOR: tl.constexpr = tl.constexpr(KINDS.index("color"))
 CONTRAST: tl.constexpr = tl.constexpr(KINDS.index("contrast"))
 BRIGHTNESS: tl.constexpr = tl.constexpr(KINDS.index("brightness"))
 SHARPNESS: tl.constexpr = tl.constexpr(KINDS.index("sharpness"))
+GREY_R: tl.constexpr = tl.constexpr(GREY_WEIGHTS[0])
+GREY_G: tl.constexpr = tl.constexpr(GREY_WEIGHTS[1])
+GREY_B: tl.constexpr = tl.constexpr(GREY_WEIGHTS[2])
 
 # A sample's statistics for one layer, int32: 255 - each channel's minimum, each channel's maximum (auto_contrast),
 # the sum of PIL's grey levels (contrast), one slot free, then each channel's 256-bin histogram (equalize).
@@ -183,7 +187,7 @@ def _pointwise(v, kind, param, grey, mean, lut):
 @triton.jit
 def _pil_grey(r, g, b):
     """gpu_augment._pil_grey: PIL's convert("L") in 16-bit fixed point."""
-    return (19595 * r + 38470 * g + 7471 * b + 0x8000) >> 16
+    return (GREY_R * r + GREY_G * g + GREY_B * b + 0x8000) >> 16
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from torch import Tensor
 from .augment import KINDS, Recipe
 
 # PIL's RGB -> L: (299 R + 587 G + 114 B) / 1000 in 16-bit fixed point, rounded (Convert.c's L24)
-_GREY_WEIGHTS = (19595, 38470, 7471)
+GREY_WEIGHTS = (19595, 38470, 7471)
 
 
 def augment_batch(images: Tensor, drawn: dict[str, np.ndarray], recipe: Recipe) -> Tensor:
@@ -208,7 +208,7 @@ def _tv_blend(images: Tensor, other: Tensor | float, ratio: Tensor) -> Tensor:
 def _pil_grey(images: Tensor) -> Tensor:
     """PIL's convert("L"), (n, 1, H, W) int32."""
     r, g, b = images.int().unbind(1)
-    red, green, blue = _GREY_WEIGHTS
+    red, green, blue = GREY_WEIGHTS
     return ((red * r + green * g + blue * b + 0x8000) >> 16).unsqueeze(1)
 
 
