@@ -22,6 +22,7 @@ TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
                                                   "[64, 32, 16, 8]"),
     (["train.fused=all,mlp=bogus"], "--fused: mlp has no implementation 'bogus'"),
     (["train.fused=al"], "--fused: unknown op 'al'"),
+    (["train.fused=all,mlp=cuda"], "--fused mlp=cuda: cuda cannot run on cpu (needs CUDA); drop '=cuda' to take"),
     (["model.num_classes=1000"], f"pass --set model.num_classes={CLASSES}"),
     (["augment.mixup=0.8", "data.batch_size=7"], "mixup/cutmix pair the samples of a batch and need an even"),
     (["data.batch_size=40"], "data.batch_size 40 x 2 data-parallel ranks = 80 samples a step, more than the 60"),
@@ -37,6 +38,17 @@ def test_bad_requests_are_refused_before_launch(prepared_shards, tmp_path, overr
     assert result.exit_code == 1 and message in result.stderr, result.stderr
     assert "Traceback" not in result.output + result.stderr
     assert not (tmp_path / "run" / "submitit").exists()  # nothing was launched
+
+
+def test_a_named_implementation_that_cannot_run_is_refused_and_the_fix_runs(prepared_shards, tmp_path):
+    """Named, an implementation is not swapped for the reference behind the user's back; without the name it is."""
+    args = ["train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run", "--executor",
+            "local", "--gpus", 0, "--batch", 8, "--epochs", 1, "--set", f"model.num_classes={CLASSES}"]
+    refused = vitctl(*args, "--fused", "all,optimizer=cuda")
+    assert refused.exit_code == 1 and "drop '=cuda'" in refused.stderr, refused.stderr
+    empty = vitctl(*args, "--fused", "")  # an unset shell variable: it had meant none
+    assert empty.exit_code == 1 and "--fused is empty; give all" in empty.stderr, empty.stderr
+    ok(*args, "--fused", "all,optimizer")
 
 
 def test_every_problem_is_reported_at_once(prepared_shards, tmp_path):

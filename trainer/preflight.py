@@ -18,7 +18,7 @@ from .data.shards import split_shards
 from .fp8 import fp8_problems
 from .metrics import METRICS_FILE
 from .models import block_widths, model_error, model_shape
-from .ops import parse_fused
+from .ops import parse_fused, unavailable_asked
 from .parallel import parallel_dims
 from .parallel.strategy import Strategy, strategy_from_config, strategy_problems
 from .pretrained import source_kind
@@ -172,7 +172,7 @@ def _mixup_error(config: RunConfig) -> str | None:
 
 
 def _device_problems(config: RunConfig, device: torch.device) -> list[str]:
-    problems = []
+    problems = [] if _fused_error(config.train.fused) else unavailable_asked(config.train.fused, device)
     precision = config.train.precision
     if device.type == "cuda" and precision in ("bf16", "bf16-pure") and not torch.cuda.is_bf16_supported():
         problems.append(f"train.precision={precision} needs a GPU with bfloat16 (Ampere or newer), not "

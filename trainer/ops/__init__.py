@@ -58,12 +58,15 @@ def parse_fused(spec: str) -> dict[str, str | None]:
     Returns seam -> the implementation asked for (None: the best available). `all,optimizer=apex` asks for
     the best everywhere and apex's FusedAdam for the optimizer.
     """
+    if not spec.strip():
+        raise ValueError("--fused is empty; give all (the best available ops), none (the reference ops) or "
+                         f"seams from {', '.join(SEAMS)}, comma-separated")
     wanted: dict[str, str | None] = {}
     for item in (s.strip() for s in spec.split(",")):
         seam, _, impl = item.partition("=")
         if item == "all":
             wanted |= {s: wanted.get(s) for s in SEAMS}
-        elif item in ("none", ""):
+        elif item in ("none", ""):  # "" : a stray comma
             continue
         elif seam not in SEAMS:
             raise ValueError(f"--fused: unknown op {seam!r}; choose from all, none, {', '.join(SEAMS)}")
@@ -72,6 +75,15 @@ def parse_fused(spec: str) -> dict[str, str | None]:
         else:
             wanted[seam] = impl or None
     return wanted
+
+
+def unavailable_asked(spec: str, device: torch.device) -> list[str]:
+    """Why each implementation `spec` names (`seam=implementation`) cannot run on `device`: named, it is not
+    swapped for another."""
+    return [f"--fused {seam}={impl}: {impl} cannot run on {device} ({why}); drop '={impl}' to take the best one "
+            "that can"
+            for seam, impl in parse_fused(spec).items()
+            if impl is not None and (why := REGISTRY[seam][impl].unavailable(device))]
 
 
 def _pick(seam: str, device: torch.device, asked: str | None, compiling: bool) -> Impl:
