@@ -66,6 +66,8 @@ def test_overrides_win_over_presets_and_read_yaml_values():
     ("optim.lrr=1", "unknown keys \\['optim.lrr'\\]"),
     ("train.precision=fp4", "train.precision must be one of"),
     ("data.batch_size=big", "data.batch_size: expected int"),
+    ("train.epochs='1'", "train.epochs: expected float, got '1'; a number in quotes is a string: write 1 without"),
+    ("optim.lr='0.5'", "optim.lr: expected float, got '0.5'; a number in quotes is a string"),
     ("optim.betas=[0.9]", "expected a list of 2 values"),
     ("model.drop_path=1.5", "model.drop_path must be in"),
     ("nonsense", "not of the form section.key=value"),

@@ -3,6 +3,7 @@
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -190,19 +191,32 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         return [_coerce(v, typing.get_args(kind)[0], key) for v in value]
     if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
-    if kind is float and isinstance(value, str):  # YAML 1.1 reads 5e-3 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    # YAML 1.1 reads 5e-3 and nan as strings; a finite number in quotes is refused below, as it is for ints
+    if kind is float and isinstance(value, str) and (number := _as_number(value)) is not None \
+            and (_YAML11_EXPONENT.fullmatch(value) or not math.isfinite(number)):
+        return number
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
         named = f"; there is no {key}.{next(iter(value))}" if value else ""
         raise ConfigError(f"{key} is a value, not a section of keys{named}: set it as {key}=VALUE")
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: expected {kind.__name__}, got {'no value' if value is None else repr(value)}")
+        got = "no value" if value is None else repr(value)
+        if kind in (int, float) and isinstance(value, str) and (number := _as_number(value)) is not None \
+                and math.isfinite(number):
+            got += f"; a number in quotes is a string: write {value} without them"
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {got}")
     return value
+
+
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 # Keys that moved, with what replaces them: a preset or --set written for an older vitctl gets told.
