@@ -308,6 +308,8 @@ def _extract_val(archive: Path, root: Path, members: list[TarMember] | None, wor
                  on_total: Progress) -> int:
     ledger = _load_ledger(root)
     dest, partial = root / "val", partial_path(root / "val")
+    if ledger["val"] is None and dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()):
+        dest.rmdir()  # an empty val/ made by hand (as valprep's fix assumes) holds nothing to keep
     if os.path.lexists(dest):
         if ledger["val"] is None or not ledger["val"].get("complete", True):
             raise DataError(f"{dest} exists but was not written by `vitctl data extract`", str(root),

@@ -45,6 +45,12 @@ def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
     if foreign:
         raise DataError(f"unexpected entries (not images, not WNID folders): {_sample(foreign)}", str(val_dir),
                         "move them out of the validation folder; nothing was moved")
+    if not flat and not placed:  # the labels would all be "missing", and the fix would blame them
+        fix = f"extract the val archive into it: `{extract_command(val_dir.parent, ['val'])}`" \
+            if val_dir.name == "val" else "extract the val archive (`vitctl data extract --val-tar " \
+            "ILSVRC2012_img_val.tar --out ROOT`) and pass ROOT/val"
+        raise DataError("holds no images: the val archive has not been extracted into it", str(val_dir),
+                        f"{fix}, then run valprep again")
     others = sorted(name for name in flat | placed.keys() if not VAL_PATTERN.fullmatch(name))
     if others and len(others) == len(flat) + len(placed):  # the train folder, the archives' folder
         val = val_dir.parent / "val"

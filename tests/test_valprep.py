@@ -74,6 +74,19 @@ def test_count_mismatch_is_refused_and_nothing_moves(archives, tmp_path):
     assert sorted(p.name for p in val.iterdir()) == before
 
 
+def test_an_empty_val_folder_is_said_to_need_the_archive_and_the_fix_works(archives, tmp_path):
+    """Before: every image "missing", and the fix blamed the devkit."""
+    val = tmp_path / "r/val"
+    val.mkdir(parents=True)
+    result = vitctl("data", "valprep", val, "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1 and "holds no images: the val archive has not been extracted" in result.stderr
+    fix = result.stderr.split("`")[1].replace(VAL_TAR, str(archives / VAL_TAR)).split()
+    assert fix[:3] == ["vitctl", "data", "extract"], result.stderr
+    ok(*fix[1:])
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
+    assert len(_layout(val)) == len(_truth(archives))
+
+
 def test_foreign_file_is_refused_and_nothing_moves(archives, tmp_path):
     val = _val_dir(archives, tmp_path)
     (val / "notes").mkdir()
