@@ -283,6 +283,20 @@ def test_too_few_cpus_for_the_loader_are_a_warning_whose_fix_works(tmp_path, mon
     assert cpus_per_task("--out", tmp_path / "c", "--cpus-per-gpu", 4, *fixes[1].split()) == (4, "")
 
 
+def test_a_dry_run_while_the_controller_does_not_answer_prints_the_script_with_a_warning(tmp_path, monkeypatch):
+    """Before: `sinfo failed` refused the dry run, which needs no cluster."""
+    fake_cluster(tmp_path / "bin", node_cpus=96)
+    (tmp_path / "bin/sinfo").write_text("#!/bin/sh\necho 'slurm_load_partitions: Unable to contact slurm controller "
+                                        "(connect failure)' >&2\nexit 1\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{Path(sys.executable).parent}")
+    cpus, warning = cpus_per_task("--out", tmp_path / "a")
+    assert cpus == 9 and warning.startswith("warning: the request was not checked against the cluster: sinfo failed: "
+                                            "slurm_load_partitions: Unable to contact slurm controller")
+    submitted = vitctl("train", "--config", "swin_b_pretrain", "--set", "data.source=synthetic", "--executor",
+                       "slurm", "--gpus", 8, "--out", tmp_path / "b")
+    assert submitted.exit_code == 1 and "error: sinfo failed" in submitted.stderr, submitted.stderr
+
+
 def test_dry_run_prints_a_complete_script_byte_for_byte(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch: nothing to check it against
     monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))

@@ -63,6 +63,21 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def _checked_against_cluster(request: LaunchRequest, dry_run: bool, echo) -> int | None:
+    """The request checked against the cluster's partitions; returns a node's CPUs. A dry run away from any cluster,
+    or while its controller does not answer, prints the script unchecked."""
+    try:
+        partition, node_cpus = validate_slurm(request)
+    except LaunchError as e:
+        if not dry_run:
+            raise
+        echo(f"warning: the request was not checked against the cluster: {e}")
+        return None
+    if warning := availability_warning(request, partition):
+        echo(f"warning: {warning}")
+    return node_cpus
+
+
 def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: bool, echo) -> JobRecord | str:
     """Validate, then submit (Slurm: returns at once) or run (local: waits, echoing rank 0's log).
 
@@ -83,9 +98,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     name = f"{config.model.name}-{run_dir.name}"
     node_cpus = None
     if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
-        partition, node_cpus = validate_slurm(request)  # a dry run away from any cluster prints the script unchecked
-        if warning := availability_warning(request, partition):
-            echo(f"warning: {warning}")
+        node_cpus = _checked_against_cluster(request, dry_run, echo)
     if warning := cpus_warning(request, config.data.workers):
         echo(f"warning: {warning}")
     request = with_cpus_per_task(request, node_cpus, config.data.workers)
