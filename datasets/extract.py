@@ -86,8 +86,11 @@ def _devkit_given(path: Path, wanted: str) -> DataError:
 
 
 def _refuse_devkit(members: list[TarMember], archive: Path, wanted: str) -> None:
-    """A devkit renamed, or decompressed as the gzip error advised: its members lie in the devkit's folder."""
-    if members and all(m.name.startswith(f"{DEVKIT_DIR}/") for m in members):
+    """An empty tar; a devkit renamed, or decompressed as the gzip error advised: its members lie in the devkit's
+    folder. Extracted, an empty tar would be recorded as done, and the right archive then refused as another."""
+    if not members:
+        raise DataError("holds no files: an empty tar", str(archive), f"pass {wanted}")
+    if all(m.name.startswith(f"{DEVKIT_DIR}/") for m in members):
         raise _devkit_given(archive, wanted)
 
 

@@ -310,6 +310,18 @@ def test_the_train_archive_given_as_val_is_refused(small_archives, tmp_path):
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
+def test_an_empty_tar_is_refused_before_anything_is_recorded(small_archives, small_extracted, tmp_path, split):
+    """Before: extracted as 0 images and recorded as done; the real archive was then refused as another."""
+    empty, out = tmp_path / "empty.tar", tmp_path / "r"
+    tarfile.open(empty, "w").close()
+    result = vitctl("data", "extract", f"--{split}-tar", empty, "--out", out)
+    assert result.exit_code == 1 and "holds no files: an empty tar" in result.stderr, result.stderr
+    assert f"pass ILSVRC2012_img_{split}.tar" in result.stderr and not out.exists()
+    ok("data", "extract", f"--{split}-tar", small_archives / (TRAIN_TAR if split == "train" else VAL_TAR), "--out", out)
+    assert _tree(out / split) == _tree(small_extracted / split)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
 def test_another_archive_into_the_same_out_is_refused_until_its_folder_is_removed(archives, small_archives,
                                                                                  small_extracted, tmp_path, split):
     flag, name = (f"--{split}-tar", TRAIN_TAR if split == "train" else VAL_TAR)
