@@ -4,15 +4,18 @@ of another layout, another model on --resume. Each gets one message whose fix, f
 
 import json
 import logging
+import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 import test_checkpoint_input as base
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
@@ -181,12 +184,34 @@ def test_export_does_not_write_over_a_checkpoint_or_a_file_that_is_not_an_export
     mine = tmp_path / "model.pth"
     torch.save({"w": torch.ones(2)}, mine)
     result = vitctl("export", pretrained, "--out", mine)
-    assert result.exit_code == 1 and (f"error: --out {mine} exists and is not a safetensors file: writing over it "
-                                      "would destroy it; choose another --out") in result.stderr, result.stderr
+    assert result.exit_code == 1 and (f"error: --out {mine} exists and is not a vitctl export (no vitctl_sha256 in "
+                                      "its safetensors header): writing over it would destroy it; choose another "
+                                      "--out") in result.stderr, result.stderr
     assert torch.equal(torch.load(mine)["w"], torch.ones(2))
     again = tmp_path / "w.safetensors"  # an earlier export is written over: that is how a damaged one is replaced
     ok("export", pretrained, "--out", again)
+    with open(again, "r+b") as f:  # its tensors damaged, its header whole
+        f.seek(-64, 2)
+        f.write(bytes(64))
     ok("export", pretrained, "--out", again)
+    assert read_state_dict(again).keys()
+
+
+def test_export_does_not_write_over_a_safetensors_file_of_another_tool_or_what_is_not_a_file(pretrained, tmp_path):
+    """Before, any *.safetensors was written over, and a FIFO, a device node or a symbolic link replaced by a file."""
+    theirs = tmp_path / "other.safetensors"
+    save_file({"foo.weight": torch.ones(3)}, theirs)
+    result = vitctl("export", pretrained, "--out", theirs)
+    assert result.exit_code == 1 and "is not a vitctl export" in result.stderr, result.stderr
+    assert torch.equal(load_file(theirs)["foo.weight"], torch.ones(3))
+    fifo, link = tmp_path / "fifo", tmp_path / "link.safetensors"
+    os.mkfifo(fifo)
+    link.symlink_to(theirs)
+    for out, what in ((fifo, "not a regular file"), (link, "a symbolic link")):
+        result = vitctl("export", pretrained, "--out", out)
+        assert result.exit_code == 1 and f"error: --out {out} is {what}: writing would replace it" in result.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink()
+    ok("export", pretrained, "--out", tmp_path / "mine.safetensors")
 
 
 def test_export_ema_of_a_run_without_ema_says_to_drop_it(pretrained, tmp_path):

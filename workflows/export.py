@@ -14,7 +14,7 @@ from vitctl.trainer.checkpoint import consolidated, is_checkpoint, list_checkpoi
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
 from vitctl.trainer.models.layers import timm_layout
-from vitctl.trainer.pretrained import EXPORT_SHA256, looks_like_safetensors
+from vitctl.trainer.pretrained import EXPORT_SHA256
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,27 @@ def _check_out(out: Path) -> None:
         raise ConfigError(f"--out {out} lies in the checkpoint folder {inside}, which holds what training wrote "
                           "there alone: writing there could destroy the checkpoint; choose an --out outside "
                           f"{inside.parent}")
-    if out.is_file() and out.stat().st_size and not looks_like_safetensors(out):
-        raise ConfigError(f"--out {out} exists and is not a safetensors file: writing over it would destroy it; "
-                          "choose another --out, or move the file away first")
+    if out.is_symlink() or (out.exists() and not out.is_file()):  # the rename would put a file in its place
+        raise ConfigError(f"--out {out} is {'a symbolic link' if out.is_symlink() else 'not a regular file'}: "
+                          "writing would replace it, not write through it; choose another --out")
+    if out.is_file() and out.stat().st_size and not _is_export(out):
+        raise ConfigError(f"--out {out} exists and is not a vitctl export (no {EXPORT_SHA256} in its safetensors "
+                          "header): writing over it would destroy it; choose another --out, or move the file away "
+                          "first")
+
+
+def _is_export(path: Path) -> bool:
+    """Whether `path` begins with the safetensors header of a `vitctl export`; its tensors may be damaged (the header
+    is read alone, so a damaged export can be written again)."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if length > min(path.stat().st_size, 1 << 27):
+                return False
+            header = json.loads(f.read(length))
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and EXPORT_SHA256 in (header.get("__metadata__") or {})
 
 
 def _write(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
