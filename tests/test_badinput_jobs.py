@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ok, vitctl
+from vitctl.trainer.metrics import MetricsWriter
 from vitctl.workflows import registry, status, submit
 from vitctl.workflows.errors import Interrupted
 from vitctl.workflows.process import children
@@ -153,6 +154,24 @@ def test_logs_of_an_ended_job_that_wrote_none_say_it_never_started(tmp_path):
     assert result.stderr.strip() == (f"error: job 1 (FAILED) ended without a log for rank 1 in {record.folder}: that "
                                      f"rank never started (no rank reported an error (killed, or out of memory?); see "
                                      f"{record.folder}/1_0_log.err)")
+
+
+def test_status_of_a_job_with_a_damaged_result_and_metrics_says_so_and_resume_drops_the_damage(tmp_path):
+    """Before: `vitctl status` (of every job) and `cancel` ended in a UnicodeDecodeError traceback, and so did the
+    resumed run's rank 0 (metrics.jsonl read strictly)."""
+    run = tmp_path / "run"
+    record = _ended_local_job(run)
+    result = run / "submitit/1_0_result.pkl"
+    result.write_bytes(b"\x80\x04\x8c\x02\xff\xfe\x94.")  # a pickled str whose bytes are not UTF-8
+    good = json.dumps({"step": 3, "loss": 2.5, "images_per_s": 10.0, "step_time_s": 0.1, "total_steps": 6})
+    (run / "metrics.jsonl").write_bytes(good.encode() + b"\n\xff\xfe x\n")
+    state = status.state_of(record)
+    assert state.state == "UNKNOWN" and state.note == (f"it ended, and rank 0's result {result} cannot be read "
+                                                       "(damaged); `vitctl logs 1` shows how it ended")
+    assert status.progress(record)["step"] == 3
+    assert "Traceback" not in ok("status").output
+    MetricsWriter(run, enabled=True).drop_after(3)  # what a resume from step 3 does
+    assert (run / "metrics.jsonl").read_text() == good + "\n"
 
 
 def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):

@@ -44,10 +44,10 @@ class MetricsWriter:
 
     def drop_after(self, step: int) -> None:
         """Rewrite the log (atomically) without the records past `step`: an attempt that ended before checkpointing
-        them wrote them, and the run writes those steps again. A line cut short by a crash goes too."""
+        them wrote them, and the run writes those steps again. A line cut short by a crash, or damaged, goes too."""
         if not self.enabled or not self.path.exists():
             return
-        lines = self.path.read_text().splitlines()
+        lines = self.path.read_text(errors="replace").splitlines()  # a damaged line is dropped as a cut one
         kept = [line for line, at in zip(lines, map(_step_of, lines), strict=True) if at is not None and at <= step]
         if len(kept) < len(lines):
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
@@ -82,12 +82,12 @@ def _step_of(line: str) -> int | None:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records; a line that does not parse (being written now, or cut short by a crash) is left out."""
+    """The records; a line that does not parse (being written now, cut short by a crash, damaged) is left out."""
     path = run_dir / METRICS_FILE
     if not path.exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
     return records

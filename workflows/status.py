@@ -172,6 +172,9 @@ def local_state(record: JobRecord) -> JobState:
         return JobState("CANCELLED", None)
     if not Path(record.folder).is_dir():
         return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
+    if (path := _result_path(record, 0)).exists():
+        return JobState("UNKNOWN", None, f"it ended, and rank 0's result {path} cannot be read (damaged); "
+                                         f"`vitctl logs {record.job_id}` shows how it ended")
     return JobState("FAILED", None)
 
 
@@ -188,7 +191,7 @@ def _result(path: Path) -> tuple[tuple[str, Any], float] | None:
     try:
         with open(path, "rb") as f:
             return pickle.load(f), path.stat().st_mtime
-    except (FileNotFoundError, EOFError, pickle.UnpicklingError):
+    except Exception:  # not there yet; or damaged, when unpickling raises whatever its bytes lead to
         return None
 
 
