@@ -174,6 +174,15 @@ def test_status_of_a_job_with_a_damaged_result_and_metrics_says_so_and_resume_dr
     assert (run / "metrics.jsonl").read_text() == good + "\n"
 
 
+def test_resume_onto_a_folder_without_checkpoints_warns_that_the_run_starts_afresh(tmp_path):
+    """Before: a mistyped --out with --resume began the run again from step 0 without a word."""
+    missing = tmp_path / "typo"
+    result = ok("train", *QUICK, "--steps", 1, "--out", missing, "--resume")
+    assert (f"warning: --resume, but {missing} does not exist: the run starts at step 0; to continue a run, give its "
+            "folder as --out") in result.stderr, result.stderr
+    assert "warning: --resume" not in ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr
+
+
 def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):
     """vit_mini and vit_micro both have 4 blocks: the block count let the plan through, unseen."""
     plan = tmp_path / "plan.json"

@@ -109,11 +109,18 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
         raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
                           f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
                           f"{request.tasks}")
+    existed = run_dir.exists()
     if dry_run:
-        check_resumable(checkpoint.checkpoints_to_resume(run_dir, resume), config)  # the ranks resume
+        found = checkpoint.checkpoints_to_resume(run_dir, resume)
+    else:
+        refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
+        found = check_run_dir(run_dir, resume)
+    check_resumable(found, config)
+    if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
+        echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
+             "starts at step 0; to continue a run, give its folder as --out")
+    if dry_run:
         return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
-    refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
-    check_resumable(check_run_dir(run_dir, resume), config)
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
     job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
     record, submitted = submit(job, request, name, command_line())
