@@ -134,3 +134,12 @@ def test_float_keys_cover_the_recipe():
     assert {"optim.lr", "optim.min_lr", "optim.warmup_lr", "optim.weight_decay", "optim.clip_grad", "optim.betas",
             "augment.mixup", "augment.cutmix", "augment.reprob", "model.drop_path", "augment.label_smoothing",
             "train.ema_decay", "train.epochs", "data.mean"} <= keys
+
+
+def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
+    """Before: `--set train.out_dir=~/runs` (no shell expands it there) wrote into a folder named ~."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config("demo_vit", ["train.out_dir=~/runs/a", "data.path=~/shards", "finetune.from_ckpt=~/w.pt",
+                                      "parallel.plan=~/plan.json"])
+    assert (config.train.out_dir, config.data.path) == (f"{tmp_path}/runs/a", f"{tmp_path}/shards")
+    assert (config.finetune.from_ckpt, config.parallel.plan) == (f"{tmp_path}/w.pt", f"{tmp_path}/plan.json")

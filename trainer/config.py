@@ -3,6 +3,7 @@
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -373,8 +374,21 @@ def load_config(preset: str | None, overrides: list[str] = (), extra: dict[str, 
     for text in overrides:
         values = _merge(values, parse_override(text))
     config = _build(RunConfig, values, "")
+    _expand_home(config)
     validate(config)
     return config
+
+
+PATH_KEYS = (("data", "path"), ("train", "out_dir"), ("finetune", "from_ckpt"), ("parallel", "plan"))
+
+
+def _expand_home(config: RunConfig) -> None:
+    """A leading ~ in a path key, as a shell expands it on the command line: in a config file or after `--set key=`
+    no shell does, and the run would write in a folder named ~."""
+    for section, key in PATH_KEYS:
+        part = getattr(config, section)
+        if (value := getattr(part, key)) and value.startswith("~"):
+            setattr(part, key, os.path.expanduser(value))
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
