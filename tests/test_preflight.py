@@ -34,7 +34,7 @@ TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
 def test_bad_requests_are_refused_before_launch(prepared_shards, tmp_path, overrides, message):
     sets = [a for o in overrides for a in ("--set", o)]
     result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
-                    *TWO_CPU_RANKS, "--batch", 8, "--set", f"model.num_classes={CLASSES}", *sets)
+                    *TWO_CPU_RANKS, "--set", "data.batch_size=8", "--set", f"model.num_classes={CLASSES}", *sets)
     assert result.exit_code == 1 and message in result.stderr, result.stderr
     assert "Traceback" not in result.output + result.stderr
     assert not (tmp_path / "run" / "submitit").exists()  # nothing was launched

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from vitctl.trainer import checkpoint
-from vitctl.trainer.config import ConfigError, RunConfig, load_config
+from vitctl.trainer.config import ConfigError, RunConfig, load_config, parse_override
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
@@ -41,6 +41,8 @@ __all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfi
 
 def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]) -> RunConfig:
     """Preset < flags (e.g. {"data": {"path": ...}}) < `--set` overrides, validated; paths checked up front."""
+    if clashes := _flag_clashes(flags, overrides):
+        raise ConfigError("; ".join(clashes))
     config = load_config(preset, overrides, flags)
     if config.data.source != "synthetic" and config.data.path is None:
         raise ConfigError("data.path is required (or data.source=synthetic): pass --data SHARDS")
@@ -50,6 +52,26 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     if config.finetune.from_ckpt and not Path(config.finetune.from_ckpt).exists():
         raise ConfigError(f"--from-ckpt {config.finetune.from_ckpt}: no such file or folder")
     return config
+
+
+def _flag_clashes(flags: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Each key a flag sets that a `--set` sets otherwise: the later would win, and the flag be ignored unseen."""
+    clashes = []
+    for text in overrides:
+        ((section, values),) = parse_override(text).items()
+        for key, value in values.items() if isinstance(values, dict) else ():
+            flag = flags.get(section, {}).get(key)
+            if flag is not None and not _same(flag, value):
+                clashes.append(f"{section}.{key} is set twice, to {flag!r} by its flag and to {value!r} by --set "
+                               f"{text}; give it once")
+    return clashes
+
+
+def _same(flag: Any, value: Any) -> bool:
+    """The flag's value and a `--set` value as YAML read it: 2 and 2.0 agree, and so do the paths ./s and s."""
+    if isinstance(flag, str) and isinstance(value, str):
+        return Path(flag).expanduser() == Path(value).expanduser()
+    return flag == value and isinstance(flag, bool) == isinstance(value, bool)
 
 
 def resolved_yaml(preset: str, overrides: list[str]) -> tuple[str, list[str]]:
