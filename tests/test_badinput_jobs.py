@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ok, vitctl
+from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.metrics import MetricsWriter
 from vitctl.workflows import registry, status, submit
 from vitctl.workflows.errors import Interrupted
@@ -216,3 +217,22 @@ def test_resume_across_pretraining_and_finetuning_is_refused_before_launch(tmp_p
     ok("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")  # the fixes
     ok("train", *one_rank, "--steps", 2, "--out", pretrain, "--resume")
     assert (finetune / "checkpoints/step-00000002").is_dir() and (pretrain / "checkpoints/step-00000002").is_dir()
+
+
+@pytest.mark.slow
+def test_resuming_a_finetune_needs_no_source_and_refuses_another(tmp_path):
+    """Before: a finetune whose source had since been removed could not resume ('no such file or folder'), and
+    --resume with another --from-ckpt went on from the run's own checkpoints, the other source unread."""
+    one_rank = [*QUICK, "--set", "data.workers=0"]
+    pretrain, source, finetune = tmp_path / "pretrain", tmp_path / "source", tmp_path / "finetune"
+    ok("train", *one_rank, "--steps", 1, "--out", pretrain)
+    shutil.copytree(pretrain, source)
+    ok("finetune", *one_rank, "--steps", 1, "--out", finetune, "--from-ckpt", source)
+    result = vitctl("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: {finetune} holds the checkpoints of a finetune from {source}: --resume would continue it and ignore "
+        f"--from-ckpt {pretrain}; continue it with --from-ckpt {source}, or choose another --out to finetune from "
+        f"{pretrain}")
+    shutil.rmtree(source)
+    ok("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", source, "--resume")
+    assert [c.name for c in ckpt.list_checkpoints(finetune)][-1] == "step-00000002"

@@ -49,8 +49,6 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     if config.data.source != "synthetic" and not Path(config.data.path).is_dir():
         what = "is not a folder" if Path(config.data.path).exists() else "does not exist"
         raise ConfigError(f"data.path {config.data.path} {what}; prepare one with `vitctl data shard`")
-    if config.finetune.from_ckpt and not Path(config.finetune.from_ckpt).exists():
-        raise ConfigError(f"--from-ckpt {config.finetune.from_ckpt}: no such file or folder")
     return config
 
 
@@ -126,7 +124,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     request = with_cpus_per_task(request, node_cpus, config.data.workers)
     # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
-    strategy = preflight(config, request.nodes * request.tasks, local_device)
+    # a run that goes on from its own checkpoints does not read finetune.from_ckpt again: it may be gone by now
+    resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
+    strategy = preflight(config, request.nodes * request.tasks, local_device, resuming)
     if request.tasks % strategy.tp:  # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
         raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
                           f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
@@ -199,9 +199,13 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
         raise ConfigError(changed)
     source = saved.get("finetune", {}).get("from_ckpt")
     wanted = config.finetune.from_ckpt
+    run_dir = checkpoints[-1].parent.parent
+    if source and wanted and Path(source) != Path(wanted):
+        raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: --resume would continue it "
+                          f"and ignore --from-ckpt {wanted}; continue it with --from-ckpt {source}, or choose another "
+                          f"--out to finetune from {wanted}")
     if bool(source) == bool(wanted):
         return
-    run_dir = checkpoints[-1].parent.parent
     if wanted:
         raise ConfigError(f"{run_dir} holds the checkpoints of a pretraining run (`vitctl train`): --resume would "
                           f"continue that run and ignore --from-ckpt {wanted}; choose another --out to finetune, or "
