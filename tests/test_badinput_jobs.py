@@ -236,3 +236,20 @@ def test_resuming_a_finetune_needs_no_source_and_refuses_another(tmp_path):
     shutil.rmtree(source)
     ok("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", source, "--resume")
     assert [c.name for c in ckpt.list_checkpoints(finetune)][-1] == "step-00000002"
+
+
+def test_a_job_shows_only_its_own_progress_not_that_of_later_jobs_in_its_run_folder(tmp_path):
+    """Before: a job that failed at start showed the steps and checkpoint of the next job into its run folder."""
+    run, now = tmp_path / "run", time.time()
+    (run / "submitit").mkdir(parents=True)
+    first, second = (registry.JobRecord(job, "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0,
+                                        now - age, started=-1) for job, age in (("1", 100), ("2", 50)))
+    for record in (first, second):
+        registry.add_record(record)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"time": now - age, "step": step, "loss": 1.0,
+                                                           "images_per_s": 5.0, "step_time_s": 0.1,
+                                                           "total_steps": 6}) + "\n"
+                                               for age, step in ((90, 2), (40, 6))))
+    steps = {s.job_id: s.step for s in status.collect([first, second])}
+    assert steps == {"1": 2, "2": 6}
+    assert status.collect([first])[0].step == 2  # also when the later job is not listed

@@ -2,6 +2,7 @@
 processes and result files), why it waits or failed, its progress from the rank-0 metrics file, and its logs."""
 
 import heapq
+import math
 import os
 import pickle
 import re
@@ -17,7 +18,7 @@ from vitctl.trainer.metrics import read_metrics
 
 from .errors import LaunchError
 from .process import is_running
-from .registry import JobRecord, UnknownJobError, update_record
+from .registry import JobRecord, UnknownJobError, load_records, update_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE", "INTERRUPTED"}  # INTERRUPTED: a local job that checkpointed on a signal and ended
@@ -249,14 +250,17 @@ def _result_path(record: JobRecord, rank: int) -> Path:
     return Path(record.folder) / f"{record.job_id}_{rank}_result.pkl"
 
 
-def progress(record: JobRecord) -> dict[str, Any]:
-    metrics = read_metrics(Path(record.run_dir))
+def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
+    """What the job wrote into its run folder: from its submission until `until`, when the next job into that folder
+    was submitted (a job's row would otherwise show the progress of later jobs there)."""
+    metrics = [m for m in read_metrics(Path(record.run_dir))
+               if record.submitted <= m.get("time", record.submitted) < (until or math.inf)]
     steps = [m for m in metrics if "loss" in m]
     last = steps[-1] if steps else {}
     eta = None
     if last and last.get("total_steps") and last["step"] < last["total_steps"]:
         eta = (last["total_steps"] - last["step"]) * last["step_time_s"]
-    checkpoints = list_checkpoints(Path(record.run_dir))
+    checkpoints = [c for c in list_checkpoints(Path(record.run_dir)) if until is None or c.stat().st_mtime < until]
     return {"step": last.get("step"), "total_steps": last.get("total_steps"), "loss": last.get("loss"),
             "images_per_s": [m["images_per_s"] for m in steps[-RATE_HISTORY:]], "eta_s": eta,
             "last_checkpoint": checkpoints[-1].name if checkpoints else None,
@@ -273,11 +277,12 @@ def _format_seconds(seconds: float | None) -> str:
 
 def collect(records: list[JobRecord]) -> list[JobStatus]:
     slurm = slurm_states([r.job_id for r in records if r.executor == "slurm" and r.job_id])
+    later = _next_submission(load_records())
     statuses = []
     for r in records:
         state = state_of(r, slurm)
         unit = f"{r.gpus_per_node} GPU" if r.gpus_per_node else f"{r.tasks_per_node} CPU"
-        done = progress(r)
+        done = progress(r, later.get((r.run_dir, r.submitted)))
         if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
             done["eta_s"] = None
         parallel = done.pop("parallel")
@@ -286,6 +291,15 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
         statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, layout,
                                   _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=note))
     return statuses
+
+
+def _next_submission(records: list[JobRecord]) -> dict[tuple[str, float], float]:
+    """For each job, by (run folder, submission time), when the next job into the same run folder was submitted."""
+    by_folder: dict[str, list[float]] = {}
+    for r in records:
+        by_folder.setdefault(r.run_dir, []).append(r.submitted)
+    return {(folder, at): after for folder, times in by_folder.items()
+            for at, after in zip(sorted(times), sorted(times)[1:], strict=False)}
 
 
 def _run_dir_gone(record: JobRecord) -> str:
