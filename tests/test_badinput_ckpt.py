@@ -120,6 +120,18 @@ def test_a_meta_json_of_the_wrong_shape_is_damage_not_a_traceback(run_copy, tmp_
     assert "step-00000002" in ok("export", run_copy, "--out", out).output
 
 
+def test_a_damaged_checkpoint_before_the_last_names_the_last(run_copy, tmp_path):
+    """Before: export --step 2 of a run whose step 3 is whole said the run folder held no earlier checkpoint and that
+    --resume would start the run afresh."""
+    damaged = run_copy / "checkpoints/step-00000002"
+    (damaged / "__0_0.distcp").write_bytes((damaged / "__0_0.distcp").read_bytes()[:1000])
+    result = vitctl("export", run_copy, "--step", 2, "--out", tmp_path / "w.safetensors")
+    assert result.exit_code == 1 and f"error: checkpoint {damaged} is damaged: " in result.stderr, result.stderr
+    assert ("A later one is what --resume and the run folder take: export or finetune from step-00000003 (drop "
+            "--step, or --step 3)") in result.stderr and "afresh" not in result.stderr
+    assert "step-00000003" in ok("export", run_copy, "--step", 3, "--out", tmp_path / "w.safetensors").output
+
+
 def test_a_checkpoint_without_checksums_that_dcp_cannot_read_is_damage(run_copy, tmp_path):
     """Checkpoints of vitctl releases before checksums are checked by DCP alone, whose CheckpointException is a
     BaseException: before, a traceback (export) or `no rank reported an error` (a job)."""

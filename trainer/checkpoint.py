@@ -186,8 +186,13 @@ def _mismatches(path: Path, names: list[str], recorded: dict[str, dict[str, Any]
 
 def _damaged(path: Path, what: str) -> str:
     """How to go on without the damaged checkpoint `path`: its run folder's previous one, where there is one."""
-    earlier = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    others = list_checkpoints(path.parent.parent)
+    earlier = [p for p in others if p.name < path.name]
     aside = f"mv {path} {path}.damaged"
+    if later := [p for p in others if p.name > path.name]:  # asked for by --step: the run goes on from the last
+        step = int(later[-1].name.split("-")[-1])
+        return (f"checkpoint {path} is damaged: {what}. A later one is what --resume and the run folder take: "
+                f"export or finetune from {later[-1].name} (drop --step, or --step {step})")
     if not earlier:
         return (f"checkpoint {path} is damaged: {what}. Its run folder holds no earlier checkpoint: move it aside "
                 f"({aside}) and --resume starts the run afresh; or finetune from another checkpoint")
