@@ -254,6 +254,16 @@ def test_a_run_of_another_model_is_named_before_launch_and_the_fix_works(pretrai
        1, *[a for s in BASE if not s.startswith("model.name") for a in ("--set", s)], "--model", "vit_micro")
 
 
+def test_an_export_of_another_model_is_named_before_launch(pretrained, tmp_path):
+    """Before, as for a run folder: the ranks listed the keys that did not match, after launch."""
+    export = tmp_path / "w.safetensors"
+    ok("export", pretrained, "--out", export)
+    result = finetune(export, tmp_path / "ft", "--set", "model.name=swin_micro", "--set", "model.window_size=4")
+    assert result.stderr == (f"error: finetune.from_ckpt {export} holds a vit_micro, and this run builds a "
+                             "swin_micro; finetune it as the model it is: --model vit_micro\n"), result.stderr
+    assert not (tmp_path / "ft").exists()
+
+
 @pytest.mark.parametrize("reset_head", [None, True])
 def test_weights_of_another_architecture_are_not_told_to_reset_the_head(tmp_path, reset_head):
     """A new head would leave the rest unfitted: the message names the architecture instead."""

@@ -21,7 +21,7 @@ from .models import block_widths, model_error, model_shape
 from .ops import parse_fused, unavailable_asked
 from .parallel import parallel_dims
 from .parallel.strategy import Strategy, strategy_from_config, strategy_problems
-from .pretrained import source_kind
+from .pretrained import exported_model, source_kind
 from .runlock import LOCK
 
 
@@ -119,15 +119,17 @@ def _source_error(config: RunConfig) -> str | None:
     try:
         if source.is_dir():  # what source_kind checks of a folder, its meta.json kept for the model's name
             return _architecture_error(config, source, read_meta(resolve_checkpoint(source)))
-        source_kind(source, config.finetune.trust_checkpoint)
+        if source_kind(source, config.finetune.trust_checkpoint) == "safetensors" and (
+                model := exported_model(source)):
+            return _architecture_error(config, source, {"config": {"model": model}})
     except ConfigError as e:
         return str(e)
     return None
 
 
 def _architecture_error(config: RunConfig, source: Path, meta: dict) -> str | None:
-    """A vitctl checkpoint of another model: its meta.json says which, so the fix can name it before launch (after
-    launch, the ranks listed the keys that did not match)."""
+    """A vitctl checkpoint or export of another model: its meta.json (or header) says which, so the fix can name it
+    before launch (after launch, the ranks listed the keys that did not match)."""
     trained = meta.get("config", {}).get("model")
     if not isinstance(trained, dict) or trained.get("name") in (None, config.model.name):
         return None

@@ -10,6 +10,7 @@ MLP head, and interpolates ViT position embeddings and Swin relative-position ta
 """
 
 import hashlib
+import json
 import logging
 import math
 import pickle
@@ -107,6 +108,15 @@ def read_state_dict(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
         raise ConfigError(f"finetune.from_ckpt {path}: tensor {bad[0]} holds {bad[1]} non-finite values (inf or "
                           "nan); the weights are damaged or come from a run that diverged: use another checkpoint")
     return packed_layout(state)
+
+
+def exported_model(path: Path) -> dict[str, Any] | None:
+    """The model config a `vitctl export` recorded in a safetensors file; None for other files."""
+    try:
+        model = json.loads(_safetensors_metadata(path).get("vitctl_model", "null"))
+    except json.JSONDecodeError:
+        return None
+    return model if isinstance(model, dict) else None
 
 
 def _safetensors_metadata(path: Path) -> dict[str, str]:
