@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import scipy.io
+from scipy.io.matlab import MatReadError
 
 from .errors import DataError
 
@@ -26,6 +27,7 @@ VAL_ARCHIVE = "ILSVRC2012_img_val.tar (6,744,924,160 bytes, md5 29b22e2961454d54
 SOLUTION_CSV = "LOC_val_solution.csv"
 DEVKIT_NAME = "ILSVRC2012_devkit_t12.tar.gz"
 DEVKIT_DIR = "ILSVRC2012_devkit_t12"  # the folder every member of the devkit lies in
+DEVKIT_AGAIN = f"download {DEVKIT_NAME} again (md5 fa75699e90414af021442c21a62c3abf)"
 SOLUTION_FIX = (f"pass Kaggle's {SOLUTION_CSV} (a CSV text file with the columns ImageId,PredictionString), or the "
                 "devkit with --devkit")
 
@@ -59,19 +61,25 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
                 missing = META_MAT if meta is None else GROUND_TRUTH
                 raise DataError(f"not an ILSVRC2012 devkit: no {missing}{_year_hint(tar)}", where,
                                 "use ILSVRC2012_devkit_t12.tar.gz (md5 fa75699e90414af021442c21a62c3abf)")
-            mat_bytes = tar.extractfile(meta).read()
-            truth_text = tar.extractfile(truth).read().decode()
+            mat_bytes, truth_bytes = tar.extractfile(meta).read(), tar.extractfile(truth).read()
     except (tarfile.TarError, EOFError, OSError) as e:
         raise DataError(f"cannot read the devkit archive ({e})", where,
                         "the file is damaged or truncated; download it again") from None
-    return parse_meta(mat_bytes, where), parse_ground_truth(truth_text, where)
+    try:
+        truth_text = truth_bytes.decode()
+    except UnicodeDecodeError as e:
+        raise DataError(f"member {truth.name} is damaged: not text ({e})", where, DEVKIT_AGAIN) from None
+    return parse_meta(mat_bytes, where, meta.name), parse_ground_truth(truth_text, where)
 
 
-def parse_meta(mat_bytes: bytes, where: str) -> list[Synset]:
+def parse_meta(mat_bytes: bytes, where: str, member: str = META_MAT) -> list[Synset]:
     try:
         synsets = scipy.io.loadmat(io.BytesIO(mat_bytes), squeeze_me=True)["synsets"]
+    # a meta.mat cut short raises OSError ("could not read bytes") or MatReadError, or IndexError at some lengths
+    except (OSError, MatReadError, IndexError, NotImplementedError) as e:
+        raise DataError(f"member {member} is damaged ({e})", where, DEVKIT_AGAIN) from None
     except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"meta.mat has no readable 'synsets' struct ({e})", where) from None
+        raise DataError(f"meta.mat has no readable 'synsets' struct ({e})", where, DEVKIT_AGAIN) from None
     fields = synsets.dtype.names or ()
     if "ILSVRC2012_ID" not in fields:
         other = [f for f in fields if f.endswith("_ID")]
@@ -109,7 +117,7 @@ def val_labels_from_solution(path: Path) -> dict[str, str]:
     if not path.is_file():
         raise DataError("solution file not found", str(path), "pass the path of LOC_val_solution.csv")
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # a BOM, as Excel writes, is no part of the header
             return _solution_labels(csv.DictReader(f), str(path))
     except (UnicodeDecodeError, csv.Error) as e:  # a binary file: an archive, an image
         raise DataError(f"not a CSV text file ({e})", str(path), SOLUTION_FIX) from None
@@ -120,7 +128,7 @@ def _solution_labels(rows: csv.DictReader, where: str) -> dict[str, str]:
     if not {"ImageId", "PredictionString"} <= set(header):
         raise DataError(f"expected the columns ImageId,PredictionString, the header is {','.join(header)!r}", where,
                         SOLUTION_FIX)
-    labels = {}
+    labels, row_of = {}, {}
     for row_number, row in enumerate(rows, start=2):
         image_id, prediction = row["ImageId"], row["PredictionString"] or ""  # None: the row ends early
         wnid = prediction.split()[0] if prediction.strip() else ""
@@ -128,5 +136,10 @@ def _solution_labels(rows: csv.DictReader, where: str) -> dict[str, str]:
             raise DataError(f"row {row_number}: no WNID in {prediction!r}", where,
                             f"begin row {row_number}'s PredictionString with the image's WNID (n and 8 digits), "
                             f"or pass the original {SOLUTION_CSV}")
-        labels[f"{image_id}.JPEG"] = wnid
+        if image_id in row_of:  # which of the two is right cannot be told: the later one would silently win
+            raise DataError(f"image {image_id} has two rows: row {row_of[image_id]} ({labels[image_id + '.JPEG']}) "
+                            f"and row {row_number} ({wnid})", where,
+                            f"keep the row of {image_id} with its right WNID and delete the other, or pass the "
+                            f"original {SOLUTION_CSV}; nothing was moved")
+        labels[f"{image_id}.JPEG"], row_of[image_id] = wnid, row_number
     return labels

@@ -204,3 +204,65 @@ def test_a_row_without_a_wnid_is_named_and_its_fix_works(archives, prepared_root
     csv.write_text("\n".join(rows) + "\n")
     ok("data", "valprep", val, "--solution", csv)
     assert _layout(val) == reference
+
+
+def _damaged_devkit(archives: Path, tmp_path: Path, member: str, damage) -> Path:
+    """The devkit with `member` (under ILSVRC2012_devkit_t12/data/) replaced by `damage(its bytes)`."""
+    bad = tmp_path / "bad" / DEVKIT
+    bad.parent.mkdir()
+    with tarfile.open(archives / DEVKIT) as src, tarfile.open(bad, "w:gz") as dst:
+        for info in src.getmembers():
+            data = src.extractfile(info).read() if info.isfile() else None
+            if info.name.endswith(f"/data/{member}"):
+                data = damage(data)
+                info.size = len(data)
+            dst.addfile(info, None if data is None else io.BytesIO(data))
+    return bad
+
+
+@pytest.mark.parametrize(("member", "damage", "says"), [
+    ("meta.mat", lambda b: b[:len(b) // 2], "is damaged (could not read bytes)"),
+    ("meta.mat", lambda b: b"", "is damaged (Mat file appears to be truncated)"),
+    ("ILSVRC2012_validation_ground_truth.txt", lambda b: b"\xff\xfe" + b, "is damaged: not text ('utf-8' codec"),
+], ids=["meta-cut-short", "meta-empty", "truth-not-utf8"])
+def test_a_damaged_devkit_member_is_named_and_a_good_devkit_works(archives, tmp_path, member, damage, says):
+    """Before: a traceback (OSError, MatReadError, UnicodeDecodeError)."""
+    val = _val_dir(archives, tmp_path)
+    bad = _damaged_devkit(archives, tmp_path, member, damage)
+    before = sorted(p.name for p in val.iterdir())
+    result = vitctl("data", "valprep", val, "--devkit", bad)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"error: {bad}: member ILSVRC2012_devkit_t12/data/{member} {says}" in result.stderr, result.stderr
+    assert f"fix: download {DEVKIT} again" in result.stderr
+    assert sorted(p.name for p in val.iterdir()) == before
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)  # the fix: the devkit as downloaded
+
+
+def test_an_image_with_two_rows_in_the_solution_is_refused_and_its_fix_works(archives, prepared_root, tmp_path):
+    """Before: the later row won, without a word."""
+    val, reference = _val_dir(archives, tmp_path), _layout(prepared_root / "val")
+    first = min(reference)
+    other = next(w for w in sorted(set(reference.values())) if w != reference[first])
+    rows = _solution(reference).splitlines()
+    rows.insert(2, f"{first[:-5]},{other} 1 2 3 4")
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    before = sorted(p.name for p in val.iterdir())
+    result = vitctl("data", "valprep", val, "--solution", csv)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert (f"error: {csv}: image {first[:-5]} has two rows: row 2 ({reference[first]}) and row 3 ({other})\n"
+            f"fix: keep the row of {first[:-5]} with its right WNID and delete the other") in result.stderr
+    assert sorted(p.name for p in val.iterdir()) == before
+    del rows[2]
+    csv.write_text("\n".join(rows) + "\n")
+    ok("data", "valprep", val, "--solution", csv)
+    assert _layout(val) == reference
+
+
+def test_a_solution_file_beginning_with_a_utf8_bom_is_read(archives, prepared_root, tmp_path):
+    """Before: 'expected the columns ImageId,PredictionString, the header is '\\ufeffImageId,PredictionString''."""
+    val, reference = _val_dir(archives, tmp_path), _layout(prepared_root / "val")
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_bytes(b"\xef\xbb\xbf" + _solution(reference).encode())
+    ok("data", "valprep", val, "--solution", csv)
+    assert _layout(val) == reference
