@@ -48,3 +48,21 @@ def writing_in(folder: Path) -> Iterator[None]:
     finally:
         _held.discard(fd)
         os.close(fd)
+
+
+def check_no_writer(folder: Path, command: str) -> None:
+    """Refuse to read `folder` while a data command writes there: half-written shards would read as damage.
+
+    The lock is only probed (shared, without waiting) and let go at once, so a writer starting now is not refused.
+    """
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise DataError("another vitctl command is writing in this folder right now", str(folder),
+                        f"run `{command}` once it has ended") from None
+    except OSError as e:
+        if e.errno not in _UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)  # which lets go of the lock

@@ -13,6 +13,7 @@ from . import manifest as mf
 from .errors import DataError
 from .images import PIL_ERRORS
 from .index import index_path, parse_index, shard_samples
+from .lock import check_no_writer
 from .oserrors import os_errors_explained
 from .parallel import run_tasks
 from .shard import shard_command
@@ -140,8 +141,12 @@ class VerifyReport:
 def verify(folder: Path, decode: int, workers: int, progress: Callable[[int], None],
            on_total: Callable[[int], None], seed: int = 0) -> VerifyReport:
     """Check everything in `folder`; decode `decode` random images. `progress` counts checked shards."""
+    again = f"vitctl data verify {shlex.quote(str(folder))}"
     with os_errors_explained(folder):
-        return _verify(folder, decode, workers, progress, on_total, seed)
+        check_no_writer(folder, again)
+        report = _verify(folder, decode, workers, progress, on_total, seed)
+        check_no_writer(folder, again)  # a writer that began meanwhile may have changed what was read
+        return report
 
 
 def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], None],

@@ -1,5 +1,7 @@
+import fcntl
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import tarfile
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ok, vitctl
+from vitctl.datasets import verify as verify_module
 
 
 def _edit_manifest(shards: Path, edit) -> None:
@@ -219,3 +222,35 @@ def test_a_manifest_of_the_wrong_shape_is_a_clear_error_and_its_fix_works(prepar
     ok("data", "shard", prepared_root, "--out", new, "--maxcount", 16)
     ok("data", "index", new)
     assert "OK" in ok("data", "verify", new).output
+
+
+def test_verify_while_a_data_command_writes_the_folder_says_so_and_works_once_it_has_ended(shards_copy, monkeypatch):
+    """Before: false failures ("incomplete: 1356 of 1803"), and a fix the folder's lock then refused."""
+    fd = os.open(shards_copy, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what `vitctl data shard` or `index` holds while it writes
+    _edit_manifest(shards_copy, lambda m: m["splits"]["train"].update(complete=False))  # as the writer sees it
+    try:
+        result = _verify(shards_copy)
+        assert result.exit_code == 1 and "FAIL" not in result.output and "Traceback" not in result.stderr
+        assert result.stderr.endswith(f"error: {shards_copy}: another vitctl command is writing in this folder right "
+                                      f"now\nfix: run `vitctl data verify {shards_copy}` once it has ended\n")
+    finally:
+        os.close(fd)
+    _edit_manifest(shards_copy, lambda m: m["splits"]["train"].update(complete=True))  # as the writer leaves it
+    ok("data", "verify", shards_copy)
+    real_check = verify_module.check_shard
+
+    def writer_starts(*args):  # a writer that begins while verify reads (one worker: in this process)
+        if not held:
+            held.append(os.open(shards_copy, os.O_RDONLY))
+            fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)  # verify holds no lock that would stop it
+        return real_check(*args)
+
+    held = []
+    monkeypatch.setattr(verify_module, "check_shard", writer_starts)
+    try:
+        result = vitctl("data", "verify", shards_copy, "--workers", 1)
+        assert result.exit_code == 1 and "another vitctl command is writing in this folder" in result.stderr
+    finally:
+        for fd in held:
+            os.close(fd)
