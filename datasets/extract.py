@@ -292,7 +292,8 @@ def _extract_train(archive: Path, root: Path, members: list[TarMember], workers:
 
 
 def _count_files(path: Path) -> int:
-    return sum(1 for _ in path.iterdir()) if path.is_dir() else -1
+    """The images in a class folder; hidden files (`.DS_Store`) are not among them, as shard leaves them out."""
+    return sum(1 for e in path.iterdir() if not e.name.startswith(".")) if path.is_dir() else -1
 
 
 def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_total: Progress) -> int:
@@ -389,6 +390,31 @@ def check_finished(root: Path, splits: Sequence[str]) -> None:
         raise DataError(f"`vitctl data extract` stopped before the end of {archives}: sharding it would leave out "
                         "the rest", str(root),
                         f"rerun `{extract_command(root, unfinished)}`: it resumes where it stopped")
+
+
+def check_train_intact(root: Path, count_images: bool) -> None:
+    """Refuse a root whose train classes (with `count_images`, their images too) are fewer than extract recorded:
+    a class left out would shift the label of every class after it. A root without a ledger passes."""
+    if not (root / LEDGER).exists():
+        return
+    record = _load_ledger(root)["train"]
+    if record is None:
+        return
+    dest, recorded = root / "train", record["classes"]
+    missing = sorted(w for w in recorded if not (dest / w).is_dir())
+    counts = {w: _count_files(dest / w) for w in recorded if count_images and w not in missing}
+    short = [f"{w} holds {counts[w]} of its {recorded[w]} images" for w in sorted(counts) if counts[w] < recorded[w]]
+    lost = [f"class folder {_some(missing)} {'is' if len(missing) == 1 else 'are'} missing"] if missing else []
+    lost += [f"class {_some(short)}"] if short else []
+    if lost:
+        raise DataError(f"lost since `vitctl data extract` wrote it: {'; '.join(lost)}: sharding would leave them "
+                        "out, and a class left out shifts the labels of the classes after it", str(dest),
+                        f"rerun `{extract_command(root, ['train'])}`: it extracts those classes again (or, to shard "
+                        f"without them, move {root / LEDGER} away: without it shard takes the tree as it is)")
+
+
+def _some(items: list[str], shown: int = 3) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def _progress_of(ledger: dict[str, Any], split: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from . import manifest as mf
 from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
 from .errors import DataError
-from .extract import beside_archives, check_finished, extract_command
+from .extract import beside_archives, check_finished, check_train_intact, extract_command
 from .ilsvrc import DEVKIT_NAME, WNID
 from .images import to_rgb_jpeg
 from .lock import writing_in
@@ -182,6 +182,7 @@ def read_source(root: Path, splits: Sequence[str]) -> Source:
     with os_errors_explained(root):
         check_finished(root, splits)
         classes = list_classes(root)
+        check_train_intact(root, "train" in splits)  # before any split's images: a lost class shifts the labels
         return Source(classes, {split: list_samples(root, split, classes) for split in splits})
 
 
@@ -325,6 +326,12 @@ class SplitResult:
     rewritten: list[str]  # shards a run before recorded whose file was missing or damaged, written again
 
 
+def _started(root: Path, shards: list[list[Sample]], spec: ShardSpec) -> dict[str, Any]:
+    """The manifest entry of a split planned as `shards` and not yet written."""
+    return {"plan": plan_digest(shards, spec), **asdict(spec), "source": str(root.resolve()),
+            "planned_shards": len(shards), "complete": False, "shards": []}
+
+
 def shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: int, progress: Progress,
                 on_total: Callable[[int], None], source: Source | None = None) -> SplitResult:
     """Shard one split into `out`, keeping the shards an earlier run completed once their sha256 is checked.
@@ -356,9 +363,11 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     if info is not None and info["plan"] != digest:
         raise _other_plan(out, split, spec, info)
     recorded = {} if info is None else {e["name"]: e for e in info["shards"]}
-    info = {"plan": digest, **asdict(spec), "source": str(root.resolve()), "planned_shards": len(shards),
-            "complete": False, "shards": []}
-    manifest["splits"][split] = info
+    info = manifest["splits"][split] = _started(root, shards, spec)
+    for other in sorted(source.samples.keys() - manifest["splits"].keys()):
+        # recorded as started now: a run stopped before it gets there leaves it incomplete (verify's fix and training
+        # then name it), not absent, which training takes for a dataset without that split
+        manifest["splits"][other] = _started(root, plan_shards(source.samples[other], spec), spec)
     on_total(sum(len(s) for s in shards))
     planned = {mf.shard_name(split, i): samples for i, samples in enumerate(shards)}
     intact = set()

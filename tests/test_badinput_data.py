@@ -16,8 +16,10 @@ from PIL import Image
 from test_train import tiny
 from test_verify import _edit_manifest, _fix_commands, _follow
 
-from conftest import CLASSES, ok, vitctl
+from conftest import CLASSES, TRAIN_PER_CLASS, ok, vitctl
+from vitctl.datasets import shard as shard_module
 from vitctl.datasets.errors import DataError
+from vitctl.datasets.extract import LEDGER
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.data.augment import Recipe
 from vitctl.trainer.data.loader import LoaderSpec, TrainBatches
@@ -170,6 +172,7 @@ def test_a_sample_count_edited_in_the_manifest_is_named_when_training_starts(pre
 
 def test_an_empty_train_class_folder_is_refused_and_either_fix_shards(root_copy, tmp_path):
     """Before, it became a class with no training images: a label and a model output that nothing trains."""
+    (root_copy / LEDGER).unlink()  # a tree extract did not write: in one it did, the lost images are named (below)
     wnid = sorted(p.name for p in (root_copy / "train").iterdir())[0]
     images = tmp_path / "images"
     shutil.move(root_copy / "train" / wnid, images)
@@ -213,3 +216,90 @@ def test_an_index_of_another_shard_with_the_same_count_is_named_not_blamed_on_a_
     assert raised.value.fix == f"`vitctl data index {shards_copy}` writes every index again from its shard"
     ok("data", "index", shards_copy)
     read_every_sample()
+
+
+def _lose_a_class_and_an_image(root: Path) -> tuple[str, str]:
+    """Remove train's first class folder and one image of its second; returns their WNIDs."""
+    first, second = sorted(p.name for p in (root / "train").iterdir())[:2]
+    shutil.rmtree(root / "train" / first)
+    min((root / "train" / second).iterdir()).unlink()
+    (root / "train" / second / ".DS_Store").write_bytes(b"")  # not an image: it makes up for none
+    return first, second
+
+
+def test_train_classes_or_images_lost_since_extract_are_refused_and_the_extract_rerun_restores_them(root_copy,
+                                                                                                    tmp_path):
+    """Before: sharded with a class fewer (the labels after it shifted), or, with both splits, val was blamed."""
+    first, second = _lose_a_class_and_an_image(root_copy)
+    for split in ("train", "both"):
+        refused = vitctl("data", "shard", root_copy, "--out", tmp_path / "s", "--split", split, "--maxcount", 16)
+        assert refused.exit_code == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert (f"error: {root_copy / 'train'}: lost since `vitctl data extract` wrote it: class folder {first} is "
+                f"missing; class {second} holds {TRAIN_PER_CLASS - 1} of its {TRAIN_PER_CLASS} images: sharding would "
+                "leave them out") in refused.stderr, refused.stderr
+        assert not (tmp_path / "s").exists()
+    fix = refused.stderr.split("fix: rerun `", 1)[1].split("`", 1)[0]
+    assert fix.startswith("vitctl data extract --train-tar ")
+    ok(*shlex.split(fix)[1:])
+    assert len(list((root_copy / "train" / second).glob("*.JPEG"))) == TRAIN_PER_CLASS
+    ok("data", "shard", root_copy, "--out", tmp_path / "s", "--maxcount", 16)
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert len(manifest["classes"]) == CLASSES
+    assert sum(e["samples"] for e in manifest["splits"]["train"]["shards"]) == CLASSES * TRAIN_PER_CLASS
+
+
+def test_a_tree_extract_did_not_write_is_sharded_with_what_it_holds(root_copy, tmp_path):
+    (root_copy / LEDGER).unlink()
+    _lose_a_class_and_an_image(root_copy)
+    ok("data", "shard", root_copy, "--out", tmp_path / "s", "--split", "train", "--maxcount", 16)
+    assert len(json.loads((tmp_path / "s" / "manifest.json").read_text())["classes"]) == CLASSES - 1
+
+
+def test_a_val_split_stopped_midway_is_refused_before_launch_and_its_fix_finishes_it(shards_copy, tmp_path):
+    """As a killed `shard --split val` leaves it. Before, training went on and skipped every evaluation."""
+    def stopped_after_one(manifest: dict) -> None:
+        manifest["splits"]["val"].update(complete=False)
+        (shards_copy / manifest["splits"]["val"]["shards"].pop()["name"]).unlink()
+
+    _edit_manifest(shards_copy, stopped_after_one)
+    refused = vitctl("train", "--config", "demo_vit", "--data", shards_copy, "--out", tmp_path / "cli", "--executor",
+                     "local", "--gpus", 0, "--set", f"model.num_classes={CLASSES}")
+    assert refused.exit_code == 1 and "the val split is incomplete (1 of 2 shards" in refused.stderr, refused.stderr
+    assert not (tmp_path / "cli").exists()  # refused before launch
+    with pytest.raises(ConfigError, match=r"the val split is incomplete \(1 of 2 shards recorded\); finish it with `"
+                       ) as raised:
+        train(tiny(shards_copy, tmp_path / "run", "train.max_steps=1"))
+    fix = str(raised.value).split("finish it with `", 1)[1].split("`")[0]
+    _follow([shlex.split(part) for part in fix.split(" && ")])
+    ok("data", "verify", shards_copy)
+    train(tiny(shards_copy, tmp_path / "run", "train.max_steps=1"))
+
+
+def test_a_shard_folder_without_a_val_split_trains_without_evaluation(shards_copy, tmp_path):
+    _edit_manifest(shards_copy, lambda m: m["splits"].pop("val"))
+    for shard in shards_copy.glob("imagenet-val-*"):
+        shard.unlink()
+    train(tiny(shards_copy, tmp_path / "run", "train.max_steps=1"))
+
+
+def test_a_shard_of_both_splits_stopped_in_train_is_finished_by_verify_s_fix_val_included(prepared_root, tmp_path,
+                                                                                          monkeypatch):
+    """Before, val was not in the manifest yet: verify's fix sharded train alone, and verify then said OK."""
+    out, written = tmp_path / "s", []
+
+    def stops_at_the_second(*args):
+        if written:
+            raise DataError("stopped here, as a kill would", str(out))
+        written.append(args)
+        return real_write_shard(*args)
+
+    real_write_shard = shard_module.write_shard
+    monkeypatch.setattr(shard_module, "write_shard", stops_at_the_second)
+    assert vitctl("data", "shard", prepared_root, "--out", out, "--maxcount", 16, "--workers", 1).exit_code == 1
+    monkeypatch.undo()
+    verified = vitctl("data", "verify", out)
+    assert verified.exit_code == 1 and "split val: incomplete: 0 of 2 shards written" in verified.output
+    _follow(_fix_commands(verified.output))
+    ok("data", "verify", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert all(manifest["splits"][split]["complete"] for split in ("train", "val"))

@@ -19,6 +19,7 @@ from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, ok, vitctl
 from vitctl.datasets import manifest as manifest_module
 from vitctl.datasets import parallel
 from vitctl.datasets import shard as shard_module
+from vitctl.datasets.extract import LEDGER
 from vitctl.datasets.tarscan import scan_path
 
 VITCTL = str(Path(sys.executable).parent / "vitctl")
@@ -273,7 +274,14 @@ def test_a_shard_whose_every_image_is_unreadable_is_never_written(root_copy, tmp
     assert all(entry["samples"] > 0 for entry in _manifest(out)["splits"]["train"]["shards"])
     assert not list(out.glob(".*.partial"))
     victim.unlink()  # what the message says to do, then into a new folder
-    ok("data", "shard", root_copy, "--out", tmp_path / "new", "--maxcount", 1, "--split", "train")
+    command = ["data", "shard", root_copy, "--out", tmp_path / "new", "--maxcount", 1, "--split", "train"]
+    refused = vitctl(*command)  # extract recorded the image: the rerun it names brings back the undamaged one
+    assert refused.exit_code == 1 and f"class {victim.parent.name} holds" in refused.stderr, refused.stderr
+    ok(*shlex.split(refused.stderr.split("fix: rerun `", 1)[1].split("`", 1)[0])[1:])
+    ok(*command)
+    (root_copy / LEDGER).rename(tmp_path / LEDGER)  # the other way: shard the tree without the image
+    victim.unlink()
+    ok(*command[:3], "--out", tmp_path / "without", *command[5:])
     ok("data", "index", tmp_path / "new")
 
 

@@ -2,6 +2,7 @@
 Slurm user hears of a bad request at once rather than after the queue wait; each rank calls it again at start,
 where the device is known."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from .checkpoint import checkpoint_dir, read_meta, resolve_checkpoint
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.images import gpu_decode_available
-from .data.shards import split_shards
+from .data.shards import SplitMissing, split_shards
 from .fp8 import fp8_problems
 from .metrics import METRICS_FILE
 from .models import block_widths, model_error, model_shape
@@ -194,6 +195,12 @@ def _device_problems(config: RunConfig, device: torch.device) -> list[str]:
     return problems
 
 
+def _val_shards(folder: Path) -> None:
+    """ConfigError for a val split begun and not finished, or changed; a dataset without one trains unevaluated."""
+    with contextlib.suppress(SplitMissing):
+        split_shards(folder, "val")
+
+
 def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
     c, global_batch = config.data, config.data.batch_size * dp_size
     if c.source == "synthetic":
@@ -204,6 +211,7 @@ def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
         folder = Path(c.path)
         try:
             shards, class_list = split_shards(folder, "train")
+            _val_shards(folder)
         except ConfigError as e:
             return [str(e)]
         missing = [e["name"] for e in shards if not index_path(folder / e["name"]).exists()]

@@ -70,6 +70,6 @@ def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, dp_rank: int, dp_s
     try:
         shards, _ = split_shards(folder, "val")
     except SplitMissing:
-        log.warning("data: no complete val split in %s; skipping evaluation", folder)
+        log.warning("data: no val split in %s; skipping evaluation", folder)
         return None
     return EvalBatches(read_table(folder, shards), spec, batch, dp_rank, dp_size)

@@ -29,7 +29,12 @@ class SampleTable:
 
 
 class SplitMissing(ConfigError):
-    """The manifest has no complete split of that name (training goes on without evaluation when it is val)."""
+    """The manifest has no split of that name (training goes on without evaluation when it is val)."""
+
+
+class SplitIncomplete(ConfigError):
+    """A `vitctl data shard` of the split began and did not finish: an error for val too, whose evaluation it would
+    otherwise skip without a word."""
 
 
 def split_shards(folder: Path, split: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -45,9 +50,9 @@ def split_shards(folder: Path, split: str) -> tuple[list[dict[str, Any]], list[s
                            f"data index {quoted}`")
     # a split whose shard list was cut short would train on fewer samples without a word
     if not info["complete"] or len(info["shards"]) != info["planned_shards"]:
-        raise SplitMissing(f"data.path {folder}: the {split} split is incomplete ({len(info['shards'])} of "
-                           f"{info['planned_shards']} shards recorded); finish it with "
-                           f"`{shard_command(folder, split, info)} && vitctl data index {quoted}`")
+        raise SplitIncomplete(f"data.path {folder}: the {split} split is incomplete ({len(info['shards'])} of "
+                              f"{info['planned_shards']} shards recorded); finish it with "
+                              f"`{shard_command(folder, split, info)} && vitctl data index {quoted}`")
     changed = [problem for entry in info["shards"] if (problem := _changed(folder, entry))]
     if changed:
         # an index then points into other bytes, and the manifest's labels may be another shard's
