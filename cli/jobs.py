@@ -57,7 +57,7 @@ def status_table(statuses: list[status.JobStatus]) -> Table:
 
 
 def _selected(job: str | None) -> list[registry.JobRecord]:
-    return registry.find_records(job) if job else registry.load_records()
+    return registry.find_records(job) if job is not None else registry.load_records()
 
 
 def _print_plain(statuses: list[status.JobStatus], as_json: bool, watch: bool) -> None:

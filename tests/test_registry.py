@@ -160,3 +160,11 @@ def test_a_bare_folder_name_that_names_jobs_in_several_places_is_refused_with_th
     assert [(s["job_id"], s["run_dir"]) for s in listed] == [("7001", str(ours)), ("7002", str(theirs))]
     assert "job 7001 (vit_micro-a) is not running" in ok("cancel", "7001").output
     assert "job 7002 (vit_micro-a) is not running" in ok("cancel", theirs).output
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "cancel"])
+def test_an_empty_job_is_refused_not_read_as_every_job(command):
+    """Before: `vitctl status ""` (an unset shell variable) listed every job."""
+    result = vitctl(command, "")
+    assert result.exit_code == 1 and result.stderr == ("error: the job is empty; give a job id or a run folder "
+                                                       "(`vitctl jobs` lists them)\n"), result.stderr

@@ -66,6 +66,7 @@ def test_overrides_win_over_presets_and_read_yaml_values():
     ("optim.lrr=1", "unknown keys \\['optim.lrr'\\]"),
     ("train.precision=fp4", "train.precision must be one of"),
     ("data.batch_size=big", "data.batch_size: expected int"),
+    ("data.train_samples=0", "data.train_samples must be at least 1, got 0"),
     ("train.epochs='1'", "train.epochs: expected float, got '1'; a number in quotes is a string: write 1 without"),
     ("optim.lr='0.5'", "optim.lr: expected float, got '0.5'; a number in quotes is a string"),
     ("optim.betas=[0.9]", "expected a list of 2 values"),

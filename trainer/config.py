@@ -422,6 +422,7 @@ def validate(c: RunConfig) -> None:
         (c.data.decode in LOADER_BRANCHES,
          f"data.decode must be one of {', '.join(LOADER_BRANCHES)}, got {c.data.decode!r}"),
         (c.data.batch_size >= 1, "data.batch_size must be at least 1"),
+        (c.data.train_samples >= 1, f"data.train_samples must be at least 1, got {c.data.train_samples}"),
         (c.data.workers >= 0, "data.workers must be at least 0"),
         (c.model.num_classes >= 2, "model.num_classes must be at least 2"),
         (c.model.img_size >= 32, "model.img_size must be at least 32"),

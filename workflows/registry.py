@@ -123,6 +123,8 @@ def reload(record: JobRecord) -> JobRecord:
 def find_records(key: str) -> list[JobRecord]:
     """The jobs `key` names, the newest per run folder: a job id; a run folder given as a path (it holds a `/` or is
     a folder here), matched exactly; else a run folder's last component, which folders in several places may share."""
+    if not key.strip():  # an unset shell variable
+        raise UnknownJobError("the job is empty; give a job id or a run folder (`vitctl jobs` lists them)")
     records, where = load_records(), repr(key)
     if key and os.sep not in key and (by_id := [r for r in records if r.job_id == key]):
         return by_id[-1:]
