@@ -175,13 +175,18 @@ def test_status_of_a_job_with_a_damaged_result_and_metrics_says_so_and_resume_dr
     assert (run / "metrics.jsonl").read_text() == good + "\n"
 
 
-def test_resume_onto_a_folder_without_checkpoints_warns_that_the_run_starts_afresh(tmp_path):
+def test_resume_onto_a_folder_without_checkpoints_or_past_its_steps_warns(tmp_path):
     """Before: a mistyped --out with --resume began the run again from step 0 without a word."""
     missing = tmp_path / "typo"
     result = ok("train", *QUICK, "--steps", 1, "--out", missing, "--resume")
     assert (f"warning: --resume, but {missing} does not exist: the run starts at step 0; to continue a run, give its "
             "folder as --out") in result.stderr, result.stderr
     assert "warning: --resume" not in ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr
+    # a run resumed with fewer steps than it has made ended at once without a word
+    fewer = ok("train", *QUICK, "--steps", 1, "--out", missing, "--resume")
+    assert (f"warning: {missing} is at step 2 already, past train.max_steps=1 (--steps): there is nothing to train; "
+            "pass --steps above 2 to train on") in fewer.stderr, fewer.stderr
+    assert "warning" not in ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr  # a rerun
 
 
 def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):

@@ -141,6 +141,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
+    if found and config.train.max_steps and (step := checkpoint.read_meta(found[-1])["step"]) > config.train.max_steps:
+        echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
+             f"there is nothing to train; pass --steps above {step} to train on")
     if dry_run:
         return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
