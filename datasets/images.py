@@ -54,6 +54,27 @@ def _pillow_refuses(width: int, height: int) -> bool:
     return limit is not None and width * height > 2 * limit
 
 
+def _headers_sound(data: bytes) -> bool:
+    """Whether a JPEG's segments up to its first scan are what every decoder reads: an 8-bit frame, then a scan header
+    of the length its component count gives. The others (12-bit, a damaged scan header) take the slow way, where
+    Pillow refuses them, rather than failing where they are trained on."""
+    pos, end, frame = 2, len(data), False
+    while pos + 4 <= end and data[pos] == 0xFF:
+        marker, length = data[pos + 1], int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker == 0xFF or marker in _STANDALONE:
+            pos += 1 if marker == 0xFF else 2
+            continue
+        if length < 2 or pos + 2 + length > end:
+            return False
+        if marker in _SOF_MARKERS:
+            frame = data[pos + 4] == 8
+        if marker == 0xDA:
+            components = data[pos + 4]
+            return frame and 1 <= components <= 4 and length == 6 + 2 * components
+        pos += 2 + length
+    return False
+
+
 def has_jpeg_end(data: bytes) -> bool:
     """A complete JPEG has its EOI marker near the end; a truncated one has none.
 
@@ -73,7 +94,8 @@ def to_rgb_jpeg(data: bytes, source: str) -> tuple[bytes, str | None]:
     if frame is not None and frame[0] == 3 and not _pillow_refuses(*frame[1:]):
         if not has_jpeg_end(data):
             raise DataError("truncated JPEG (no end-of-image marker)", source)
-        return data, None
+        if _headers_sound(data):
+            return data, None
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()

@@ -43,3 +43,15 @@ def test_truncated_jpeg_is_rejected_with_its_source():
 def test_garbage_is_rejected():
     with pytest.raises(DataError, match="unreadable image"):
         to_rgb_jpeg(b"\x00" * 500, "x")
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    (lambda d: d.__setitem__(d.find(b"\xff\xc0") + 4, 12), "not in any format Pillow reads"),  # a 12-bit frame
+    (lambda d: d.__setitem__(d.find(b"\xff\xda") + 3, d[d.find(b"\xff\xda") + 3] + 1), "broken data stream"),
+])
+def test_a_colour_jpeg_with_unsound_headers_is_refused_not_kept(damage, says):
+    """Before: kept as it was (an end marker was all the fast path checked), and found only by training on it."""
+    data = bytearray(_encode("RGB", "JPEG"))
+    damage(data)
+    with pytest.raises(DataError, match=f"x: unreadable image \\(.*{says}"):
+        to_rgb_jpeg(bytes(data), "x")
