@@ -52,8 +52,11 @@ def _year_hint(tar: tarfile.TarFile) -> str:
 def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
     """Synsets from meta.mat and the ILSVRC2012_ID of each validation image, in filename order."""
     where = str(path)
+    if path.is_dir():
+        raise DataError("is a folder: --devkit takes the archive itself, not its unpacked files", where,
+                        f"pass the path of {DEVKIT_NAME}")
     if not path.is_file():
-        raise DataError("devkit not found", where, "pass the path of ILSVRC2012_devkit_t12.tar.gz")
+        raise DataError("devkit not found", where, f"pass the path of {DEVKIT_NAME}")
     try:
         with tarfile.open(path, "r:*") as tar:
             meta, truth = _find(tar, META_MAT), _find(tar, GROUND_TRUTH)
@@ -63,6 +66,9 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
                                 "use ILSVRC2012_devkit_t12.tar.gz (md5 fa75699e90414af021442c21a62c3abf)")
             mat_bytes, truth_bytes = tar.extractfile(meta).read(), tar.extractfile(truth).read()
     except (tarfile.TarError, EOFError, OSError) as e:
+        if _is_solution_csv(path):
+            raise DataError(f"this is Kaggle's {SOLUTION_CSV}, not the devkit", where,
+                            f"pass it with --solution {path} instead of --devkit") from None
         raise DataError(f"cannot read the devkit archive ({e})", where,
                         "the file is damaged or truncated; download it again") from None
     try:
@@ -70,6 +76,11 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
     except UnicodeDecodeError as e:
         raise DataError(f"member {truth.name} is damaged: not text ({e})", where, DEVKIT_AGAIN) from None
     return parse_meta(mat_bytes, where, meta.name), parse_ground_truth(truth_text, where)
+
+
+def _is_solution_csv(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(40).lstrip(b"\xef\xbb\xbf").startswith(b"ImageId,")
 
 
 def parse_meta(mat_bytes: bytes, where: str, member: str = META_MAT) -> list[Synset]:

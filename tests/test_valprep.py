@@ -140,6 +140,22 @@ def _solution(val_labels: dict[str, str]) -> str:
                                                   for name, wnid in sorted(val_labels.items()))
 
 
+def test_the_devkit_s_folder_or_the_solution_csv_as_devkit_are_named_and_the_fix_works(archives, prepared_root,
+                                                                                         tmp_path):
+    """Before: `devkit not found` for the unpacked folder, `damaged or truncated; download it again` for the CSV."""
+    val, reference = _val_dir(archives, tmp_path), _layout(prepared_root / "val")
+    unpacked = tmp_path / "devkit"
+    unpacked.mkdir()
+    result = vitctl("data", "valprep", val, "--devkit", unpacked)
+    assert result.exit_code == 1 and "is a folder: --devkit takes the archive itself" in result.stderr, result.stderr
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text(_solution(reference))
+    result = vitctl("data", "valprep", val, "--devkit", csv)
+    assert result.exit_code == 1 and "this is Kaggle's LOC_val_solution.csv, not the devkit" in result.stderr
+    ok("data", "valprep", val, *result.stderr.split("fix: pass it with ", 1)[1].split(" instead")[0].split())
+    assert _layout(val) == reference
+
+
 def test_labels_naming_a_class_train_lacks_are_refused_before_anything_moves(archives, prepared_root, tmp_path):
     ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--val-tar", archives / VAL_TAR, "--out",
        tmp_path / "r")
