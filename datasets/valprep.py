@@ -23,11 +23,13 @@ def _check_exists(val_dir: Path) -> None:
 def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
     """Flat image names, and name -> WNID for images already in folders; foreign entries raise."""
     _check_exists(val_dir)
-    flat, placed, foreign = set(), {}, []
+    flat, placed, foreign, links = set(), {}, [], []
     for entry in os.scandir(val_dir):
         if entry.name.startswith("."):  # not images (.DS_Store, ._x.JPEG), as shard leaves them out too
             continue
-        if entry.is_file(follow_symlinks=False):
+        if entry.is_symlink():
+            links.append(entry.name)
+        elif entry.is_file(follow_symlinks=False):
             flat.add(entry.name)
         elif entry.is_dir(follow_symlinks=False) and WNID.fullmatch(entry.name):
             for image in os.scandir(entry.path):
@@ -42,6 +44,11 @@ def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
                         str(val_dir), f"pass {val} as VAL_DIR" if val.is_dir() else
                         f"extract the val archive into it (`{extract_command(val_dir, ['val'])}`), then pass {val} as "
                         "VAL_DIR")
+    if links:  # moved into a WNID folder, a relative link would point nowhere
+        raise DataError(f"{len(links)} entries are symbolic links, e.g. {links[0]}: valprep moves each image into its "
+                        "WNID folder, and relative links would break", str(val_dir),
+                        "put the images themselves there: `vitctl data extract --val-tar ILSVRC2012_img_val.tar "
+                        "--out ROOT` writes them into ROOT/val (or copy them in with cp -L); nothing was moved")
     if foreign:
         raise DataError(f"unexpected entries (not images, not WNID folders): {_sample(foreign)}", str(val_dir),
                         "move them out of the validation folder; nothing was moved")

@@ -1,4 +1,5 @@
 import io
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -85,6 +86,22 @@ def test_an_empty_val_folder_is_said_to_need_the_archive_and_the_fix_works(archi
     ok(*fix[1:])
     ok("data", "valprep", val, "--devkit", archives / DEVKIT)
     assert len(_layout(val)) == len(_truth(archives))
+
+
+def test_images_that_are_symbolic_links_are_refused_and_the_copied_images_sort(archives, prepared_root, tmp_path):
+    """Before: `unexpected entries (not images, not WNID folders)` and `move them out`, which emptied the folder."""
+    files, val = _val_dir(archives, tmp_path), tmp_path / "links/val"
+    val.mkdir(parents=True)
+    for image in files.iterdir():
+        (val / image.name).symlink_to(os.path.relpath(image, val))
+    result = vitctl("data", "valprep", val, "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1 and "entries are symbolic links, e.g. ILSVRC2012_val_" in result.stderr
+    assert "cp -L" in result.stderr and all(p.is_symlink() for p in val.iterdir())
+    for link in val.iterdir():  # the fix: the images themselves
+        shutil.copyfile(link, link.with_suffix(".tmp"))
+        link.with_suffix(".tmp").replace(link)
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
+    assert _layout(val) == _layout(prepared_root / "val")
 
 
 def test_foreign_file_is_refused_and_nothing_moves(archives, tmp_path):
