@@ -298,7 +298,7 @@ def shard_command(folder: Path, split: str, info: dict[str, Any]) -> str:
             f"--maxcount {info['maxcount']} --seed {info['seed']} --on-bad-image {info['on_bad_image']}")
 
 
-def _other_plan(out: Path, split: str, spec: ShardSpec, info: dict[str, Any]) -> DataError:
+def _other_plan(root: Path, out: Path, split: str, spec: ShardSpec, info: dict[str, Any]) -> DataError:
     """The error for a rerun whose plan is not the one the folder's shards were written to."""
     changed = [f"--{key} {getattr(spec, key)} (this folder's: {info[key]})" for key in ("maxsize", "maxcount", "seed")
                if getattr(spec, key) != info[key]]
@@ -306,12 +306,19 @@ def _other_plan(out: Path, split: str, spec: ShardSpec, info: dict[str, Any]) ->
         return DataError(f"{split} shards here were made with other settings: {', '.join(changed)}", str(out),
                          f"use a new --out folder, or go on with this folder's settings: "
                          f"{shard_command(out, split, info)}")
-    return DataError(f"{split} shards here were made from other images: the images under the source changed since",
-                     str(out), "shard into a new --out folder")
+    source = Path(info.get("source", root.resolve()))  # not recorded by the vitctl of older folders
+    since = "the images under it changed since" if source == root.resolve() else f"this run reads {root}"
+    other = f" (or, to go on with this one, shard {source} into it)" if source != root.resolve() else ""
+    return DataError(f"{split} shards here were made from other images: from {source}, and {since}", str(out),
+                     f"shard into a new --out folder{other}")
 
 
 def _check_out(root: Path, out: Path) -> None:
     """Refuse an `out` inside a split folder of `root`: shard would read it as a class folder the next time."""
+    if out.resolve() == root.resolve():
+        raise DataError("is the dataset root itself: the shards would lie among its train/ and val/ folders",
+                        f"--out {out}", f"choose an --out outside {root / 'train'} and {root / 'val'}, e.g. "
+                        f"{root / 'shards'}")
     for split in ("train", "val"):
         folder = (root / split).resolve()
         if out.resolve().is_relative_to(folder):
@@ -355,13 +362,16 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     if manifest is None:
         manifest = mf.new(classes)
     elif manifest["classes"] != classes:
-        raise DataError("the classes under the source differ from the manifest's", str(out / mf.MANIFEST),
-                        "shard into a new folder")
+        differ = sorted(set(manifest["classes"]) ^ set(classes)) or ["their order"]
+        raise DataError(f"the {len(classes)} classes under {root} differ from the {len(manifest['classes'])} this "
+                        f"folder's shards were made with (in one but not the other: {', '.join(differ[:3])}"
+                        f"{' and more' if len(differ) > 3 else ''})", str(out / mf.MANIFEST),
+                        "shard into a new --out folder")
     shards = plan_shards(source.samples[split], spec)
     digest = plan_digest(shards, spec)
     info = manifest["splits"].get(split)
     if info is not None and info["plan"] != digest:
-        raise _other_plan(out, split, spec, info)
+        raise _other_plan(root, out, split, spec, info)
     recorded = {} if info is None else {e["name"]: e for e in info["shards"]}
     info = manifest["splits"][split] = _started(root, shards, spec)
     for other in sorted(source.samples.keys() - manifest["splits"].keys()):

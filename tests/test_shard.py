@@ -203,7 +203,17 @@ def test_other_images_under_the_same_settings_are_refused(root_copy, shards_copy
     next((root_copy / "val").glob("*/*.JPEG")).unlink()
     result = vitctl("data", "shard", root_copy, "--out", shards_copy, "--maxcount", 16, "--split", "val")
     assert result.exit_code == 1 and "val shards here were made from other images" in result.stderr
-    assert "shard into a new --out folder" in result.stderr
+    source = json.loads((shards_copy / "manifest.json").read_text())["splits"]["val"]["source"]
+    assert (f"from {source}, and this run reads {root_copy}" in result.stderr  # named: another root, not changed
+            and f"shard into a new --out folder (or, to go on with this one, shard {source} into it)" in result.stderr)
+    ok("data", "shard", source, "--out", shards_copy, "--maxcount", 16, "--split", "val")
+
+
+def test_the_dataset_root_as_out_is_refused(root_copy):
+    """Before: `holds files vitctl did not write: .vitctl-extract.json, train, val`, fix: move those away."""
+    result = vitctl("data", "shard", root_copy, "--out", root_copy)
+    assert result.exit_code == 1 and "is the dataset root itself" in result.stderr, result.stderr
+    ok("data", "shard", root_copy, "--out", root_copy / "shards", "--maxcount", 16)  # the --out it names
 
 
 def test_val_before_valprep_is_a_clear_error(archives, tmp_path):
@@ -493,3 +503,14 @@ def test_class_folders_without_images_are_a_clear_error_and_its_fix_works(prepar
         for image in (prepared_root / "train" / wnid).iterdir():
             shutil.copy(image, root / "train" / wnid)
     ok("data", "shard", root, "--out", out, "--split", "train")
+
+
+def test_other_classes_into_the_same_folder_are_named(root_copy, shards_copy):
+    (root_copy / LEDGER).unlink()  # shard takes the tree as it is
+    gone = sorted((root_copy / "train").iterdir())[0].name
+    for split in ("train", "val"):
+        shutil.rmtree(root_copy / split / gone)
+    result = vitctl("data", "shard", root_copy, "--out", shards_copy, "--maxcount", 16)
+    assert result.exit_code == 1 and (f"the {CLASSES - 1} classes under {root_copy} differ from the {CLASSES} this "
+                                      f"folder's shards were made with (in one but not the other: {gone})"
+                                      ) in result.stderr, result.stderr
