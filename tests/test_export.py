@@ -70,6 +70,17 @@ def test_export_of_a_folder_without_checkpoints(tmp_path):
     assert result.exit_code == 1 and "neither a checkpoint folder nor a run folder" in result.stderr
 
 
+def test_a_folder_of_weight_files_as_from_ckpt_names_the_file_to_pass(micro_run, prepared_shards, tmp_path):
+    """A Hugging Face snapshot's folder: before, only 'neither a checkpoint folder nor a run folder'."""
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    ok("export", micro_run, "--out", snapshot / "model.safetensors")
+    with pytest.raises(ConfigError, match=f"it holds {snapshot / 'model.safetensors'}: to finetune from it, pass that "
+                                          "file to --from-ckpt"):
+        read_state_dict(snapshot)
+    assert read_state_dict(snapshot / "model.safetensors").keys()
+
+
 def test_finetune_reads_exports_run_folders_checkpoints_and_old_single_files(micro_run, tmp_path):
     weights = ckpt.consolidated(ckpt.list_checkpoints(micro_run)[-1])
     ok("export", micro_run, "--out", tmp_path / "w.safetensors")

@@ -442,7 +442,12 @@ def _no_checkpoint(path: Path) -> str:
     if unfinished := sorted(checkpoint_dir(path).glob(".step-*.partial")):
         return (f"{what}: its run stopped before its first checkpoint was complete ({unfinished[-1].name} is the "
                 "save it left unfinished); resume it (--resume) until it saves one, or pass another run")
+    if path.is_dir() and (weights := sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)):
+        return f"{what}; it holds {weights[0]}: to finetune from it, pass that file to --from-ckpt"
     return what
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
 
 def _not_of_step(path: Path, saved: int, step: int) -> str:
