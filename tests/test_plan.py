@@ -516,6 +516,17 @@ def test_cli_refuses_a_profile_it_cannot_use_with_the_command_that_replaces_it(t
     assert not out.exists()
 
 
+def test_cli_given_a_plan_as_its_profile_says_so_and_the_profile_works(tmp_path):
+    """Before: 'profile version 1, this vitctl reads version 2', and measuring again, which the plan did not need."""
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    ok(*_plan_args(profile_path, out, 80))
+    result = vitctl(*_plan_args(out, tmp_path / "again.json", 80))
+    assert result.exit_code == 1 and f"--profile {out} is a plan (`vitctl plan --out` wrote it), not a profile" \
+        in result.stderr, result.stderr
+    ok(*_plan_args(profile_path, tmp_path / "again.json", 80))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the missing profile is measured")
 def test_cli_without_a_profile_on_a_cpu_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -32,7 +32,7 @@ from ..models import MODELS, blocks_of, build_model, default_window, model_error
 from ..models.swin import SwinTransformer
 from ..ops import Ops, resolve
 from ..optim import step_on_local_shards
-from ..parallel.strategy import CHECKPOINT, ModelShape
+from ..parallel.strategy import CHECKPOINT, ModelShape, is_plan
 from ..precision import Precision
 
 PROFILE_VERSION = 2  # 2: FSDP measured in every checkpoint mode, under the trainer's policy
@@ -229,6 +229,9 @@ def read_profile(path: Path, model: str, img_size: int) -> Profile:
     except FileNotFoundError:
         raise ConfigError(f"profile {path} does not exist; measure one with {measure}") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        if is_plan(path):  # both are JSON files that `vitctl plan` writes
+            raise ConfigError(f"--profile {path} is a plan (`vitctl plan --out` wrote it), not a profile; pass the "
+                              f"profile `vitctl plan --profile-only` wrote, or leave --profile out") from None
         reason = f"key {e} is missing" if isinstance(e, KeyError) else e
         raise ConfigError(f"profile {path} is not a profile this vitctl reads ({reason}); measure it again with "
                           f"{measure} (it replaces the cached one) and pass that file with --profile") from None
