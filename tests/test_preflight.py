@@ -107,3 +107,18 @@ def test_an_out_that_is_a_file_is_refused_as_one(tmp_path, out, says, dry_run):
                             f"another --out\n"
     assert blocker.read_text() == "mine"
     assert "srun" in ok(*args, "--dry-run", "--out", tmp_path / "run").output  # another --out passes
+
+
+def test_an_out_inside_a_checkpoint_folder_is_refused(tmp_path):
+    """Before: accepted, and the other run's keep-last-K would delete the new run with that checkpoint."""
+    step = tmp_path / "other/checkpoints/step-00000002"
+    step.mkdir(parents=True)
+    for name in ("meta.json", ".metadata"):
+        (step / name).write_text("{}")
+    args = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--executor", "local", "--gpus", 0,
+            "--steps", 1]
+    result = vitctl(*args, "--out", step / "run")
+    assert result.exit_code == 1 and (f"run folder {step / 'run'} (--out) lies in the checkpoint folder {step}, "
+                                      f"which holds what its run wrote there alone") in result.stderr, result.stderr
+    assert f"choose an --out outside {tmp_path / 'other'}" in result.stderr and not (step / "run").exists()
+    ok(*args, "--out", tmp_path / "run")

@@ -11,7 +11,7 @@ import torch
 from vitctl.datasets.index import index_path
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
-from .checkpoint import checkpoint_dir, read_meta, resolve_checkpoint
+from .checkpoint import checkpoint_dir, is_checkpoint, read_meta, resolve_checkpoint
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.images import gpu_decode_available
@@ -147,6 +147,10 @@ def _out_dir_error(out_dir: str) -> str | None:
         return f"run folder {out_dir} (--out, train.out_dir) cannot be made: {what_it_is(blocker)}, not a folder; " \
                "choose another --out"
     run = Path(out_dir)
+    if inside := next((p for p in [run.absolute(), *run.absolute().parents] if is_checkpoint(p)), None):
+        return f"run folder {out_dir} (--out) lies in the checkpoint folder {inside}, which holds what its run " \
+               f"wrote there alone (keep-last-K would delete it with that checkpoint); choose an --out outside " \
+               f"{inside.parent.parent}"
     parts = [run, checkpoint_dir(run), run / METRICS_FILE, run / LOCK]
     if locked := [p for p in parts if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))]:
         return f"run folder {out_dir} (--out): this user cannot write {', '.join(map(str, locked))} (its " \
