@@ -131,7 +131,7 @@ def test_requeued_job_resumes_and_ends_with_the_same_weights(prepared_shards, tm
 
 @pytest.mark.slow
 def test_after_a_node_failure_status_says_why_the_job_waits(prepared_shards, tmp_path):
-    job = submit(prepared_shards, tmp_path / "run", "--set", "train.epochs=200")
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
     deadline = time.monotonic() + 120
     while logged_steps(tmp_path / "run") < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -148,7 +148,7 @@ def test_after_a_node_failure_status_says_why_the_job_waits(prepared_shards, tmp
 
 
 def test_cancel_shows_cancelled(prepared_shards, tmp_path):
-    job = submit(prepared_shards, tmp_path / "run", "--set", "train.epochs=200")
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
     wait_for(job, {"RUNNING"})
     assert "cancel requested" in ok("cancel", job).output
     assert wait_for(job, status.TERMINAL) == "CANCELLED"
@@ -213,7 +213,7 @@ def test_dry_run_script_runs_as_printed(prepared_shards, tmp_path, local_referen
 
 
 def test_one_run_folder_takes_one_live_job(prepared_shards, tmp_path):
-    job = submit(prepared_shards, tmp_path / "run", "--set", "train.epochs=200")
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
     for extra in ([], ["--resume"]):
         refused = vitctl("train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *SLURM_2x2, *extra)
         assert refused.exit_code == 1
@@ -265,7 +265,7 @@ def test_a_failing_scancel_is_a_clear_error(prepared_shards, tmp_path, monkeypat
     result = vitctl("cancel", "999999")
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert "error: Slurm knows no job 999999 (neither squeue nor sacct lists it)" in result.stderr
-    job = submit(prepared_shards, tmp_path / "run", "--set", "train.epochs=200")
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin/scancel").write_text("#!/bin/sh\necho 'scancel: error: Unable to contact slurm controller "
                                           "(connect failure)' >&2\nexit 1\n")  # as when slurmctld is down
