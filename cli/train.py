@@ -86,7 +86,7 @@ def _request(o: dict) -> wf.LaunchRequest:
 
 
 def _run(o: dict) -> None:
-    config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]))
+    config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]), o["resume"])
     request = _request(o)
     outcome = wf.launch(config, request, o["resume"], o["dry_run"],
                         lambda text: err_console.print(text, markup=False, highlight=False, soft_wrap=True))

@@ -39,8 +39,9 @@ __all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfi
            "default_executor", "launch", "read_metrics", "resolved_yaml", "run_one_rank", "visible_gpus"]
 
 
-def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]) -> RunConfig:
-    """Preset < flags (e.g. {"data": {"path": ...}}) < `--set` overrides, validated; paths checked up front."""
+def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str], resume: bool = False) -> RunConfig:
+    """Preset < flags (e.g. {"data": {"path": ...}}) < `--set` overrides, validated; paths checked up front (not
+    finetune.from_ckpt where `resume` goes on from the run's own checkpoints, which never reads it again)."""
     if clashes := _flag_clashes(flags, overrides):
         raise ConfigError("; ".join(clashes))
     config = load_config(preset, overrides, flags)
@@ -49,6 +50,10 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     if config.data.source != "synthetic" and not Path(config.data.path).is_dir():
         what = "is not a folder" if Path(config.data.path).exists() else "does not exist"
         raise ConfigError(f"data.path {config.data.path} {what}; prepare one with `vitctl data shard`")
+    source = config.finetune.from_ckpt
+    resuming = resume and bool(checkpoint.list_checkpoints(Path(config.train.out_dir)))
+    if source and not resuming and not Path(source).exists():
+        raise ConfigError(f"--from-ckpt {source}: no such file or folder")
     return config
 
 
