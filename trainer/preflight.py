@@ -199,7 +199,7 @@ def _device_problems(config: RunConfig, device: torch.device) -> list[str]:
     return problems
 
 
-def _val_shards(folder: Path) -> None:
+def _check_val_split(folder: Path) -> None:
     """ConfigError for a val split begun and not finished, or changed; a dataset without one trains unevaluated."""
     with contextlib.suppress(SplitMissing):
         split_shards(folder, "val")
@@ -215,7 +215,7 @@ def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
         folder = Path(c.path)
         try:
             shards, class_list = split_shards(folder, "train")
-            _val_shards(folder)
+            _check_val_split(folder)
         except ConfigError as e:
             return [str(e)]
         missing = [e["name"] for e in shards if not index_path(folder / e["name"]).exists()]
