@@ -1,4 +1,4 @@
-"""The one error type the data commands raise for bad input."""
+"""The one error type the data commands raise for bad input, and how its messages list names."""
 
 
 class DataError(Exception):
@@ -10,3 +10,9 @@ class DataError(Exception):
         if fix:
             parts.append(f"fix: {fix}")
         super().__init__("\n".join(parts))
+
+
+def listed(names: set[str] | list[str], shown: int = 5) -> str:
+    """The first `shown` of `names`, sorted, and how many more there are."""
+    names = sorted(names)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

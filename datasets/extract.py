@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import PARTIAL_SUFFIX, fsync_dir, partial_path, sync_filesystem, write_json_atomic
-from .errors import DataError
+from .errors import DataError, listed
 from .ilsvrc import DEVKIT_DIR, DEVKIT_NAME, TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
 from .lock import writing_in
 from .oserrors import make_folder, os_errors_explained
@@ -404,17 +404,13 @@ def check_train_intact(root: Path, count_images: bool) -> None:
     missing = sorted(w for w in recorded if not (dest / w).is_dir())
     counts = {w: _count_files(dest / w) for w in recorded if count_images and w not in missing}
     short = [f"{w} holds {counts[w]} of its {recorded[w]} images" for w in sorted(counts) if counts[w] < recorded[w]]
-    lost = [f"class folder {_some(missing)} {'is' if len(missing) == 1 else 'are'} missing"] if missing else []
-    lost += [f"class {_some(short)}"] if short else []
+    lost = [f"class folder {listed(missing, 3)} {'is' if len(missing) == 1 else 'are'} missing"] if missing else []
+    lost += [f"class {listed(short, 3)}"] if short else []
     if lost:
         raise DataError(f"lost since `vitctl data extract` wrote it: {'; '.join(lost)}: sharding would leave them "
                         "out, and a class left out shifts the labels of the classes after it", str(dest),
                         f"rerun `{extract_command(root, ['train'])}`: it extracts those classes again (or, to shard "
                         f"without them, move {root / LEDGER} away: without it shard takes the tree as it is)")
-
-
-def _some(items: list[str], shown: int = 3) -> str:
-    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def _progress_of(ledger: dict[str, Any], split: str) -> str:

@@ -1,6 +1,7 @@
 """Checks on image bytes, and conversion of what is not an RGB JPEG into one."""
 
 import io
+from collections.abc import Iterator
 
 from PIL import Image, UnidentifiedImageError
 
@@ -14,30 +15,33 @@ JPEG_QUALITY = 95
 PIL_ERRORS = (OSError, SyntaxError, Image.DecompressionBombError)
 
 
+def _segments(data: bytes) -> Iterator[tuple[int, int, int]]:
+    """(marker, offset, length field) of each marker segment of a JPEG after its SOI, in order, until a byte where a
+    marker should begin is none (entropy-coded data, damage) or the data ends."""
+    pos, end = 2, len(data)
+    while pos + 4 <= end and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF or marker in _STANDALONE:  # a fill byte; a marker without a length
+            pos += 1 if marker == 0xFF else 2
+            continue
+        length = int.from_bytes(data[pos + 2:pos + 4], "big")
+        yield marker, pos, length
+        pos += 2 + length
+
+
 def jpeg_frame(data: bytes) -> tuple[int, int, int] | None:
     """(colour components, width, height) of a JPEG from its frame header (components: 1 gray, 3 YCbCr/RGB, 4 CMYK);
     None if not JPEG."""
     if data[:3] != b"\xff\xd8\xff":
         return None
-    pos, end = 2, len(data)
-    while pos + 4 <= end:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in _STANDALONE:
-            pos += 2
-            continue
+    for marker, pos, _ in _segments(data):
         if marker in _SOF_MARKERS:  # FF Cn, length (2), precision (1), height (2), width (2), components (1)
-            if pos + 9 >= end:
+            if pos + 9 >= len(data):
                 return None
             height, width = int.from_bytes(data[pos + 5:pos + 7], "big"), int.from_bytes(data[pos + 7:pos + 9], "big")
             return data[pos + 9], width, height
         if marker == 0xDA:  # start of scan before any frame header
             return None
-        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
     return None
 
 
@@ -58,20 +62,15 @@ def _headers_sound(data: bytes) -> bool:
     """Whether a JPEG's segments up to its first scan are what every decoder reads: an 8-bit frame, then a scan header
     of the length its component count gives. The others (12-bit, a damaged scan header) take the slow way, where
     Pillow refuses them, rather than failing where they are trained on."""
-    pos, end, frame = 2, len(data), False
-    while pos + 4 <= end and data[pos] == 0xFF:
-        marker, length = data[pos + 1], int.from_bytes(data[pos + 2:pos + 4], "big")
-        if marker == 0xFF or marker in _STANDALONE:
-            pos += 1 if marker == 0xFF else 2
-            continue
-        if length < 2 or pos + 2 + length > end:
+    frame = False
+    for marker, pos, length in _segments(data):
+        if length < 2 or pos + 2 + length > len(data):
             return False
         if marker in _SOF_MARKERS:
             frame = data[pos + 4] == 8
         if marker == 0xDA:
             components = data[pos + 4]
             return frame and 1 <= components <= 4 and length == 6 + 2 * components
-        pos += 2 + length
     return False
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import manifest as mf
 from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
-from .errors import DataError
+from .errors import DataError, listed
 from .extract import beside_archives, check_finished, check_train_intact, extract_command
 from .ilsvrc import DEVKIT_NAME, WNID
 from .images import to_rgb_jpeg
@@ -362,11 +362,10 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     if manifest is None:
         manifest = mf.new(classes)
     elif manifest["classes"] != classes:
-        differ = sorted(set(manifest["classes"]) ^ set(classes)) or ["their order"]
+        differ = listed(set(manifest["classes"]) ^ set(classes), 3) or "their order"
         raise DataError(f"the {len(classes)} classes under {root} differ from the {len(manifest['classes'])} this "
-                        f"folder's shards were made with (in one but not the other: {', '.join(differ[:3])}"
-                        f"{' and more' if len(differ) > 3 else ''})", str(out / mf.MANIFEST),
-                        "shard into a new --out folder")
+                        f"folder's shards were made with (in one but not the other: {differ})",
+                        str(out / mf.MANIFEST), "shard into a new --out folder")
     shards = plan_shards(source.samples[split], spec)
     digest = plan_digest(shards, spec)
     info = manifest["splits"].get(split)

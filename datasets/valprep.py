@@ -3,16 +3,11 @@
 import os
 from pathlib import Path
 
-from .errors import DataError
+from .errors import DataError, listed
 from .extract import extract_command
 from .ilsvrc import VAL_PATTERN, WNID
 from .lock import writing_in
 from .oserrors import os_errors_explained
-
-
-def _sample(names: set[str] | list[str], n: int = 5) -> str:
-    names = sorted(names)
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def _check_exists(val_dir: Path) -> None:
@@ -50,7 +45,7 @@ def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
                         "put the images themselves there: `vitctl data extract --val-tar ILSVRC2012_img_val.tar "
                         "--out ROOT` writes them into ROOT/val (or copy them in with cp -L); nothing was moved")
     if foreign:
-        raise DataError(f"unexpected entries (not images, not WNID folders): {_sample(foreign)}", str(val_dir),
+        raise DataError(f"unexpected entries (not images, not WNID folders): {listed(foreign)}", str(val_dir),
                         "move them out of the validation folder; nothing was moved")
     if not flat and not placed:  # the labels would all be "missing", and the fix would blame them
         fix = f"extract the val archive into it: `{extract_command(val_dir.parent, ['val'])}`" \
@@ -79,7 +74,7 @@ def check_train_classes(val_dir: Path, labels: dict[str, str], source: Path) -> 
     classes = {e.name for e in os.scandir(train) if e.is_dir() and WNID.fullmatch(e.name)} if train.is_dir() else set()
     unknown = set(labels.values()) - classes
     if classes and unknown:
-        raise DataError(f"the labels name {len(unknown)} WNIDs that are not classes under {train}: {_sample(unknown)}",
+        raise DataError(f"the labels name {len(unknown)} WNIDs that are not classes under {train}: {listed(unknown)}",
                         str(source), f"pass the devkit or solution file of the dataset in {train}, or finish "
                         "extracting its train archive first; nothing was moved")
 
@@ -91,15 +86,15 @@ def plan_moves(val_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
     present = flat | placed.keys()
     problems = []
     if both:
-        problems.append(f"{len(both)} images are both flat and in a folder: {_sample(both)}")
+        problems.append(f"{len(both)} images are both flat and in a folder: {listed(both)}")
     missing, extra = labels.keys() - present, present - labels.keys()
     if missing:
-        problems.append(f"{len(missing)} images named by the labels are missing: {_sample(missing)}")
+        problems.append(f"{len(missing)} images named by the labels are missing: {listed(missing)}")
     if extra:
-        problems.append(f"{len(extra)} images are not in the labels: {_sample(extra)}")
+        problems.append(f"{len(extra)} images are not in the labels: {listed(extra)}")
     wrong = {name for name, wnid in placed.items() if labels.get(name, wnid) != wnid}
     if wrong:
-        problems.append(f"{len(wrong)} images sit in the wrong WNID folder: {_sample(wrong)}")
+        problems.append(f"{len(wrong)} images sit in the wrong WNID folder: {listed(wrong)}")
     if problems:
         raise DataError(f"labels ({len(labels)} images) do not match the folder ({len(present)} images): "
                         + "; ".join(problems), str(val_dir),

@@ -203,24 +203,35 @@ def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):
     ok("train", *run, "--model", "vit_mini")  # the other way it names
 
 
+ONE_RANK = [*QUICK, "--set", "data.workers=0"]
+
+
+def _pretrained_and_finetuned(tmp_path: Path, source: str = "pretrain") -> tuple[Path, Path, Path]:
+    """A one-step pretraining run, copied to `source` where that is another folder, and a one-step finetune from
+    `source`: (pretraining run, source, finetune run)."""
+    pretrain, finetune = tmp_path / "pretrain", tmp_path / "finetune"
+    ok("train", *ONE_RANK, "--steps", 1, "--out", pretrain)
+    if source != pretrain.name:
+        shutil.copytree(pretrain, tmp_path / source)
+    ok("finetune", *ONE_RANK, "--steps", 1, "--out", finetune, "--from-ckpt", tmp_path / source)
+    return pretrain, tmp_path / source, finetune
+
+
 @pytest.mark.slow
 def test_resume_across_pretraining_and_finetuning_is_refused_before_launch(tmp_path):
     """Before, `finetune --resume` into a pretraining run's folder continued that run, --from-ckpt unread."""
-    one_rank = [*QUICK, "--set", "data.workers=0"]
-    pretrain, finetune = tmp_path / "pretrain", tmp_path / "finetune"
-    ok("train", *one_rank, "--steps", 1, "--out", pretrain)
-    ok("finetune", *one_rank, "--steps", 1, "--out", finetune, "--from-ckpt", pretrain)
-    result = vitctl("finetune", *one_rank, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, "--resume")
+    pretrain, _, finetune = _pretrained_and_finetuned(tmp_path)
+    result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, "--resume")
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: {pretrain} holds the checkpoints of a pretraining run (`vitctl train`): --resume would continue that "
         f"run and ignore --from-ckpt {finetune}; choose another --out to finetune, or continue that run with "
         f"`vitctl train --resume`")
-    result = vitctl("train", *one_rank, "--steps", 2, "--out", finetune, "--resume")
+    result = vitctl("train", *ONE_RANK, "--steps", 2, "--out", finetune, "--resume")
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: {finetune} holds the checkpoints of a finetune from {pretrain}: continue it with `vitctl finetune "
         f"--from-ckpt {pretrain} --resume`, or choose another --out to pretrain")
-    ok("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")  # the fixes
-    ok("train", *one_rank, "--steps", 2, "--out", pretrain, "--resume")
+    ok("finetune", *ONE_RANK, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")  # the fixes
+    ok("train", *ONE_RANK, "--steps", 2, "--out", pretrain, "--resume")
     assert (finetune / "checkpoints/step-00000002").is_dir() and (pretrain / "checkpoints/step-00000002").is_dir()
 
 
@@ -228,18 +239,14 @@ def test_resume_across_pretraining_and_finetuning_is_refused_before_launch(tmp_p
 def test_resuming_a_finetune_needs_no_source_and_refuses_another(tmp_path):
     """Before: a finetune whose source had since been removed could not resume ('no such file or folder'), and
     --resume with another --from-ckpt went on from the run's own checkpoints, the other source unread."""
-    one_rank = [*QUICK, "--set", "data.workers=0"]
-    pretrain, source, finetune = tmp_path / "pretrain", tmp_path / "source", tmp_path / "finetune"
-    ok("train", *one_rank, "--steps", 1, "--out", pretrain)
-    shutil.copytree(pretrain, source)
-    ok("finetune", *one_rank, "--steps", 1, "--out", finetune, "--from-ckpt", source)
-    result = vitctl("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")
+    pretrain, source, finetune = _pretrained_and_finetuned(tmp_path, "source")
+    result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: {finetune} holds the checkpoints of a finetune from {source}: --resume would continue it and ignore "
         f"--from-ckpt {pretrain}; continue it with --from-ckpt {source}, or choose another --out to finetune from "
         f"{pretrain}")
     shutil.rmtree(source)
-    ok("finetune", *one_rank, "--steps", 2, "--out", finetune, "--from-ckpt", source, "--resume")
+    ok("finetune", *ONE_RANK, "--steps", 2, "--out", finetune, "--from-ckpt", source, "--resume")
     assert [c.name for c in ckpt.list_checkpoints(finetune)][-1] == "step-00000002"
 
 
