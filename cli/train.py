@@ -56,15 +56,28 @@ def run_options(command):
     return command
 
 
+# Each option that sets a config key: the key, and the flag as messages name it.
+FLAG_KEYS = {"data": ("data.path", "--data"), "batch": ("data.batch_size", "--batch"),
+             "model": ("model.name", "--model"), "out": ("train.out_dir", "--out"),
+             "epochs": ("train.epochs", "--epochs"),
+             "steps": ("train.max_steps", "--steps"), "precision": ("train.precision", "--precision"),
+             "fused": ("train.fused", "--fused"), "compile": ("train.compile", "--compile/--no-compile"),
+             "plan": ("parallel.plan", "--plan"), "from_ckpt": ("finetune.from_ckpt", "--from-ckpt"),
+             "trust_checkpoint": ("finetune.trust_checkpoint", "--trust-checkpoint")}
+FLAG_NAMES = dict(FLAG_KEYS.values())
+
+
 def _flags(o: dict) -> dict:
-    flags = {"data": {"path": str(o["data"]) if o["data"] else None, "batch_size": o["batch"]},
-             "model": {"name": o["model"]},
-             "train": {"out_dir": str(o["out"]) if o["out"] else None, "epochs": o["epochs"], "max_steps": o["steps"],
-                       "precision": o["precision"], "fused": o["fused"], "compile": o["compile"]},
-             "parallel": {"plan": str(o["plan"]) if o.get("plan") else None},
-             "finetune": {"from_ckpt": str(o["from_ckpt"]) if o.get("from_ckpt") else None,
-                          "trust_checkpoint": o.get("trust_checkpoint") or None}}
-    return {section: {k: v for k, v in values.items() if v is not None} for section, values in flags.items()}
+    """The config keys the given options set, by section, paths as text. --trust-checkpoint unset is False, which
+    sets nothing (--no-compile's False does)."""
+    flags: dict[str, dict] = {}
+    for option, (key, _) in FLAG_KEYS.items():
+        value = o.get(option)
+        if value is None or (option == "trust_checkpoint" and not value):
+            continue
+        section, name = key.split(".")
+        flags.setdefault(section, {})[name] = str(value) if isinstance(value, Path) else value
+    return flags
 
 
 def _request(o: dict) -> wf.LaunchRequest:
@@ -86,7 +99,7 @@ def _request(o: dict) -> wf.LaunchRequest:
 
 
 def _run(o: dict) -> None:
-    config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]), o["resume"])
+    config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]), o["resume"], FLAG_NAMES)
     request = _request(o)
     outcome = wf.launch(config, request, o["resume"], o["dry_run"],
                         lambda text: err_console.print(text, markup=False, highlight=False, soft_wrap=True))
@@ -147,6 +160,4 @@ def finetune(**options) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
 def rank(preset, data, out, steps, overrides) -> None:
     """Run one rank of a job started by srun (the sbatch templates in slurm/) or torchrun."""
-    flags = _flags({"data": data, "batch": None, "model": None, "out": out, "epochs": None, "steps": steps,
-                    "precision": None, "fused": None, "compile": None})
-    wf.run_one_rank(wf.build_config(preset, flags, list(overrides)))
+    wf.run_one_rank(wf.build_config(preset, _flags({"data": data, "out": out, "steps": steps}), list(overrides)))

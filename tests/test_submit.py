@@ -320,10 +320,10 @@ def test_dry_run_prints_a_complete_script_byte_for_byte(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("flag", "setting", "says"), [
-    (["--steps", 2], "train.max_steps=4", "train.max_steps is set twice, to 2 by its flag and to 4 by --set "
+    (["--steps", 2], "train.max_steps=4", "train.max_steps is set twice, to 2 by --steps and to 4 by --set "
                                           "train.max_steps=4; give it once"),
-    (["--batch", 8], "data.batch_size=4", "data.batch_size is set twice, to 8 by its flag and to 4"),
-    (["--model", "vit_micro"], "model.name=vit_mini", "model.name is set twice, to 'vit_micro' by its flag"),
+    (["--batch", 8], "data.batch_size=4", "data.batch_size is set twice, to 8 by --batch and to 4"),
+    (["--model", "vit_micro"], "model.name=vit_mini", "model.name is set twice, to 'vit_micro' by --model"),
 ])
 def test_a_flag_and_a_set_of_the_same_key_that_disagree_are_refused(tmp_path, monkeypatch, flag, setting, says):
     """Before: the --set won and the flag was ignored without a word (--steps 2 trained 4 steps)."""

@@ -39,10 +39,12 @@ __all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfi
            "default_executor", "launch", "read_metrics", "resolved_yaml", "run_one_rank", "visible_gpus"]
 
 
-def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str], resume: bool = False) -> RunConfig:
+def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str], resume: bool = False,
+                 flag_names: dict[str, str] | None = None) -> RunConfig:
     """Preset < flags (e.g. {"data": {"path": ...}}) < `--set` overrides, validated; paths checked up front (not
-    finetune.from_ckpt where `resume` goes on from the run's own checkpoints, which never reads it again)."""
-    if clashes := _flag_clashes(flags, overrides):
+    finetune.from_ckpt where `resume` goes on from the run's own checkpoints, which never reads it again).
+    `flag_names` name the flags in messages ({"data.path": "--data"})."""
+    if clashes := _flag_clashes(flags, overrides, flag_names or {}):
         raise ConfigError("; ".join(clashes))
     config = load_config(preset, overrides, flags)
     if config.data.source != "synthetic" and config.data.path is None:
@@ -57,7 +59,7 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     return config
 
 
-def _flag_clashes(flags: dict[str, Any], overrides: list[str]) -> list[str]:
+def _flag_clashes(flags: dict[str, Any], overrides: list[str], flag_names: dict[str, str]) -> list[str]:
     """Each key a flag sets that a `--set` sets otherwise: the later would win, and the flag be ignored unseen."""
     clashes = []
     for text in overrides:
@@ -65,7 +67,8 @@ def _flag_clashes(flags: dict[str, Any], overrides: list[str]) -> list[str]:
         for key, value in values.items() if isinstance(values, dict) else ():
             flag = flags.get(section, {}).get(key)
             if flag is not None and not _same(flag, value):
-                clashes.append(f"{section}.{key} is set twice, to {flag!r} by its flag and to {value!r} by --set "
+                by = flag_names.get(f"{section}.{key}", "its flag")
+                clashes.append(f"{section}.{key} is set twice, to {flag!r} by {by} and to {value!r} by --set "
                                f"{text}; give it once")
     return clashes
 
