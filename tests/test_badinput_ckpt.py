@@ -179,6 +179,19 @@ def test_keep_last_k_removes_its_own_files_only(run_copy, caplog):
     assert read_state_dict(run_copy).keys()  # the folder left behind is no checkpoint, and no damaged one
 
 
+def test_a_step_folder_holding_a_user_s_files_is_moved_aside_when_that_step_is_saved(run_copy, caplog):
+    """Before, publishing step N removed a step-N folder whole, a user's files in it too."""
+    notes = run_copy / "checkpoints/step-00000004/eval.txt"
+    notes.parent.mkdir()
+    notes.write_text("top-1 71.2")
+    with caplog.at_level(logging.WARNING, logger="vitctl.checkpoint"):
+        train(config(run_copy, "train.max_steps=4"), resume=True)
+    aside = run_copy / "checkpoints/step-00000004.moved-1"
+    assert (aside / "eval.txt").read_text() == "top-1 71.2"
+    assert [p.name for p in ckpt.list_checkpoints(run_copy)][-1] == "step-00000004"
+    assert f"{notes.parent} held files vitctl did not write (eval.txt): moved them to {aside}" in caplog.text
+
+
 # ---------------------------------------------------------------- export: an --out that would destroy something
 
 

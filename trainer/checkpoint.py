@@ -321,12 +321,41 @@ class CheckpointWriter:
                  for name, digest in zip(names, files_sha256([tmp / name for name in names]), strict=True)}
         write_json_atomic(tmp / META, {"format": FORMAT, **meta, "files": files})
         fsync_dir(tmp)
-        shutil.rmtree(path, ignore_errors=True)  # a complete checkpoint of this step from an earlier attempt
+        _clear_step_folder(path)
         tmp.rename(path)
         fsync_dir(self.folder)
         for old in list_checkpoints(self.folder.parent)[:-self.keep]:
             _remove_old(old)
         log.info("checkpoint %s", path)
+
+
+def _clear_step_folder(path: Path) -> None:
+    """Make way for this step's checkpoint: an earlier attempt's files of the same step are removed; anything else
+    in the folder (a user's files) is moved aside with it, never deleted."""
+    if path.is_symlink() or path.is_file():
+        aside = _aside(path)
+        path.rename(aside)
+        log.warning("%s was not a checkpoint folder: moved it to %s to publish this step's checkpoint", path, aside)
+        return
+    if not path.is_dir():
+        return
+    for own in sorted(_own_files(path), key=lambda p: p.name != META):  # meta.json first
+        own.unlink()
+    if any(path.iterdir()):
+        aside = _aside(path)
+        path.rename(aside)
+        log.warning("%s held files vitctl did not write (%s): moved them to %s to publish this step's checkpoint",
+                    path, ", ".join(sorted(p.name for p in aside.iterdir())), aside)
+    else:
+        path.rmdir()
+
+
+def _aside(path: Path) -> Path:
+    """A free name beside `path` that no checkpoint listing takes for a step."""
+    n = 1
+    while (aside := path.with_name(f"{path.name}.moved-{n}")).exists() or aside.is_symlink():
+        n += 1
+    return aside
 
 
 def _remove_old(checkpoint: Path) -> None:
