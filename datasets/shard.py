@@ -1,11 +1,13 @@
 """Write WebDataset shards: a seeded plan, one independent writer process per shard, resumable."""
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import shlex
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -27,6 +29,7 @@ from .tarwrite import UstarWriter
 JSON_BYTES_ESTIMATE = 96
 MAX_KEY_BYTES = 100 - len(".json")  # the longest member of a sample, `<key>.json`, in a plain ustar name field
 Progress = Callable[[int], None]
+MANIFEST_EVERY_S = 1.0  # how often finished shards are recorded while a split is written
 _WHITESPACE = re.compile(r"\s").search
 
 
@@ -395,11 +398,22 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
         todo.append((root, path, samples, classes, spec.on_bad_image))
     mf.save(out, manifest)
 
+    saved = time.monotonic()
+
     def finish(entry: dict[str, Any]) -> None:
+        nonlocal saved
         publish(out / entry["name"])
-        info["shards"] = sorted([*info["shards"], entry], key=lambda e: e["name"])
-        mf.save(out, manifest)
+        info["shards"].append(entry)
+        # Recorded once a second, not after every shard: rewriting the whole manifest per shard took minutes with
+        # thousands of small shards. A shard published since is rewritten by a rerun, as an unpublished one is.
+        if time.monotonic() - saved >= MANIFEST_EVERY_S:
+            record()
+            saved = time.monotonic()
         progress(entry["samples"] + len(entry["skipped"]))
+
+    def record() -> None:
+        info["shards"].sort(key=lambda e: e["name"])
+        mf.save(out, manifest)
 
     # One thread fsyncs and renames finished shards (and records them) while the writers go on with the next.
     try:
@@ -408,9 +422,11 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     except BaseException:  # every writer has stopped by now; one that finished after the error was not published
         for task in todo:
             partial_path(task[1]).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a rerun keeps what was published (a full disk may refuse even this)
+            record()
         raise
     for future in finished:
         future.result()
     info["complete"] = True
-    mf.save(out, manifest)
+    record()
     return SplitResult(info, sorted(set(recorded) - intact))
