@@ -1,5 +1,6 @@
 """Data-parallel scaling on one host, in one call: our trainer on 1 GPU and on N GPUs (one all-reduce after the
-backward, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU, and our DALI path on real-size JPEGs.
+backward, ZeRO-1, DDP, FSDP2), timm + DDP beside it; synthetic data resident on the GPU, and our DALI path on
+real-size JPEGs.
 
     python bench/bench_scaling.py --models swin_b,vit_b16 --gpus 2 --timm swin_b
     python bench/bench_scaling.py --models vit_b16 --gpus 2,4 --timm ""      # 1, 2 and 4 GPUs on a 4-GPU machine
@@ -34,7 +35,8 @@ PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "nccl_beside_ms_per_step",
             "idle_ms_per_step", "host_ms_per_step", "syncs_per_step")
 
 
-STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "DDP": "overlap", "FSDP2": None}
+STRATEGIES = {"1 GPU": None, "all-reduce after backward": "after_backward", "ZeRO-1": "zero1", "DDP": "overlap",
+              "FSDP2": None}
 
 
 def configurations(models: list[str], counts: list[int], timm: list[str], strategies: list[str], nccl: list[str],
@@ -55,6 +57,7 @@ def _configurations(models: list[str], counts: list[int], timm: list[str], strat
         for n in counts:
             runs += [dict(model=model, impl="vitctl", strategy="all-reduce after backward", gpus=n,
                           mode="reduce-overhead"),
+                     dict(model=model, impl="vitctl", strategy="ZeRO-1", gpus=n, mode="reduce-overhead"),
                      dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead"),
                      dict(model=model, impl="vitctl", strategy="FSDP2", gpus=n, mode="default")]
             runs += [dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead", env=setting)

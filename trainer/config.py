@@ -19,7 +19,7 @@ PRESETS = Path(__file__).parent / "presets"
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp8")
 # torchao's float8 scaling (one scale per tensor, or per row), or our own row-scaled matmuls (ops/float8_rows.py)
 FP8_RECIPES = ("tensorwise", "rowwise", "fused_rowwise")
-GRAD_REDUCE = ("auto", "after_backward", "overlap")
+GRAD_REDUCE = ("auto", "after_backward", "overlap", "zero1")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile modes; reduce-overhead replays CUDA graphs
 CHECKPOINT = ("none", "selective", "full")  # activation checkpointing per block
 INTERLEAVED = "interleaved_1f1b"  # the pipeline schedule that runs several stages per pipeline rank
@@ -129,7 +129,9 @@ class ParallelConfig:
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of replicating them (DDP)
     dp_shard: int = -1  # with fsdp: ranks each parameter is sharded over (-1: all); the others replicate it (HSDP)
     # Replicated weights: "after_backward" reduces all gradients at once (fastest within a node), "overlap" reduces
-    # DDP's buckets during the backward (across nodes, where the transfer is slow), "auto" picks by the ranks' nodes.
+    # DDP's buckets during the backward (across nodes, where the transfer is slow), "auto" picks by the ranks' nodes;
+    # "zero1" (bf16-pure, fp8): each rank receives the bf16 gradients of its share of the weights, steps that share
+    # and all-gathers the bf16 weights.
     grad_reduce: str = "auto"
     tp: int = 1  # tensor-parallel degree: each block's heads and MLP split over this many ranks of a node
     pp: int = 1  # pipeline ranks, each running virtual_stages stages (one, but under interleaved_1f1b)

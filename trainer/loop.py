@@ -78,8 +78,10 @@ class EMA:
         self.shadow = {n: p.detach().clone() for n, p in weights.named_parameters()}
 
     @torch.no_grad()
-    def update(self, weights: nn.Module) -> None:
-        pairs = list(zip(self.shadow.values(), [p.detach() for p in weights.parameters()], strict=True))
+    def update(self, weights: nn.Module, stepped_here: Callable[[nn.Parameter], bool]) -> None:
+        """Average in the weights this rank steps (under ZeRO-1 its share; other ranks average in the rest)."""
+        pairs = [(s, p.detach()) for s, p in zip(self.shadow.values(), weights.parameters(), strict=True)
+                 if stepped_here(p)]
         for sharded in (False, True):  # foreach kernels take no mix of DTensors (tensor parallel) and tensors
             part = [(s, p) for s, p in pairs if isinstance(p, DTensor) == sharded]
             if part:
@@ -143,7 +145,8 @@ class Trainer:
         self.par = parallelize(model, self.mesh, self.strategy, self.precision, config.train,
                                config.parallel.grad_reduce, config.optim.accum_steps * self.chunks, env.device,
                                lambda part: self._init_weights(part, pretrained))
-        groups = param_groups(self.par.weights, config.optim.weight_decay, config.optim.layer_decay)
+        groups = param_groups(self.par.weights, config.optim.weight_decay, config.optim.layer_decay,
+                              self.par.steps_here)
         self.optimizer = build_optimizer(groups, config.optim, self.ops, config.optim.lr)
         self.scaler = self.precision.scaler()
         self.ema = EMA(self.par.weights, config.train.ema_decay) if config.train.ema_decay else None
@@ -213,12 +216,22 @@ class Trainer:
 
     def save(self, window: "Window", blocking: bool = False) -> None:
         """Checkpoint this step, unless the loss since the last log or the weights are not finite (Diverged)."""
+        self._bring_up_to_date(masters=True)
         state = self._state(rng=True)
         self._refuse_nonfinite(window, state["model"])
         meta = {"step": self.position.step, "position": asdict(self.position), "world_size": self.env.world_size,
                 "mesh": asdict(self.mesh.dims), "layout": self.strategy.layout(self.env.world_size),
                 "config": self.c.to_dict(), "time": time.time()}
         self.writer.save(self.position.step, state, meta, blocking)
+
+    def _bring_up_to_date(self, masters: bool) -> None:
+        """Under ZeRO-1: the fp32 masters (when asked) and the EMA of the weights that other ranks step, as those ranks
+        hold them."""
+        weights = list(self.par.weights.parameters())
+        if masters:
+            self.par.bring_up_to_date([(w, w.detach()) for w in weights])
+        if self.ema:
+            self.par.bring_up_to_date(list(zip(weights, self.ema.shadow.values(), strict=True)))
 
     def _refuse_nonfinite(self, window: "Window", weights: dict[str, Any]) -> None:
         """Raise Diverged on every rank when any rank's loss since the last log or part of the weights is not
@@ -310,21 +323,23 @@ class Trainer:
         norm = self._optimizer_step()
         self.optimizer.zero_grad()  # set_to_none is the default; apex's FusedAdam takes no argument
         if self.ema:
-            self.ema.update(self.par.weights)
+            self.ema.update(self.par.weights, self.par.steps_here)
         return total, norm, waited
 
     def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def _optimizer_step(self) -> torch.Tensor | None:
-        clip, pp_group = self.c.optim.clip_grad or 0.0, self.par.pipeline and self.par.pipeline.group
+        clip, groups = self.c.optim.clip_grad or 0.0, self.par.norm_groups
         if self.par.master is not None:
-            return self.par.master.step(self.optimizer, clip, pp_group)
+            norm = self.par.master.step(self.optimizer, clip, groups)
+            self.par.after_step()
+            return norm
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = None
         if clip:
-            norm = clip_gradients([p for g in self.optimizer.param_groups for p in g["params"]], clip, pp_group)
+            norm = clip_gradients([p for g in self.optimizer.param_groups for p in g["params"]], clip, groups)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -343,6 +358,7 @@ class Trainer:
             return {}
         result = self._evaluate_weights()
         if self.ema:
+            self._bring_up_to_date(masters=False)
             with self.ema.swapped_into(self.par.module):  # its parameters come in the order of `weights`
                 ema = self._evaluate_weights()
             result.update({f"eval_ema_{key.removeprefix('eval_')}": ema[key]

@@ -2,6 +2,7 @@
 AdamW's step on sharded weights without DTensor's dispatch."""
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -14,13 +15,15 @@ from .ops import Ops
 NO_DECAY_NAMES = ("pos_embed", "cls_token", "relative_position_bias_table")
 
 
-def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None) -> list[dict]:
-    """Groups keyed by (decay, LR scale); each group's `lr_scale` multiplies the scheduled LR."""
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None,
+                 stepped_here: Callable[[nn.Parameter], bool] = lambda p: True) -> list[dict]:
+    """Groups keyed by (decay, LR scale) of the parameters this rank steps (under ZeRO-1 its share); each group's
+    `lr_scale` multiplies the scheduled LR."""
     layers = getattr(model, "layer_id", lambda name: 0)
     top = layers("head.weight")  # the deepest layer, also on a pipeline stage that holds no head
     groups: dict[tuple[bool, float, bool], dict] = {}
     for name, param in model.named_parameters():
-        if not param.requires_grad:
+        if not param.requires_grad or not stepped_here(param):
             continue
         decay = param.ndim > 1 and not name.endswith(".bias") and not any(n in name for n in NO_DECAY_NAMES)
         scale = layer_decay ** (top - layers(name)) if layer_decay else 1.0

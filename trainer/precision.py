@@ -80,13 +80,13 @@ class MasterWeights:
             p.grad = None
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0,
-             pp_group: dist.ProcessGroup | None = None) -> Tensor | None:
-        """Clip to `max_norm` (when set), step the masters, copy them into the model; in one kernel where the
-        optimizer has one (ops/cuda.py's MasterAdamW), else in three passes. Returns the gradients' total norm when
-        clipping (on the device: no host sync)."""
+             norm_groups: list[dist.ProcessGroup] | None = None) -> Tensor | None:
+        """Clip to `max_norm` (when set), step the masters that have gradients, copy them into the model; in one
+        kernel where the optimizer has one (ops/cuda.py's MasterAdamW), else in three passes. Returns the gradients'
+        total norm (over `norm_groups` too) when clipping, on the device: no host sync."""
         triples = [(m.grad if m.grad is not None else p.grad, p, m) for p, m in self.pairs
                    if m.grad is not None or p.grad is not None]
-        norm = total_norm([g for g, _, _ in triples], pp_group) if max_norm and triples else None
+        norm = total_norm([g for g, _, _ in triples], norm_groups) if max_norm and triples else None
         one_kernel = getattr(optimizer, "step_master_weights", None)
         if one_kernel is None or not one_kernel(triples, clip_coefficient(norm, max_norm) if norm is not None
                                                  else None):
@@ -95,7 +95,9 @@ class MasterWeights:
             if norm is not None:
                 torch._foreach_mul_([m.grad for _, _, m in triples], clip_coefficient(norm, max_norm))
             optimizer.step()
-            self.master_to_model()
+            if triples:  # those without gradients were not stepped (under ZeRO-1, another rank's)
+                with torch.no_grad():
+                    torch._foreach_copy_([p for _, p, _ in triples], [m for _, _, m in triples])
         for p, m in self.pairs:
             p.grad = m.grad = None
         return norm
@@ -105,8 +107,9 @@ class MasterWeights:
         torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
 
 
-def total_norm(grads: list[Tensor], pp_group: dist.ProcessGroup | None = None) -> Tensor:
-    """The gradients' total L2 norm over every shard and pipeline stage, each norm taken in fp32, on their device.
+def total_norm(grads: list[Tensor], groups: list[dist.ProcessGroup] | None = None) -> Tensor:
+    """The gradients' total L2 norm over every shard and the ranks of `groups` (pipeline stages, ZeRO-1's
+    data-parallel ranks), each norm taken in fp32, on their device.
     A DTensor's shards are summed over the mesh dimensions it is sharded on, never over those it is replicated on."""
     plain = [g for g in grads if not isinstance(g, DTensor)]
     squares = [_sum_of_squares(plain)] if plain else []
@@ -121,8 +124,8 @@ def total_norm(grads: list[Tensor], pp_group: dist.ProcessGroup | None = None) -
             dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square)
     total = torch.stack(squares).sum()
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
+    for group in groups or []:
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
@@ -130,10 +133,10 @@ def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
     return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32)).square().sum()
 
 
-def clip_gradients(params: list[Tensor], max_norm: float, pp_group: dist.ProcessGroup | None) -> Tensor:
-    """clip_grad_norm_ over every shard and stage; returns the total norm (on the device)."""
+def clip_gradients(params: list[Tensor], max_norm: float, groups: list[dist.ProcessGroup]) -> Tensor:
+    """clip_grad_norm_ over every shard and the ranks of `groups`; returns the total norm (on the device)."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = total_norm(grads, pp_group)
+    norm = total_norm(grads, groups)
     torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads],
                         clip_coefficient(norm, max_norm))
     return norm

@@ -80,8 +80,13 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
     if (s.tp > 1 or s.pp > 1) and config.parallel.grad_reduce == "overlap":
         problems.append("parallel.grad_reduce=overlap (DDP) does not run with tensor or pipeline parallel, whose "
                         "replicated gradients are reduced after the backward; use parallel.grad_reduce=auto")
-    mixed = len({b.fsdp for b in s.blocks} | {s.fsdp_rest}) > 1
     precision = config.train.precision
+    if config.parallel.grad_reduce == "zero1" and (precision not in ("bf16-pure", "fp8") or s.fsdp or s.tp > 1
+                                                   or s.pp > 1):
+        problems.append(f"parallel.grad_reduce=zero1 shards the fp32 master weights of a bf16 model replicated over "
+                        f"the data-parallel ranks: it needs train.precision=bf16-pure or fp8 (got {precision}) and no "
+                        f"fsdp, tp or pp; use parallel.grad_reduce=auto")
+    mixed = len({b.fsdp for b in s.blocks} | {s.fsdp_rest}) > 1
     if precision in ("bf16-pure", "fp8") and (mixed or s.tp > 1 and not s.fsdp):
         problems.append(f"train.precision={precision} needs every block sharded (FSDP2 keeps the fp32 weights) or, "
                         f"with parallel.tp=1, none; use train.precision=bf16 for this strategy")

@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -20,6 +21,7 @@ from .mesh import Mesh
 from .pipeline_parallel import Pipeline, rank_blocks, share_parameters, split_stages
 from .strategy import Strategy
 from .tensor_parallel import apply_tensor_parallel
+from .zero import Zero1
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -33,9 +35,30 @@ class Parallelized:
     master: MasterWeights | None  # bf16-pure outside FSDP
     ddp: DistributedDataParallel | None
     reducer: ReduceAfterBackward | None  # replicated weights reduced after the backward
+    zero: Zero1 | None  # or each rank stepping its share of them
     fsdp: list[nn.Module]  # the FSDP2 roots (one per pipeline stage of this rank), when any weights are sharded
     pipeline: Pipeline | None
     accum_steps: int
+
+    @property
+    def norm_groups(self) -> list[dist.ProcessGroup]:
+        """The groups over which the gradients' squares are summed for their total norm: the pipeline stages hold
+        other weights, and under ZeRO-1 each data-parallel rank other gradients."""
+        return [g for g in (self.pipeline and self.pipeline.group, self.zero and self.zero.group) if g is not None]
+
+    def steps_here(self, weight: nn.Parameter) -> bool:
+        """Whether this rank steps `weight` (one of `weights`'), and so holds it and its EMA up to date."""
+        return self.zero is None or id(weight) in self.zero.stepped
+
+    def after_step(self) -> None:
+        if self.zero is not None:
+            self.zero.gather_weights()
+
+    def bring_up_to_date(self, copies: list[tuple[nn.Parameter, Tensor]]) -> None:
+        """Before a checkpoint or an evaluation reads them: each (weight, fp32 copy of it) pair's copy as the rank
+        that steps the weight holds it (a no-op but under ZeRO-1). One copy of a weight at most per call."""
+        if self.zero is not None:
+            self.zero.gather(copies)
 
     @property
     def input_dtype(self) -> torch.dtype | None:
@@ -76,7 +99,9 @@ class Parallelized:
     def _after_backward(self, sync: bool) -> None:
         """Reduce after the last micro-batch (when not DDP's job); bf16 gradients that no reduction consumes are
         summed into the masters in fp32."""
-        if sync and self.reducer is not None:
+        if sync and self.zero is not None:
+            self.zero.reduce()
+        elif sync and self.reducer is not None:
             self.reducer.reduce()
         elif self.master is not None and (not sync or (self.ddp is None and self.accum_steps > 1)):
             self.master.accumulate()
@@ -131,8 +156,12 @@ def apply_checkpointing(model: nn.Module, strategy: Strategy) -> None:
 def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Precision, train: TrainConfig,
                grad_reduce: str, accum_steps: int) -> Parallelized:
     master = MasterWeights(model) if precision.pure else None
-    ddp = reducer = None
-    if mesh.dims.dp_size > 1 and _reduce_after_backward(grad_reduce, mesh, strategy):
+    ddp = reducer = zero = None
+    if mesh.dims.dp_size > 1 and grad_reduce == "zero1":  # preflight: bf16-pure or fp8, no tp, pp or fsdp
+        # in bf16 but where micro-batches were summed in fp32
+        exchange = torch.bfloat16 if accum_steps == 1 else torch.float32
+        zero = Zero1(master, mesh.dp_group, mesh.dp_rank, mesh.dp_size, exchange)
+    elif mesh.dims.dp_size > 1 and _reduce_after_backward(grad_reduce, mesh, strategy):
         pairs = master.pairs if master else [(p, p) for p in model.parameters() if p.requires_grad]
         reducer = ReduceAfterBackward(pairs, mesh.dp_group, mesh.dp_size)
     elif mesh.dims.dp_size > 1:
@@ -143,8 +172,8 @@ def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Prec
     else:
         _compile_blocks(model, train)
         forward = wrapped
-    return Parallelized(master.module if master else model, wrapped, forward, precision, master, ddp, reducer, [],
-                        None, accum_steps)
+    return Parallelized(master.module if master else model, wrapped, forward, precision, master, ddp, reducer, zero,
+                        [], None, accum_steps)
 
 
 def _reduce_after_backward(grad_reduce: str, mesh: Mesh, strategy: Strategy) -> bool:
@@ -170,7 +199,7 @@ def _sharded(model: nn.Module, roots: list[nn.Module], mesh: Mesh, strategy: Str
     replicated = _replicated(model, strategy, precision)
     reducer = ReduceAfterBackward([(p, p) for p in replicated if p.requires_grad], mesh.dp_group, mesh.dp_size) \
         if replicated and mesh.dp_size > 1 else None
-    return Parallelized(model, model, model, precision, None, None, reducer, roots, None, accum_steps)
+    return Parallelized(model, model, model, precision, None, None, reducer, None, roots, None, accum_steps)
 
 
 def _replicated(model: nn.Module, strategy: Strategy, precision: Precision) -> list[nn.Parameter]:

@@ -1,0 +1,205 @@
+"""ZeRO-1 (`parallel.grad_reduce=zero1`) on CPU gloo ranks: the partition, the gradient exchange and the gathers; a
+bf16-pure run trains bitwise as the fp32 all-reduce after the backward does at two ranks, and its checkpoints hold
+every weight's optimizer state, resuming under another reduction and onto another number of ranks. On two GPUs
+(`gpu`): the same under CUDA graphs over NCCL."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_parallel import GPU_RUN, run
+from torch import nn
+
+from conftest import CLASSES, TWO_GPUS, ok, vitctl
+from vitctl.trainer import checkpoint as ckpt
+from vitctl.trainer.config import ConfigError
+from vitctl.trainer.parallel.zero import ALIGN, Zero1, partition
+from vitctl.trainer.precision import MasterWeights
+
+
+def test_the_partition_balances_whole_tensors_and_aligns_them():
+    width = 768  # ViT-B's weights: each rank's share within 1% of the others' at 2 and 3 ranks
+    block = [width, width, 3 * width * width, 3 * width, width * width, width, width, width, 4 * width * width,
+             4 * width, 4 * width * width, width]
+    vit_b = [width, 197 * width, 3 * 16 * 16 * width, width] + 12 * block + [width, width, 1000 * width, 1000]
+    for sizes, ranks in ((vit_b, 2), (vit_b, 3), ([3000, 10, 2000, 1000, 7, 2000, 5, 64], 3)):
+        owners, offsets, length = partition(sizes, ranks)
+        loads = [sum(-(-s // ALIGN) * ALIGN for s, o in zip(sizes, owners, strict=True) if o == r)
+                 for r in range(ranks)]
+        assert length == max(loads) and max(loads) - min(loads) <= max(sizes) + ALIGN
+        if sizes is vit_b:
+            assert max(loads) < 1.01 * min(loads)
+        for rank in range(ranks):  # each rank's tensors lie one after another, aligned, in their own order
+            mine = [(offsets[i], sizes[i]) for i in range(len(sizes)) if owners[i] == rank]
+            assert mine and all(offset % ALIGN == 0 for offset, _ in mine)
+            assert all(a + size <= b for (a, size), (b, _) in zip(mine, mine[1:], strict=False))
+            assert mine[-1][0] + mine[-1][1] <= length
+
+
+def test_fewer_weights_than_ranks_is_a_clear_error():
+    with pytest.raises(ConfigError, match="the model's 2 weights cannot go round 3 ranks; use parallel.grad_reduce"):
+        Zero1(MasterWeights(nn.Linear(4, 4)), None, 0, 3, torch.bfloat16)
+
+
+RANKS = 3
+
+
+def _exchange_rank(rank: int, init: str, results: dict, micro_batches: int) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 6), nn.Linear(6, 6))  # the last one unused
+    master = MasterWeights(model)  # the model is now bf16
+    plain = copy.deepcopy(model)  # this rank's own bf16 gradients, summed in fp32 over its micro-batches
+    zero = Zero1(master, None, rank, RANKS, torch.bfloat16 if micro_batches == 1 else torch.float32)
+    torch.manual_seed(1 + rank)
+    own = [torch.zeros_like(m) for _, m in master.pairs]
+    for i in range(micro_batches):
+        x = torch.randn(8, 24).bfloat16()
+        model[:3](x).float().square().mean().backward()
+        plain[:3](x).float().square().mean().backward()
+        for total, p in zip(own, plain.parameters(), strict=True):
+            total += p.grad.float() if p.grad is not None else 0
+        plain.zero_grad()
+        if i < micro_batches - 1:
+            master.accumulate()
+    zero.reduce()
+    for total in own:  # the fp32 mean over ranks
+        dist.all_reduce(total)
+        total /= RANKS
+    grads = [None if m.grad is None else m.grad.clone() for _, m in master.pairs]
+    buffer = zero.weights.untyped_storage().data_ptr()
+    in_buffer = all(p.untyped_storage().data_ptr() == buffer for p in model.parameters())
+    with torch.no_grad():  # a step of this rank's share: its masters and, through them, its bf16 weights
+        for i in zero.owned:
+            p, m = master.pairs[i]
+            m.add_(rank + 1)
+            p.copy_(m)
+    zero.gather_weights()
+    zero.gather([(m, m.detach()) for _, m in master.pairs])
+    results[rank] = (zero.owned, grads, own, in_buffer, [p.detach().clone() for p in model.parameters()],
+                     [m.detach().clone() for _, m in master.pairs], all(p.grad is None for p in model.parameters()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_each_rank_gets_the_fp32_mean_of_its_share_and_every_rank_the_stepped_weights(tmp_path, micro_batches):
+    """One micro-batch (the gradients exchanged in bf16) or three (their fp32 sums exchanged): the weights each rank
+    steps get the fp32 mean over ranks of every rank's sum, the others none, and a weight no rank used a zero one;
+    after the step every rank holds each weight, bf16 and fp32 master, as its owner stepped it."""
+    results = mp.Manager().dict()
+    mp.spawn(_exchange_rank, args=(f"file://{tmp_path / 'init'}", results, micro_batches), nprocs=RANKS)
+    owners = {}
+    for rank in range(RANKS):
+        owned, grads, own, in_buffer, _, _, freed = results[rank]
+        assert in_buffer and freed and owned
+        owners.update({i: rank for i in owned})
+        for i, (got, want) in enumerate(zip(grads, own, strict=True)):
+            if i in owned:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            else:
+                assert got is None
+    assert sorted(owners) == list(range(len(results[0][1])))
+    assert not any(results[owners[i]][1][i].any() for i in (4, 5))  # the unused layer's weight and bias
+    for rank in range(1, RANKS):
+        for name in (4, 5):  # the bf16 weights and the masters
+            assert all(torch.equal(a, b) for a, b in zip(results[0][name], results[rank][name], strict=True))
+    first = results[0]
+    torch.manual_seed(0)
+    initial = [p.detach() for p in nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 6),
+                                                 nn.Linear(6, 6)).parameters()]
+    for i, (master, start) in enumerate(zip(first[5], initial, strict=True)):
+        assert torch.equal(master, start + (owners[i] + 1))
+
+
+PURE = ["--set", "train.precision=bf16-pure", "--set", "train.ema_decay=0.9", "--set", "train.checkpoint_every=5",
+        "--set", "train.eval_every_epochs=1"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def parts(path) -> dict[str, dict]:
+    return {part: ckpt.consolidated(path, part) for part in ("model", "optimizer", "ema")}
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_zero1_trains_bitwise_as_the_all_reduce_at_two_ranks_and_its_checkpoints_resume_anywhere(prepared_shards,
+                                                                                                 tmp_path):
+    """bf16-pure with an EMA, without clipping (whose norm ZeRO-1 sums in another order): at two ranks each
+    exchanged gradient's mean is the all-reduce's, so the losses, evaluations, weights, optimizer state and EMA are
+    bitwise the same. A ZeRO-1 run stopped at step 4, resumed under the all-reduce to 7 and under ZeRO-1 again to 10,
+    ends bitwise where the uninterrupted one does; resumed onto 3 ranks it goes on as the all-reduce does there."""
+    no_clip = [*PURE, "--set", "optim.clip_grad=0"]
+    run(prepared_shards, tmp_path / "all-reduce", 2, 10, *no_clip, *sets("parallel.grad_reduce=after_backward"))
+    run(prepared_shards, tmp_path / "zero1", 2, 10, *no_clip, *sets("parallel.grad_reduce=zero1"))
+    run(prepared_shards, tmp_path / "split", 2, 5, *no_clip, *sets("parallel.grad_reduce=zero1"))
+    for name in ("three-zero1", "three-all-reduce"):  # the run stopped at step 5, to go on on 3 ranks
+        shutil.copytree(tmp_path / "split", tmp_path / name)
+    run(prepared_shards, tmp_path / "split", 2, 7, "--resume", *no_clip, *sets("parallel.grad_reduce=after_backward"))
+    run(prepared_shards, tmp_path / "split", 2, 10, "--resume", *no_clip, *sets("parallel.grad_reduce=zero1"))
+    reference = [_logged(r) for r in metrics(tmp_path / "zero1")]
+    assert any("eval_ema_loss" in r for r in reference)
+    assert [_logged(r) for r in metrics(tmp_path / "all-reduce")] == reference
+    assert [_logged(r) for r in metrics(tmp_path / "split")][-2:] == reference[-2:]  # a stop logs where it stops
+    want = parts(ckpt.list_checkpoints(tmp_path / "zero1")[-1])
+    for name in ("all-reduce", "split"):
+        got = parts(ckpt.list_checkpoints(tmp_path / name)[-1])
+        for part in want:
+            assert got[part].keys() == want[part].keys()
+            assert all(torch.equal(torch.as_tensor(got[part][k]), torch.as_tensor(want[part][k]))
+                       for k in want[part]), (name, part)
+    for name, reduce in (("three-zero1", "zero1"), ("three-all-reduce", "after_backward")):
+        run(prepared_shards, tmp_path / name, 3, 10, "--resume", *no_clip, *sets(f"parallel.grad_reduce={reduce}"))
+    a, b = (parts(ckpt.list_checkpoints(tmp_path / name)[-1]) for name in ("three-zero1", "three-all-reduce"))
+    for part in a:  # at 3 ranks the means round otherwise, and bf16 weights that round otherwise carry it on
+        for key in a[part]:
+            torch.testing.assert_close(torch.as_tensor(a[part][key]), torch.as_tensor(b[part][key]), rtol=0,
+                                       atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _logged(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k.startswith(("loss", "eval_"))}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.precision=bf16"], "parallel.grad_reduce=zero1 shards the fp32 master weights of a bf16 model"),
+    (["train.precision=bf16-pure", "parallel.fsdp=true"], "needs train.precision=bf16-pure or fp8 (got bf16-pure) "
+                                                          "and no fsdp, tp or pp"),
+])
+def test_zero1_is_refused_where_there_are_no_replicated_masters(prepared_shards, tmp_path, overrides, message):
+    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
+                    "--executor", "local", "--gpus", 0, "--tasks-per-node", 2, "--dry-run",
+                    *sets("parallel.grad_reduce=zero1", *overrides))
+    assert result.exit_code != 0 and message in result.output + result.stderr
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_zero1_on_two_gpus_under_cuda_graphs_follows_the_all_reduce(prepared_shards, tmp_path):
+    """Over NCCL, compiled with CUDA graphs (whose captured weights are views of the all-gather's buffer), with an
+    EMA and clipping: ZeRO-1 follows the all-reduce after the backward to bf16's precision (the attention backward
+    sums with atomics, so not bitwise), and its checkpoint resumes under the all-reduce."""
+    common = [*GPU_RUN, "--data", prepared_shards, "--set", "train.compile_mode=reduce-overhead",
+              "--set", "train.ema_decay=0.9", "--set", f"model.num_classes={CLASSES}"]
+    ok("train", "--out", tmp_path / "all-reduce", "--steps", 8, *common, *sets("parallel.grad_reduce=after_backward"))
+    ok("train", "--out", tmp_path / "zero1", "--steps", 8, *common, *sets("parallel.grad_reduce=zero1"))
+    losses = {name: [r["loss"] for r in metrics(tmp_path / name) if "loss" in r] for name in ("all-reduce", "zero1")}
+    print(losses)
+    torch.testing.assert_close(losses["zero1"], losses["all-reduce"], rtol=2e-2, atol=0)
+    a, b = (parts(ckpt.list_checkpoints(tmp_path / name)[-1]) for name in ("all-reduce", "zero1"))
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    worst = max((a["model"][k].float() - b["model"][k].float()).abs().max().item() for k in a["model"])
+    print(f"weights within {worst:.2e}")
+    assert worst <= 4e-3
+    ok("train", "--out", tmp_path / "zero1", "--steps", 12, "--resume", *common,
+       *sets("parallel.grad_reduce=after_backward"))
+    assert ckpt.read_meta(ckpt.list_checkpoints(tmp_path / "zero1")[-1])["step"] == 12

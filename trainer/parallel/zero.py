@@ -1,0 +1,109 @@
+"""ZeRO-1 for a bf16 model with fp32 master weights (bf16-pure, fp8) replicated over the data-parallel ranks: each
+rank steps the masters and the optimizer state of its share of the weights (whole tensors, balanced by size).
+
+After the backward each rank sends every other rank the gradients of the weights that rank steps, in one all-to-all
+(in bf16 when a step is one micro-batch: half the bytes of the fp32 all-reduce), and averages what it receives in
+fp32 (at two ranks the fp32 all-reduce's very sum). After its step it all-gathers the bf16 weights, which live in
+one flat buffer laid out by owner, so that the gather writes them in place. The masters of the weights another rank
+steps go stale here, as do their EMA: `gather` brings such fp32 copies up to date before anything reads them.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..config import ConfigError
+from ..precision import MasterWeights
+
+ALIGN = 32  # elements: each weight starts 64-byte aligned in the buffers (Inductor copies misaligned inputs)
+# torch 2.14 renamed it and warns at each call of the old name, the only one torch 2.11 has
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Zero1:
+    def __init__(self, master: MasterWeights, group: dist.ProcessGroup | None, rank: int, size: int,
+                 exchange: torch.dtype) -> None:
+        self.pairs, self.group, self.rank, self.size = master.pairs, group, rank, size
+        if len(self.pairs) < size:
+            raise ConfigError(f"parallel.grad_reduce=zero1 gives each data-parallel rank whole weights to step: the "
+                              f"model's {len(self.pairs)} weights cannot go round {size} ranks; use "
+                              f"parallel.grad_reduce=auto, or parallel.fsdp=true to shard them")
+        shapes = [p.shape for p, _ in self.pairs]
+        owners, offsets, self.length = partition([s.numel() for s in shapes], size)
+        self.owned = [i for i, owner in enumerate(owners) if owner == rank]
+        self.stepped = {id(self.pairs[i][1]) for i in self.owned}  # the masters this rank steps
+        self.starts = [owner * self.length + offset for owner, offset in zip(owners, offsets, strict=True)]
+        device = self.pairs[0][0].device
+        self.weights = torch.zeros(size * self.length, dtype=torch.bfloat16, device=device)
+        self.sent = torch.zeros(size * self.length, dtype=exchange, device=device)
+        self.received = torch.empty_like(self.sent)
+        self.grads = torch.empty(self.length, dtype=torch.float32, device=device)
+        self.sent_views = _views(self.sent, self.starts, shapes)
+        self.grad_views = _views(self.grads, [offsets[i] for i in self.owned], [shapes[i] for i in self.owned])
+        with torch.no_grad():  # the model's weights become views of the buffer the all-gather writes
+            for view, (p, _) in zip(_views(self.weights, self.starts, shapes), self.pairs, strict=True):
+                view.copy_(p)
+                p.data = view
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """After the last micro-batch's backward: the mean over ranks of the gradients of the weights this rank steps
+        becomes their masters' fp32 gradients; the bf16 gradients and the earlier micro-batches' sums are freed."""
+        fresh = [(v, p.grad) for v, (p, _) in zip(self.sent_views, self.pairs, strict=True) if p.grad is not None]
+        earlier = [(v, m.grad) for v, (_, m) in zip(self.sent_views, self.pairs, strict=True) if m.grad is not None]
+        if len(fresh) < len(self.pairs):
+            self.sent.zero_()
+        if fresh:
+            torch._foreach_copy_([v for v, _ in fresh], [g for _, g in fresh])
+        if earlier:  # micro-batches summed by MasterWeights.accumulate (then the exchange is in fp32)
+            torch._foreach_add_([v for v, _ in earlier], [g for _, g in earlier])
+        for p, m in self.pairs:
+            p.grad = m.grad = None
+        dist.all_to_all_single(self.received, self.sent, group=self.group)
+        torch.mean(self.received.view(self.size, self.length), dim=0, dtype=torch.float32, out=self.grads)
+        for i, view in zip(self.owned, self.grad_views, strict=True):
+            self.pairs[i][1].grad = view
+
+    @torch.no_grad()
+    def gather_weights(self) -> None:
+        """After the step: every rank's stepped bf16 weights to every rank."""
+        mine = self.weights[self.rank * self.length:(self.rank + 1) * self.length]
+        ALL_GATHER(self.weights, mine, group=self.group)
+
+    @torch.no_grad()
+    def gather(self, copies: list[tuple[nn.Parameter, Tensor]]) -> None:
+        """Each fp32 `copy` of a master (the master itself, or its EMA: one copy a master) made what the rank that
+        steps it holds."""
+        index = {id(m): i for i, (_, m) in enumerate(self.pairs)}
+        placed = [(index[id(m)], copy) for m, copy in copies if id(m) in index]
+        flat = torch.empty(self.size * self.length, dtype=torch.float32, device=self.grads.device)
+        views = _views(flat, [self.starts[i] for i, _ in placed], [c.shape for _, c in placed])
+        mine = [(v, c) for v, (i, c) in zip(views, placed, strict=True) if id(self.pairs[i][1]) in self.stepped]
+        if mine:
+            torch._foreach_copy_([v for v, _ in mine], [c for _, c in mine])
+        ALL_GATHER(flat, flat[self.rank * self.length:(self.rank + 1) * self.length], group=self.group)
+        theirs = [(c, v) for v, (i, c) in zip(views, placed, strict=True) if id(self.pairs[i][1]) not in self.stepped]
+        if theirs:
+            torch._foreach_copy_([c for c, _ in theirs], [v for _, v in theirs])
+
+
+def partition(sizes: list[int], ranks: int) -> tuple[list[int], list[int], int]:
+    """Whole tensors over `ranks`, the largest first to the least loaded: (each one's rank, its offset in that rank's
+    share, the longest share), offsets and lengths in ALIGN-element steps, in the tensors' own order."""
+    owners, loads = [0] * len(sizes), [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owners[i] = min(range(ranks), key=lambda r: loads[r])
+        loads[owners[i]] += _aligned(sizes[i])
+    offsets, ends = [], [0] * ranks
+    for size, owner in zip(sizes, owners, strict=True):
+        offsets.append(ends[owner])
+        ends[owner] += _aligned(size)
+    return owners, offsets, max(max(ends), ALIGN)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _views(flat: Tensor, starts: list[int], shapes: list[torch.Size]) -> list[Tensor]:
+    return [flat[start:start + shape.numel()].view(shape) for start, shape in zip(starts, shapes, strict=True)]
