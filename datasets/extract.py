@@ -413,6 +413,24 @@ def check_train_intact(root: Path, count_images: bool) -> None:
                         f"without them, move {root / LEDGER} away: without it shard takes the tree as it is)")
 
 
+def check_val_intact(root: Path, found: int) -> None:
+    """Refuse a val split of fewer images than extract recorded: an evaluation would score part of it unsaid. A
+    root without a ledger passes."""
+    if not (root / LEDGER).exists():
+        return
+    record = _load_ledger(root)["val"]
+    if record is None or not record.get("complete", True) or found >= record["images"]:
+        return
+    val, lost = root / "val", record["images"] - found
+    devkit = shlex.quote(_beside_recorded(_load_ledger(root), DEVKIT_NAME))
+    raise DataError(f"val holds {found} of the {record['images']} images `vitctl data extract` wrote: {lost} "
+                    f"{'was' if lost == 1 else 'were'} lost since, and an evaluation would score part of the val set",
+                    str(val),
+                    f"extract val again: `rm -r {shlex.quote(str(val))}`, then `{extract_command(root, ['val'])}` "
+                    f"and `vitctl data valprep {shlex.quote(str(val))} --devkit {devkit}` (or, to shard without "
+                    f"them, move {root / LEDGER} away: without it shard takes the tree as it is)")
+
+
 def _progress_of(ledger: dict[str, Any], split: str) -> str:
     name = ledger[split]["archive"]["name"]
     if split == "val":

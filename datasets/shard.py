@@ -17,7 +17,7 @@ from typing import Any
 from . import manifest as mf
 from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
 from .errors import DataError, listed
-from .extract import beside_archives, check_finished, check_train_intact, extract_command
+from .extract import beside_archives, check_finished, check_train_intact, check_val_intact, extract_command
 from .ilsvrc import DEVKIT_NAME, WNID
 from .images import to_rgb_jpeg
 from .lock import writing_in
@@ -186,7 +186,10 @@ def read_source(root: Path, splits: Sequence[str]) -> Source:
         check_finished(root, splits)
         classes = list_classes(root)
         check_train_intact(root, "train" in splits)  # before any split's images: a lost class shifts the labels
-        return Source(classes, {split: list_samples(root, split, classes) for split in splits})
+        samples = {split: list_samples(root, split, classes) for split in splits}
+        if "val" in samples:
+            check_val_intact(root, len(samples["val"]))
+        return Source(classes, samples)
 
 
 def sample_bytes(size: int) -> int:

@@ -248,6 +248,26 @@ def test_train_classes_or_images_lost_since_extract_are_refused_and_the_extract_
     assert sum(e["samples"] for e in manifest["splits"]["train"]["shards"]) == CLASSES * TRAIN_PER_CLASS
 
 
+def test_val_images_lost_since_extract_are_refused_and_the_fix_brings_them_back(root_copy, tmp_path):
+    """Before: val was sharded with the images left, and every evaluation scored part of the val set unsaid."""
+    val_images = sorted((root_copy / "val").glob("*/*.JPEG"))
+    val_images[0].unlink()
+    refused = vitctl("data", "shard", root_copy, "--out", tmp_path / "s", "--maxcount", 16)
+    assert refused.exit_code == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert (f"error: {root_copy / 'val'}: val holds {len(val_images) - 1} of the {len(val_images)} images `vitctl "
+            "data extract` wrote: 1 was lost since") in refused.stderr, refused.stderr
+    assert not (tmp_path / "s").exists()
+    remove, extract, valprep = re.findall(r"`([^`]+)`", refused.stderr.split("fix: ", 1)[1])[:3]
+    assert shlex.split(remove)[:2] == ["rm", "-r"]
+    shutil.rmtree(shlex.split(remove)[2])
+    for command in (extract, valprep):
+        assert command.startswith("vitctl data ")
+        ok(*shlex.split(command)[1:])
+    assert sorted(p.relative_to(root_copy) for p in (root_copy / "val").glob("*/*.JPEG")) == \
+        [p.relative_to(root_copy) for p in val_images]
+    ok("data", "shard", root_copy, "--out", tmp_path / "s", "--maxcount", 16)
+
+
 def test_a_tree_extract_did_not_write_is_sharded_with_what_it_holds(root_copy, tmp_path):
     (root_copy / LEDGER).unlink()
     _lose_a_class_and_an_image(root_copy)

@@ -200,7 +200,8 @@ def test_other_settings_into_the_same_folder_are_refused(prepared_root, shards_c
 
 
 def test_other_images_under_the_same_settings_are_refused(root_copy, shards_copy):
-    next((root_copy / "val").glob("*/*.JPEG")).unlink()
+    image = next((root_copy / "val").glob("*/*.JPEG"))
+    shutil.copy(image, image.with_name("ILSVRC2012_val_00099999.JPEG"))  # (one lost is refused as lost)
     result = vitctl("data", "shard", root_copy, "--out", shards_copy, "--maxcount", 16, "--split", "val")
     assert result.exit_code == 1 and "val shards here were made from other images" in result.stderr
     source = json.loads((shards_copy / "manifest.json").read_text())["splits"]["val"]["source"]
