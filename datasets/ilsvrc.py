@@ -1,11 +1,16 @@
 """ILSVRC2012 naming and the devkit: meta.mat synsets and the validation ground truth."""
 
 import csv
+import faulthandler
 import io
+import multiprocessing
 import re
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import scipy.io
@@ -84,20 +89,59 @@ def _is_solution_csv(path: Path) -> bool:
 
 
 def parse_meta(mat_bytes: bytes, where: str, member: str = META_MAT) -> list[Synset]:
+    verdict = _in_child(_read_synsets, mat_bytes)
+    if verdict is None:
+        raise DataError(f"member {member} is damaged (reading it crashed scipy's loadmat)", where, DEVKIT_AGAIN)
+    kind, found = verdict
+    if kind == "damaged":
+        raise DataError(f"member {member} is damaged ({found})", where, DEVKIT_AGAIN)
+    if kind == "no synsets":
+        raise DataError(f"meta.mat has no readable 'synsets' struct ({found})", where, DEVKIT_AGAIN)
+    if kind == "other ids":
+        raise DataError(f"meta.mat is not from ILSVRC2012 (its synsets have {found})", where,
+                        "use ILSVRC2012_devkit_t12.tar.gz")
+    return [Synset(*row) for row in found]
+
+
+def _read_synsets(mat_bytes: bytes) -> tuple[str, Any]:
+    """loadmat's synsets as plain rows, or what is wrong: (kind, rows or message)."""
     try:
         synsets = scipy.io.loadmat(io.BytesIO(mat_bytes), squeeze_me=True)["synsets"]
     # a meta.mat cut short raises OSError ("could not read bytes") or MatReadError, or IndexError at some lengths
     except (OSError, MatReadError, IndexError, NotImplementedError) as e:
-        raise DataError(f"member {member} is damaged ({e})", where, DEVKIT_AGAIN) from None
+        return "damaged", str(e)
     except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"meta.mat has no readable 'synsets' struct ({e})", where, DEVKIT_AGAIN) from None
+        return "no synsets", str(e)
     fields = synsets.dtype.names or ()
     if "ILSVRC2012_ID" not in fields:
-        other = [f for f in fields if f.endswith("_ID")]
-        raise DataError(f"meta.mat is not from ILSVRC2012 (its synsets have {other or list(fields)})", where,
-                        "use ILSVRC2012_devkit_t12.tar.gz")
-    return [Synset(int(s["ILSVRC2012_ID"]), str(s["WNID"]), str(s["words"]), int(s["num_children"]))
-            for s in np.atleast_1d(synsets)]
+        return "other ids", [f for f in fields if f.endswith("_ID")] or list(fields)
+    try:
+        return "ok", [(int(s["ILSVRC2012_ID"]), str(s["WNID"]), str(s["words"]), int(s["num_children"]))
+                      for s in np.atleast_1d(synsets)]
+    except (ValueError, TypeError, IndexError) as e:
+        return "damaged", str(e)
+
+
+def _in_child(function: Callable[[bytes], Any], data: bytes) -> Any:
+    """`function(data)` in a forked process; None if it died. Some damaged .mat files crash scipy's loadmat outright
+    (a segfault), which no `except` would catch."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_result, args=(send, function, data))
+    child.start()
+    send.close()
+    try:
+        return receive.recv()
+    except EOFError:
+        return None
+    finally:
+        child.join()
+        receive.close()
+
+
+def _send_result(send: Connection, function: Callable[[bytes], Any], data: bytes) -> None:
+    faulthandler.disable()  # a crash here is an answer, reported by the parent: no dump of this child's stack
+    send.send(function(data))
 
 
 def parse_ground_truth(text: str, where: str) -> list[int]:

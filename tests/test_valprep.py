@@ -271,6 +271,20 @@ def test_a_damaged_devkit_member_is_named_and_a_good_devkit_works(archives, tmp_
     ok("data", "valprep", val, "--devkit", archives / DEVKIT)  # the fix: the devkit as downloaded
 
 
+def test_a_meta_mat_that_crashes_scipy_is_named_damaged_and_valprep_lives_on(archives, tmp_path, monkeypatch):
+    """Some byte flips in meta.mat crash scipy's loadmat with a segfault, which no `except` catches: before, valprep
+    died with the process. loadmat here crashes as they made it crash."""
+    import os
+    import signal
+
+    val = _val_dir(archives, tmp_path)
+    monkeypatch.setattr("scipy.io.loadmat", lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV))
+    result = vitctl("data", "valprep", val, "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1 and (f"error: {archives / DEVKIT}: member ILSVRC2012_devkit_t12/data/meta.mat is "
+                                      "damaged (reading it crashed scipy's loadmat)\n"
+                                      f"fix: download {DEVKIT} again") in result.stderr, result.stderr
+
+
 def test_an_image_with_two_rows_in_the_solution_is_refused_and_its_fix_works(archives, prepared_root, tmp_path):
     """Before: the later row won, without a word."""
     val, reference = _val_dir(archives, tmp_path), _layout(prepared_root / "val")
