@@ -203,3 +203,44 @@ def test_zero1_on_two_gpus_under_cuda_graphs_follows_the_all_reduce(prepared_sha
     ok("train", "--out", tmp_path / "zero1", "--steps", 12, "--resume", *common,
        *sets("parallel.grad_reduce=after_backward"))
     assert ckpt.read_meta(ckpt.list_checkpoints(tmp_path / "zero1")[-1])["step"] == 12
+
+
+def _train_one_rank(zero: bool, steps: int = 6) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A compiled bf16 MLP (CUDA graphs) with fp32 masters stepped by the fused master AdamW, on one NCCL rank,
+    through ZeRO-1 or not; its masters and bf16 weights after `steps` steps."""
+    from vitctl.trainer.ops import resolve
+    from vitctl.trainer.optim import param_groups
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to(cuda)
+    master = MasterWeights(model)
+    zero1 = Zero1(master, None, 0, 1, torch.bfloat16) if zero else None
+    optimizer = resolve("all", cuda).optimizer(param_groups(master.module, 0.05, None), 1e-3, (0.9, 0.999), 1e-8)
+    forward = torch.compile(model, mode="reduce-overhead")
+    torch.manual_seed(1)
+    for _ in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()
+        forward(torch.randn(64, 256, device=cuda).bfloat16()).float().square().mean().backward()
+        if zero1:
+            zero1.reduce()
+        master.step(optimizer, max_norm=1.0)
+        if zero1:
+            zero1.gather_weights()
+    return [m.detach().clone() for _, m in master.pairs], [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_weights_as_views_of_the_gather_buffer_train_under_cuda_graphs_as_the_model_s_own():
+    """One NCCL rank: the compiled model's CUDA graphs capture weights that are views of ZeRO-1's buffer, and the
+    fused master AdamW steps them from the exchanged fp32 gradients as it does from the bf16 ones."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plain, zero = _train_one_rank(False), _train_one_rank(True)
+    finally:
+        dist.destroy_process_group()
+    for a, b in zip(plain[0], zero[0], strict=True):  # the masters (the norms sum bf16 or fp32 gradients)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for master, weight in zip(*zero, strict=True):  # the bf16 weights the graphs read are the masters rounded
+        assert torch.equal(weight, master.bfloat16())
