@@ -32,16 +32,18 @@ class Zero1:
         owners, offsets, self.length = partition([s.numel() for s in shapes], size)
         self.owned = [i for i, owner in enumerate(owners) if owner == rank]
         self.stepped = {id(self.pairs[i][1]) for i in self.owned}  # the masters this rank steps
-        self.starts = [owner * self.length + offset for owner, offset in zip(owners, offsets, strict=True)]
+        self.owner_of = {id(m): owner for (_, m), owner in zip(self.pairs, owners, strict=True)}
+        self.sources = [r if group is None else dist.get_global_rank(group, r) for r in range(size)]
+        starts = [owner * self.length + offset for owner, offset in zip(owners, offsets, strict=True)]
         device = self.pairs[0][0].device
         self.weights = torch.zeros(size * self.length, dtype=torch.bfloat16, device=device)
         self.sent = torch.zeros(size * self.length, dtype=exchange, device=device)
         self.received = torch.empty_like(self.sent)
         self.grads = torch.empty(self.length, dtype=torch.float32, device=device)
-        self.sent_views = _views(self.sent, self.starts, shapes)
+        self.sent_views = _views(self.sent, starts, shapes)
         self.grad_views = _views(self.grads, [offsets[i] for i in self.owned], [shapes[i] for i in self.owned])
         with torch.no_grad():  # the model's weights become views of the buffer the all-gather writes
-            for view, (p, _) in zip(_views(self.weights, self.starts, shapes), self.pairs, strict=True):
+            for view, (p, _) in zip(_views(self.weights, starts, shapes), self.pairs, strict=True):
                 view.copy_(p)
                 p.data = view
 
@@ -72,19 +74,11 @@ class Zero1:
 
     @torch.no_grad()
     def gather(self, copies: list[tuple[nn.Parameter, Tensor]]) -> None:
-        """Each fp32 `copy` of a master (the master itself, or its EMA: one copy a master) made what the rank that
-        steps it holds."""
-        index = {id(m): i for i, (_, m) in enumerate(self.pairs)}
-        placed = [(index[id(m)], copy) for m, copy in copies if id(m) in index]
-        flat = torch.empty(self.size * self.length, dtype=torch.float32, device=self.grads.device)
-        views = _views(flat, [self.starts[i] for i, _ in placed], [c.shape for _, c in placed])
-        mine = [(v, c) for v, (i, c) in zip(views, placed, strict=True) if id(self.pairs[i][1]) in self.stepped]
-        if mine:
-            torch._foreach_copy_([v for v, _ in mine], [c for _, c in mine])
-        ALL_GATHER(flat, flat[self.rank * self.length:(self.rank + 1) * self.length], group=self.group)
-        theirs = [(c, v) for v, (i, c) in zip(views, placed, strict=True) if id(self.pairs[i][1]) not in self.stepped]
-        if theirs:
-            torch._foreach_copy_([c for c, _ in theirs], [v for _, v in theirs])
+        """Each fp32 `copy` of a master (the master itself, its EMA) made what the rank that steps it holds: one
+        broadcast a weight, so that no buffer of the whole model is needed at a checkpoint."""
+        for master, copy in copies:
+            if (owner := self.owner_of.get(id(master))) is not None:
+                dist.broadcast(copy, src=self.sources[owner], group=self.group)
 
 
 def partition(sizes: list[int], ranks: int) -> tuple[list[int], list[int], int]:
