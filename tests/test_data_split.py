@@ -5,6 +5,7 @@ batches (with the whole recipe on: RandAugment, colour jitter, random erasing); 
 import gc
 import importlib.util
 import itertools
+import os
 import pickle
 import re
 from pathlib import Path
@@ -82,6 +83,54 @@ def test_a_stream_resumed_mid_epoch_gives_the_same_remaining_batches(table, kind
     for (a_images, a_labels, a_rows), (b_images, b_labels, b_rows) in zip(whole[1:], resumed, strict=True):
         assert torch.equal(a_rows, b_rows) and torch.equal(a_labels, b_labels)
         assert torch.equal(a_images, b_images)  # the same augmentations: they depend on (seed, epoch, draw)
+
+
+DALI_RANK = """
+import sys, time
+from pathlib import Path
+import torch
+from vitctl.trainer.data.augment import Recipe
+from vitctl.trainer.data.dali import DaliTrainBatches
+from vitctl.trainer.data.loader import LoaderSpec
+from vitctl.trainer.data.plan import EpochPlan
+from vitctl.trainer.data.shards import read_table, split_shards
+
+shards, _ = split_shards(Path(sys.argv[1]), "train")
+table = read_table(Path(sys.argv[1]), shards)
+spec = LoaderSpec(Recipe(32), seed=5, workers=2, device=torch.device("cpu"), branch="pil")
+batches = DaliTrainBatches(table, spec, EpochPlan(len(table), 7, 0, 1, seed=5), threads=1)(0, 0)
+next(batches)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_dali_workers_end_with_a_rank_killed_outright(prepared_shards):
+    """Before, a rank killed with SIGKILL (or by the OOM killer) left its DALI workers running, 680 MB each."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_shard import _alive, _children
+
+    rank = subprocess.Popen([sys.executable, "-c", DALI_RANK, str(prepared_shards)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        assert rank.stdout.readline().strip() == "ready", rank.stderr.read()
+        workers = _children(rank.pid)
+        assert len(workers) >= 2
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers))
+    finally:
+        for pid in filter(_alive, workers):
+            os.kill(pid, signal.SIGKILL)
+        rank.kill()
 
 
 def test_what_dali_sends_each_worker_stays_small_however_many_samples(table):

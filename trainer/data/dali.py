@@ -17,8 +17,11 @@ ranks run the same count.
 """
 
 import itertools
+import multiprocessing
 import os
 import tempfile
+import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +96,8 @@ class BatchSource:
     def __setstate__(self, state: dict) -> None:
         vars(self).update(state)
         self.reader = ShardReader(self.table.table)
+        if multiprocessing.parent_process() is not None:  # unpickled in one of DALI's worker processes
+            _exit_with_parent()
 
     def draws(self, iteration: int) -> tuple[int, np.ndarray]:
         """Batch `iteration`'s epoch and draws (plan.py: a draw is a row or one of its repeats)."""
@@ -117,6 +122,19 @@ class BatchSource:
         # img/s on one H200).
         return tuple([s[name] for s in samples] if name == "jpeg" else np.stack([s[name] for s in samples])
                      for name in self.fields)
+
+
+def _exit_with_parent() -> None:
+    """End this DALI worker once the rank that started it is gone: a rank killed outright (SIGKILL, the OOM killer)
+    would otherwise leave its workers running as orphans, each holding its memory (680 MB on the CPU)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vitctl-parent-watch", daemon=True).start()
 
 
 def _device_id(device: torch.device) -> int | None:
