@@ -189,6 +189,19 @@ def test_resume_onto_a_folder_without_checkpoints_or_past_its_steps_warns(tmp_pa
     assert "warning" not in ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr  # a rerun
 
 
+def test_resume_with_other_settings_than_the_checkpoint_s_names_them(tmp_path):
+    """Before: `--resume` without the run's --set options went on in fp32, without clipping, in silence."""
+    run = tmp_path / "run"
+    ok("train", *QUICK, "--steps", 1, "--out", run, "--set", "optim.clip_grad=0", "--set", "optim.lr=1e-3")
+    resumed = ok("train", *QUICK, "--steps", 2, "--out", run, "--resume", "--set", "optim.lr=1e-3")
+    saved = ckpt.list_checkpoints(run)[0]
+    assert (f"warning: --resume with other settings than {saved} was saved with: optim.clip_grad=0.0 (now 1.0); the "
+            "run goes on with the new ones (--set the saved values to keep them)") in resumed.stderr, resumed.stderr
+    # more steps with the settings the last checkpoint (step 2) was saved with
+    again = ok("train", *QUICK, "--steps", 3, "--out", run, "--resume", "--set", "optim.lr=1e-3")
+    assert "settings" not in again.stderr
+
+
 def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):
     """vit_mini and vit_micro both have 4 blocks: the block count let the plan through, unseen."""
     plan = tmp_path / "plan.json"

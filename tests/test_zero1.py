@@ -171,15 +171,31 @@ def _logged(record: dict) -> dict:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["train.precision=bf16"], "parallel.grad_reduce=zero1 shards the fp32 master weights of a bf16 model"),
-    (["train.precision=bf16-pure", "parallel.fsdp=true"], "needs train.precision=bf16-pure or fp8 (got bf16-pure) "
-                                                          "and no fsdp, tp or pp"),
+    (["train.precision=bf16"], "it does not run with train.precision=bf16 (only bf16-pure and fp8 keep fp32 master "
+                               "weights); use parallel.grad_reduce=auto"),
+    (["train.precision=bf16-pure", "parallel.fsdp=true"], "it does not run with parallel.fsdp; use "
+                                                          "parallel.grad_reduce=auto"),
 ])
 def test_zero1_is_refused_where_there_are_no_replicated_masters(prepared_shards, tmp_path, overrides, message):
-    result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
-                    "--executor", "local", "--gpus", 0, "--tasks-per-node", 2, "--dry-run",
-                    *sets("parallel.grad_reduce=zero1", *overrides))
-    assert result.exit_code != 0 and message in result.output + result.stderr
+    refused = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
+                     "--executor", "local", "--gpus", 0, "--tasks-per-node", 2, "--dry-run",
+                     *sets("parallel.grad_reduce=zero1", *overrides))
+    assert refused.exit_code == 1 and message in refused.stderr, refused.stderr
+    shown = vitctl("config", "show", "demo_vit", *sets("parallel.grad_reduce=zero1", *overrides))
+    assert shown.exit_code == 1 and message in shown.output + shown.stderr  # `config show` says so too
+
+
+def test_more_ranks_than_weights_is_refused_before_launch_and_the_fix_runs():
+    """Before: refused inside the ranks (on Slurm after the queue wait), with a fix that was refused in turn."""
+    from vitctl.trainer.config import load_config
+    from vitctl.trainer.preflight import preflight
+
+    base = ["data.source=synthetic", "data.batch_size=1", "data.train_samples=64", "train.precision=bf16-pure"]
+    with pytest.raises(ConfigError, match=r"parallel.grad_reduce=zero1 gives each data-parallel rank whole weights to "
+                       r"step: vit_micro's 56 weights cannot go round 64 ranks; use parallel.grad_reduce=auto \(and "
+                       r"parallel.fsdp=true to shard them\)"):
+        preflight(load_config("demo_vit", [*base, "parallel.grad_reduce=zero1"]), 64, None)
+    preflight(load_config("demo_vit", [*base, "parallel.grad_reduce=auto", "parallel.fsdp=true"]), 64, None)
 
 
 @pytest.mark.gpu

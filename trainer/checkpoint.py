@@ -152,6 +152,22 @@ def model_change(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
     return f"{path} was trained with model settings other than this run's: {differ}; --resume cannot change them: {way}"
 
 
+# What a resumed run is expected to change: how long it trains, where its data and folder are.
+RESUME_MAY_CHANGE = ("train.max_steps", "train.epochs", "train.out_dir", "data.path", "finetune.from_ckpt")
+
+
+def settings_change(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The config keys (model's aside: model_change refuses them) that a resumed run sets otherwise than its
+    checkpoint was saved with, as `key=saved (now new)`."""
+    changed, now = [], json.loads(json.dumps(now))  # as meta.json holds it: tuples as lists
+    for section in sorted((saved.keys() | now.keys()) - {"model"}):
+        old, new = saved.get(section) or {}, now.get(section) or {}
+        for key in sorted(old.keys() | new.keys()):
+            if f"{section}.{key}" not in RESUME_MAY_CHANGE and old.get(key) != new.get(key):
+                changed.append(f"{section}.{key}={old.get(key)} (now {new.get(key)})")
+    return changed
+
+
 def read_checked(path: Path) -> dict[str, Any]:
     """meta.json of a checkpoint whose files all match the checksums taken when it was saved. Under
     torch.distributed every rank calls it, and each hashes its share of the files."""

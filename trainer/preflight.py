@@ -18,8 +18,8 @@ from .data.images import gpu_decode_available
 from .data.shards import SplitMissing, split_shards
 from .fp8 import fp8_problems
 from .metrics import METRICS_FILE
-from .models import block_widths, model_error, model_shape
-from .ops import parse_fused, unavailable_asked
+from .models import block_widths, build_model, model_error, model_shape
+from .ops import parse_fused, resolve, unavailable_asked
 from .parallel import parallel_dims
 from .parallel.strategy import Strategy, strategy_from_config, strategy_problems
 from .pretrained import exported_model, source_kind
@@ -39,6 +39,7 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
         problems += _combination_problems(config, strategy)
         if not found:
             dims = parallel_dims(strategy, world_size)
+            problems += filter(None, [_zero1_weights_error(config, dims.dp_size)])
     if device is not None:
         problems += _device_problems(config, device)
     problems += _data_problems(config, dims.dp_size if dims else world_size)
@@ -48,8 +49,17 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
 
 
 def config_problems(config: RunConfig) -> list[str]:
-    """The problems the config shows on its own, before ranks, devices and data are known (`vitctl config show`)."""
-    return _config_checks(config, resuming=False)[0]
+    """The problems the config shows on its own, before ranks, devices and data are known (`vitctl config show`):
+    the strategy's too, checked on the fewest ranks it runs on."""
+    problems, strategy = _config_checks(config, resuming=False)
+    if strategy is not None:
+        fewest = strategy.world_size or strategy.tp * strategy.pp * (strategy.dp_shard if strategy.fsdp and
+                                                                      strategy.dp_shard > 0 else 1)
+        plan = config.parallel.plan
+        problems += [f"parallel.plan {plan}: {p}" if plan else p
+                     for p in strategy_problems(strategy, model_shape(config.model), fewest, config.data.batch_size)]
+        problems += _combination_problems(config, strategy)
+    return problems
 
 
 def _config_checks(config: RunConfig, resuming: bool) -> tuple[list[str], Strategy | None]:
@@ -81,11 +91,10 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
         problems.append("parallel.grad_reduce=overlap (DDP) does not run with tensor or pipeline parallel, whose "
                         "replicated gradients are reduced after the backward; use parallel.grad_reduce=auto")
     precision = config.train.precision
-    if config.parallel.grad_reduce == "zero1" and (precision not in ("bf16-pure", "fp8") or s.fsdp or s.tp > 1
-                                                   or s.pp > 1):
-        problems.append(f"parallel.grad_reduce=zero1 shards the fp32 master weights of a bf16 model replicated over "
-                        f"the data-parallel ranks: it needs train.precision=bf16-pure or fp8 (got {precision}) and no "
-                        f"fsdp, tp or pp; use parallel.grad_reduce=auto")
+    if config.parallel.grad_reduce == "zero1" and (unsupported := _zero1_unsupported(config, s)):
+        problems.append(f"parallel.grad_reduce=zero1 steps each data-parallel rank's share of a bf16 model's fp32 "
+                        f"master weights, replicated over the ranks: it does not run with {' or '.join(unsupported)}; "
+                        "use parallel.grad_reduce=auto")
     mixed = len({b.fsdp for b in s.blocks} | {s.fsdp_rest}) > 1
     if precision in ("bf16-pure", "fp8") and (mixed or s.tp > 1 and not s.fsdp):
         problems.append(f"train.precision={precision} needs every block sharded (FSDP2 keeps the fp32 weights) or, "
@@ -94,6 +103,30 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
         problems.append("train.precision=fp8 does not run with tensor parallel yet (its split layers have no float8 "
                         "path); use parallel.tp=1 or train.precision=bf16-pure")
     return problems
+
+
+def _zero1_unsupported(config: RunConfig, s: Strategy) -> list[str]:
+    """What of the run's settings ZeRO-1 does not run with, each as the user set it."""
+    plan = f" (parallel.plan {config.parallel.plan})" if config.parallel.plan else ""
+    found = [] if config.train.precision in ("bf16-pure", "fp8") else \
+        [f"train.precision={config.train.precision} (only bf16-pure and fp8 keep fp32 master weights)"]
+    found += [f"parallel.fsdp{plan}"] if s.fsdp or any(b.fsdp for b in s.blocks) else []
+    found += [f"parallel.{name}={degree}{plan}" for name, degree in (("tp", s.tp), ("pp", s.pp)) if degree > 1]
+    return found
+
+
+def _zero1_weights_error(config: RunConfig, dp_size: int) -> str | None:
+    """ZeRO-1 gives each data-parallel rank whole weights to step: more ranks than weights leave one none."""
+    if config.parallel.grad_reduce != "zero1" or dp_size == 1:
+        return None
+    with torch.device("meta"):
+        count = sum(p.requires_grad for p in build_model(config.model, resolve("none", torch.device("cpu")))
+                    .parameters())
+    if count >= dp_size:
+        return None
+    return (f"parallel.grad_reduce=zero1 gives each data-parallel rank whole weights to step: {config.model.name}'s "
+            f"{count} weights cannot go round {dp_size} ranks; use parallel.grad_reduce=auto (and parallel.fsdp=true "
+            "to shard them)")
 
 
 def _fp8_width_error(config: RunConfig) -> str | None:

@@ -152,6 +152,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if found and config.train.max_steps and (step := checkpoint.read_meta(found[-1])["step"]) > config.train.max_steps:
         echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
              f"there is nothing to train; pass --steps above {step} to train on")
+    if found and (changed := checkpoint.settings_change(checkpoint.read_meta(found[-1])["config"], config.to_dict())):
+        echo(f"warning: --resume with other settings than {found[-1]} was saved with: {', '.join(changed)}; the "
+             "run goes on with the new ones (--set the saved values to keep them)")
     if dry_run:
         return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.

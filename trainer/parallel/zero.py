@@ -27,7 +27,7 @@ class Zero1:
         if len(self.pairs) < size:
             raise ConfigError(f"parallel.grad_reduce=zero1 gives each data-parallel rank whole weights to step: the "
                               f"model's {len(self.pairs)} weights cannot go round {size} ranks; use "
-                              f"parallel.grad_reduce=auto, or parallel.fsdp=true to shard them")
+                              "parallel.grad_reduce=auto (and parallel.fsdp=true to shard them)")
         shapes = [p.shape for p, _ in self.pairs]
         owners, offsets, self.length = partition([s.numel() for s in shapes], size)
         self.owned = [i for i, owner in enumerate(owners) if owner == rank]
