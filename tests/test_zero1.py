@@ -136,7 +136,7 @@ def test_zero1_trains_bitwise_as_the_all_reduce_at_two_ranks_and_its_checkpoints
                                                                                                  tmp_path):
     """bf16-pure with an EMA, without clipping (whose norm ZeRO-1 sums in another order): at two ranks each
     exchanged gradient's mean is the all-reduce's, so the losses, evaluations, weights, optimizer state and EMA are
-    bitwise the same. A ZeRO-1 run stopped at step 4, resumed under the all-reduce to 7 and under ZeRO-1 again to 10,
+    bitwise the same. A ZeRO-1 run stopped at step 5, resumed under the all-reduce to 7 and under ZeRO-1 again to 10,
     ends bitwise where the uninterrupted one does; resumed onto 3 ranks it goes on as the all-reduce does there."""
     no_clip = [*PURE, "--set", "optim.clip_grad=0"]
     run(prepared_shards, tmp_path / "all-reduce", 2, 10, *no_clip, *sets("parallel.grad_reduce=after_backward"))
