@@ -1,6 +1,10 @@
 """Shared fixtures: one small synthetic ImageNet, prepared once per session and copied where a test mutates it."""
 
+import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +13,7 @@ from click.testing import CliRunner, Result
 
 from vitctl.cli.main import cli
 from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
+from vitctl.workflows.process import children, start_time
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -24,6 +29,24 @@ def ok(*args: object) -> Result:
     result = vitctl(*args)
     assert result.exit_code == 0, result.output + result.stderr
     return result
+
+
+def live_children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, zombies left out."""
+    return [child for child in children(pid) if start_time(child) is not None]
+
+
+def survivors_of_killing(parent: subprocess.Popen, workers: list[int], within: float) -> list[int]:
+    """SIGKILL `parent` (no handler of it runs), wait up to `within` seconds for `workers` to end, and return those
+    still running (killed then, so that a failing test leaves no orphans)."""
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + within
+    while (left := [w for w in workers if start_time(w) is not None]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 @pytest.fixture(scope="module", autouse=True)

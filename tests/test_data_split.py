@@ -5,9 +5,10 @@ batches (with the whole recipe on: RandAugment, colour jitter, random erasing); 
 import gc
 import importlib.util
 import itertools
-import os
 import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import live_children, survivors_of_killing
 from vitctl.trainer.data.augment import Recipe
 from vitctl.trainer.data.loader import EvalBatches, LoaderSpec, TrainBatches
 from vitctl.trainer.data.plan import EpochPlan, eval_rows
@@ -107,30 +109,16 @@ time.sleep(600)
 
 def test_dali_workers_end_with_a_rank_killed_outright(prepared_shards):
     """Before, a rank killed with SIGKILL (or by the OOM killer) left its DALI workers running, 680 MB each."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from test_shard import _alive, _children
-
     rank = subprocess.Popen([sys.executable, "-c", DALI_RANK, str(prepared_shards)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     workers: list[int] = []
     try:
         assert rank.stdout.readline().strip() == "ready", rank.stderr.read()
-        workers = _children(rank.pid)
+        workers = live_children(rank.pid)
         assert len(workers) >= 2
-        rank.kill()
-        rank.wait()
-        deadline = time.monotonic() + 10
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(_alive, workers))
+        assert not survivors_of_killing(rank, workers, within=10)
     finally:
-        for pid in filter(_alive, workers):
-            os.kill(pid, signal.SIGKILL)
-        rank.kill()
+        survivors_of_killing(rank, workers, within=0)
 
 
 def test_what_dali_sends_each_worker_stays_small_however_many_samples(table):

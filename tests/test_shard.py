@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, ok, vitctl
+from conftest import CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, live_children, ok, survivors_of_killing, vitctl
 from vitctl.datasets import manifest as manifest_module
 from vitctl.datasets import parallel
 from vitctl.datasets import shard as shard_module
@@ -428,26 +428,6 @@ data(sys.argv[1:], prog_name="vitctl data")
 """
 
 
-def _children(pid: int) -> list[int]:
-    """The live (not zombie) processes whose parent is `pid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended while we looked
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
-
-
 def test_workers_die_with_a_killed_parent(prepared_root, tmp_path):
     args = ["data", "shard", str(prepared_root), "--out", str(tmp_path / "s"), "--workers", "2", "--maxcount", "16"]
     proc = subprocess.Popen([sys.executable, "-c", SHARD_WITH_STUCK_WRITERS, *args[1:]], stderr=subprocess.PIPE)
@@ -456,18 +436,11 @@ def test_workers_die_with_a_killed_parent(prepared_root, tmp_path):
         deadline = time.monotonic() + 60
         while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
-            workers = _children(proc.pid)
+            workers = live_children(proc.pid)
         assert len(workers) == 2, proc.stderr.read().decode() if proc.poll() is not None else workers
-        proc.kill()  # SIGKILL: no handler of the parent runs
-        proc.wait()
-        deadline = time.monotonic() + 5
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(map(_alive, workers))
+        assert not survivors_of_killing(proc, workers, within=5)
     finally:
-        for pid in filter(_alive, workers):
-            os.kill(pid, signal.SIGKILL)
-        proc.kill()
+        survivors_of_killing(proc, workers, within=0)
 
 
 def test_a_val_class_train_lacks_is_refused_before_anything_is_written(root_copy, prepared_shards, archives,

@@ -48,7 +48,7 @@ class Parallelized:
 
     def steps_here(self, weight: nn.Parameter) -> bool:
         """Whether this rank steps `weight` (one of `weights`'), and so holds it and its EMA up to date."""
-        return self.zero is None or id(weight) in self.zero.stepped
+        return self.zero is None or self.zero.steps(weight)
 
     def after_step(self) -> None:
         if self.zero is not None:

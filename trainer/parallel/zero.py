@@ -31,7 +31,6 @@ class Zero1:
         shapes = [p.shape for p, _ in self.pairs]
         owners, offsets, self.length = partition([s.numel() for s in shapes], size)
         self.owned = [i for i, owner in enumerate(owners) if owner == rank]
-        self.stepped = {id(self.pairs[i][1]) for i in self.owned}  # the masters this rank steps
         self.owner_of = {id(m): owner for (_, m), owner in zip(self.pairs, owners, strict=True)}
         self.sources = [r if group is None else dist.get_global_rank(group, r) for r in range(size)]
         starts = [owner * self.length + offset for owner, offset in zip(owners, offsets, strict=True)]
@@ -46,6 +45,10 @@ class Zero1:
             for view, (p, _) in zip(_views(self.weights, starts, shapes), self.pairs, strict=True):
                 view.copy_(p)
                 p.data = view
+
+    def steps(self, master: nn.Parameter) -> bool:
+        """Whether this rank steps `master`."""
+        return self.owner_of.get(id(master)) == self.rank
 
     @torch.no_grad()
     def reduce(self) -> None:
