@@ -5,11 +5,15 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from click.testing import CliRunner, Result
+from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException
 
 from vitctl.cli.main import cli
 from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
@@ -47,6 +51,41 @@ def survivors_of_killing(parent: subprocess.Popen, workers: list[int], within: f
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     return left
+
+
+RANKS_DEADLINE = 300.0  # seconds; the slowest rank test takes about 20 on this 2-core machine
+
+
+def spawn_ranks(fn: Callable[..., None], nprocs: int, folder: Path, *args: object) -> None:
+    """Run `fn(rank, init, *args)` on `nprocs` spawned processes that meet through a file in `folder`. Ranks that die
+    by a signal or outlive RANKS_DEADLINE are killed and run once more: torch's gloo, four ranks on two cores, has
+    aborted on heap corruption and hung in CI, in tests it passes otherwise. A rank that raises fails the test."""
+    for attempt in (1, 2):
+        init = f"file://{folder / f'gloo-init-{attempt}'}"
+        context = mp.start_processes(fn, args=(init, *args), nprocs=nprocs, join=False, start_method="spawn")
+        try:
+            if _joined_within(context, RANKS_DEADLINE):
+                return
+            failure = f"a rank was still running after {RANKS_DEADLINE:.0f} s"
+        except ProcessExitedException as e:
+            if e.signal_name is None:
+                raise
+            failure = str(e)
+        if attempt == 2:
+            pytest.fail(f"{failure}, on the second attempt too")
+        warnings.warn(f"{failure}; running the ranks once more", stacklevel=2)
+
+
+def _joined_within(context: ProcessContext, seconds: float) -> bool:
+    """Whether every process ended within `seconds` (those left are killed); raises as `join` does on a failure."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if context.join(timeout=1.0):
+            return True
+    for process in context.processes:
+        process.kill()
+        process.join()
+    return False
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from conftest import spawn_ranks
 from vitctl.trainer.config import ModelConfig, TrainConfig
 from vitctl.trainer.fp8 import convert_to_float8
 from vitctl.trainer.models import blocks_of, build_model
@@ -174,7 +175,7 @@ def test_every_layout_starts_from_the_weights_of_one_process(tmp_path):
     """tp2·fsdp2 (2-D shards, strided where both split one dimension), pp2·fsdp2, HSDP and pp2·tp2, each initialised
     afresh and finetuned from weights with a new head: at step 0 each rank holds the single process's values."""
     results = mp.Manager().dict()
-    mp.spawn(_layout_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    spawn_ranks(_layout_rank, WORLD, tmp_path, results)
     for rank in range(WORLD):
         for key, (wrong, share, _) in results[rank].items():
             assert wrong == [], f"rank {rank}, {key}: {wrong}"

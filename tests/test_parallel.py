@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from conftest import CLASSES, TWO_GPUS, ok
+from conftest import CLASSES, TWO_GPUS, ok, spawn_ranks
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from vitctl.trainer.models import build_model
@@ -70,7 +70,7 @@ def _bf16_replicated_rank(rank: int, init: str, results: dict, backend: str, red
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, TWO_GPUS])])
 def test_bf16_gradients_are_accumulated_and_reduced_in_fp32(tmp_path, backend, reduce):
     results = mp.Manager().dict()
-    mp.spawn(_bf16_replicated_rank, args=(f"file://{tmp_path / 'init'}", results, backend, reduce), nprocs=WORLD)
+    spawn_ranks(_bf16_replicated_rank, WORLD, tmp_path, results, backend, reduce)
     for rank in range(WORLD):
         got, want = results[rank]
         for g, w in zip(got, want, strict=True):
@@ -117,7 +117,7 @@ def test_fp32_gradients_accumulate_in_the_reduction_buffer_itself(tmp_path):
     weight the step did not use has a zero gradient, every step, also where something set the gradients to None after
     the step's first micro-batch began (they are copied in, as they were before they accumulated in place)."""
     results = mp.Manager().dict()
-    mp.spawn(_fp32_replicated_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    spawn_ranks(_fp32_replicated_rank, WORLD, tmp_path, results)
     for (rank, step), (in_buffer, got, want) in results.items():
         assert all(in_buffer), (rank, step)
         for g, w in zip(got, want, strict=True):
@@ -192,7 +192,7 @@ def test_fsdp_under_bf16_autocast_keeps_vit_s_residual_stream_in_fp32_as_replica
     """FSDP2 gathers bf16 weights; ViT's position embedding and class token, added to the stream outside the blocks,
     stay whole and fp32 (reduced after the backward), so every block takes an fp32 stream as without FSDP."""
     results = mp.Manager().dict()
-    mp.spawn(_stream_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    spawn_ranks(_stream_rank, WORLD, tmp_path, results)
     for rank in range(WORLD):
         for fsdp, (dtypes, sharded, dtype, _, blocks_sharded) in results[rank].items():
             assert dtypes == {torch.float32}, (fsdp, dtypes)
@@ -244,7 +244,7 @@ def test_adamw_on_the_local_shards_steps_as_torch_does_on_dtensors(tmp_path):
     """The first step makes AdamW's state through torch; every later one runs on the shards and gives bitwise what
     torch's step over the DTensors gives, the weights and their state, an uneven shard and a whole weight included."""
     results = mp.Manager().dict()
-    mp.spawn(_local_shards_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=WORLD)
+    spawn_ranks(_local_shards_rank, WORLD, tmp_path, results)
     for rank in range(WORLD):
         local_steps, same, sharded = results[rank]
         assert local_steps == [False, True, True, True]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import ok, vitctl
+from conftest import ok, spawn_ranks, vitctl
 from vitctl.trainer.config import ParallelConfig
 from vitctl.trainer.parallel.strategy import (
     CHECKPOINT,
@@ -413,7 +413,7 @@ def _collectives_rank(rank: int, init: str, results: dict) -> None:
 
 def test_profile_collectives_on_two_gloo_ranks(tmp_path):
     results = mp.Manager().dict()
-    mp.spawn(_collectives_rank, args=(f"file://{tmp_path / 'init'}", results), nprocs=2)
+    spawn_ranks(_collectives_rank, 2, tmp_path, results)
     measured = results[0]
     assert (measured.ranks, measured.nodes, measured.sizes) == (2, 1, (1 << 12, 1 << 16))
     assert set(measured.fits) == set(COLLECTIVES)

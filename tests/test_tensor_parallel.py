@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from conftest import spawn_ranks
 from vitctl.trainer.config import ModelConfig
 from vitctl.trainer.models import blocks_of, build_model
 from vitctl.trainer.models.layers import PackedQKV, timm_layout
@@ -132,7 +133,7 @@ def test_split_models_compute_and_checkpoint_what_whole_ones_do(tmp_path):
     for name in MODELS:  # an unsharded checkpoint for the ranks to load
         dcp.save(build(name, seed=1).state_dict(), checkpoint_id=str(tmp_path / name / "whole"), no_dist=True)
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(f"file://{tmp_path / 'init'}", tmp_path, results), nprocs=WORLD)
+    spawn_ranks(_rank, WORLD, tmp_path, tmp_path, results)
     for name in MODELS:
         model = build(name, seed=2)
         state = model.state_dict()

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from test_parallel import GPU_RUN, run
 from torch import nn
 
-from conftest import TWO_GPUS, ok, vitctl
+from conftest import TWO_GPUS, ok, spawn_ranks, vitctl
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.parallel.zero import ALIGN, Zero1, partition
@@ -91,7 +91,7 @@ def test_each_rank_gets_the_fp32_mean_of_its_share_and_every_rank_the_stepped_we
     steps get the fp32 mean over ranks of every rank's sum, the others none, and a weight no rank used a zero one;
     after the step every rank holds each weight, bf16 and fp32 master, as its owner stepped it."""
     results = mp.Manager().dict()
-    mp.spawn(_exchange_rank, args=(f"file://{tmp_path / 'init'}", results, micro_batches), nprocs=RANKS)
+    spawn_ranks(_exchange_rank, RANKS, tmp_path, results, micro_batches)
     owners = {}
     for rank in range(RANKS):
         owned, grads, own, in_buffer, _, _, freed = results[rank]
