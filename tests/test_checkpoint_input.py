@@ -264,6 +264,30 @@ def test_an_export_of_another_model_is_named_before_launch(pretrained, tmp_path)
     assert not (tmp_path / "ft").exists()
 
 
+@pytest.mark.parametrize("name, saved, error", [
+    ("other.pth", {"foo.weight": torch.zeros(3)}, r"does not fit model vit_micro: missing \(5\d\): .*; unexpected "
+                                                  r"\(1\): foo\.weight; use weights of a vit_micro"),
+    ("other.safetensors", {"foo.weight": torch.zeros(3)}, r"does not fit model vit_micro: .*unexpected \(1\)"),
+    ("args.pth", {"epoch": 3, "arch": "vit"}, "holds no state_dict of tensors"),
+    ("empty.pth", {}, "holds no state_dict of tensors"),
+])
+def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, name, saved, error):
+    """Before, only the file's format was checked before launch: on Slurm, the ranks said this after the queue."""
+    source = tmp_path / name
+    save_file(saved, source) if name.endswith(".safetensors") else torch.save(saved, source)
+    result = finetune(source, tmp_path / "ft")
+    assert result.exit_code == 1 and re.search(error, result.stderr), result.output + result.stderr
+    assert not (tmp_path / "ft").exists()  # nothing was launched
+
+
+def test_weights_resized_to_the_model_with_a_new_head_pass_the_check_before_launch(pretrained, tmp_path):
+    """The check reads names and shapes only (a safetensors header), and resizes position embeddings as the ranks do."""
+    export = tmp_path / "w.safetensors"
+    ok("export", pretrained, "--out", export)
+    ok("finetune", "--from-ckpt", export, "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, "--steps", 1,
+       *SETS, "--set", "model.img_size=48", "--set", "model.num_classes=3")
+
+
 @pytest.mark.parametrize("reset_head", [None, True])
 def test_weights_of_another_architecture_are_not_told_to_reset_the_head(tmp_path, reset_head):
     """A new head would leave the rest unfitted: the message names the architecture instead."""

@@ -22,7 +22,7 @@ from .models import block_widths, build_model, model_error, model_shape
 from .ops import parse_fused, resolve, unavailable_asked
 from .parallel import parallel_dims
 from .parallel.strategy import Strategy, strategy_from_config, strategy_problems
-from .pretrained import exported_model, source_kind
+from .pretrained import exported_model, fit, shapes_only, source_kind
 from .runlock import LOCK
 
 
@@ -64,8 +64,8 @@ def config_problems(config: RunConfig) -> list[str]:
 
 def _config_checks(config: RunConfig, resuming: bool) -> tuple[list[str], Strategy | None]:
     """The config's own problems, and its parallel strategy where the model and plan allow one."""
-    source = None if resuming else _source_error(config)
     model = model_error(config.model)
+    source = None if resuming else _source_error(config, fits=model is None)
     problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
                             None if model else _fp8_width_error(config), _out_dir_error(config.train.out_dir),
                             _out_in_data_error(config)) if p]
@@ -150,17 +150,23 @@ def _fused_error(spec: str) -> str | None:
     return None
 
 
-def _source_error(config: RunConfig) -> str | None:
-    """What can be known of finetune.from_ckpt without reading its weights: its format, whether it needs trust."""
+def _source_error(config: RunConfig, fits: bool) -> str | None:
+    """What can be known of finetune.from_ckpt without reading its weights: its format, whether it needs trust, and
+    (`fits`: the model is valid) whether its names and shapes fit the model."""
     if not config.finetune.from_ckpt:
         return None
     source = Path(config.finetune.from_ckpt)
     try:
         if source.is_dir():  # what source_kind checks of a folder, its meta.json kept for the model's name
             return _architecture_error(config, source, read_meta(resolve_checkpoint(source)))
-        if source_kind(source, config.finetune.trust_checkpoint) == "safetensors" and (
-                model := exported_model(source)):
-            return _architecture_error(config, source, {"config": {"model": model}})
+        kind = source_kind(source, config.finetune.trust_checkpoint)
+        if kind == "safetensors" and (model := exported_model(source)) and (
+                error := _architecture_error(config, source, {"config": {"model": model}})):
+            return error
+        if fits and (shapes := shapes_only(source, kind)) is not None:
+            with torch.device("meta"):
+                fit(shapes, source, build_model(config.model, resolve("none", torch.device("cpu"))),
+                    config.finetune.reset_head, config.model.name)
     except ConfigError as e:
         return str(e)
     return None

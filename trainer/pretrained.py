@@ -168,7 +168,7 @@ def _tensors_of(path: Path, obj: Any) -> dict[str, torch.Tensor]:
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
             break
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ConfigError(f"finetune.from_ckpt {path} holds no state_dict of tensors (neither the whole file nor under "
                           f"the keys model, state_dict, module); {ACCEPTED}")
     return {k.removeprefix("module."): v for k, v in obj.items()}
@@ -284,7 +284,33 @@ def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
                     trust: bool = False) -> Pretrained:
     """`path`'s weights fitted to `model`, whole (on the meta device: only its names and shapes are read); raises
     ConfigError naming the keys when the architectures do not match, or when the source is unusable."""
-    state, fresh = adapt(read_state_dict(path, trust), model, reset_head)
+    return fit(read_state_dict(path, trust), path, model, reset_head, model_name)
+
+
+def shapes_only(path: Path, kind: str) -> dict[str, torch.Tensor] | None:
+    """`path`'s tensors as meta tensors of their shapes, read without their data (a safetensors header, a torch.save
+    zip file mapped to memory), for `fit` before launch; None for a folder, the legacy format or a file that needs
+    full unpickling, whose tensors only the ranks read."""
+    if kind == "safetensors":
+        with safe_open(path, "pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    elif kind == "zip":
+        try:
+            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError:  # Python objects, which finetune.trust_checkpoint lets the ranks unpickle
+            return None
+        except (RuntimeError, EOFError) as e:
+            raise ConfigError(_unreadable(path, e)) from None
+        shapes = {k: v.shape for k, v in _tensors_of(path, obj).items()}
+    else:
+        return None
+    return packed_layout({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
+
+
+def fit(state: dict[str, torch.Tensor], path: Path, model: nn.Module, reset_head: bool | None,
+        model_name: str) -> Pretrained:
+    """`state` (read from `path`) fitted to `model`; raises ConfigError naming the keys that do not match."""
+    state, fresh = adapt(state, model, reset_head)
     target = model.state_dict()
     missing = sorted(set(target) - set(state) - set(fresh))
     unexpected = sorted(set(state) - set(target))
