@@ -18,6 +18,7 @@ def image() -> None:
 
 @image.command()
 @click.option("--base", default=wf.DEFAULT_BASE, show_default=True,
+              callback=lambda ctx, param, base: _checked(base, wf.base_problem),
               help="Image with a CUDA build of torch and its nvcc: an NGC PyTorch image, or the offline base that "
                    "containers/base/build-base builds (localhost/vitctl-base:torch2.11.0).")
 @click.option("--tag", callback=lambda ctx, param, tag: _checked(tag, wf.tag_problem),

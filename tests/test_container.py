@@ -159,6 +159,22 @@ def test_tags_buildah_takes_pass(tmp_path, tag):
     assert f" -t {tag} " in ok("image", "build", "--dry-run", "--tag", tag, "--out", tmp_path / "img").output
 
 
+@pytest.mark.parametrize("base, what", [("", "is empty (an unset shell variable?)"),
+                                        ("nvcr.io/nvidia/pytorch:25.10 py3", "is not an image reference"),
+                                        ("nvcr.io/nvidia/PyTorch:25.10-py3", "is not an image reference")])
+def test_a_base_buildah_would_refuse_is_refused_before_the_build(tmp_path, base, what):
+    """Before, a dry run printed BASE_IMAGE= and a build started buildah, which failed with 'no FROM statement'."""
+    result = vitctl("image", "build", "--dry-run", "--base", base, "--out", tmp_path / "img")
+    assert result.exit_code == 2 and f"{base!r} {what}: give the image with torch and nvcc" in result.stderr
+    assert "e.g. nvcr.io/nvidia/pytorch:25.10-py3" in result.stderr
+
+
+@pytest.mark.parametrize("base", ["nvcr.io/nvidia/pytorch:25.10-py3", "localhost/vitctl-base:torch2.11.0",
+                                  f"nvcr.io/nvidia/pytorch@sha256:{'a1' * 32}", "oci-archive:/images/base.oci.tar"])
+def test_bases_buildah_takes_pass(tmp_path, base):
+    assert f"BASE_IMAGE={base}" in ok("image", "build", "--dry-run", "--base", base, "--out", tmp_path / "img").output
+
+
 @pytest.mark.parametrize("archs", ["foo", "9.0;bogus", "", "9,0", "9.0;;10.0", "native", "Ampere+PTX"])
 def test_an_arch_list_torch_would_refuse_is_refused_before_the_build(tmp_path, archs):
     result = vitctl("image", "build", "--dry-run", "--arch-list", archs, "--out", tmp_path / "img")

@@ -48,6 +48,22 @@ def tag_problem(tag: str) -> str | None:
             "registry host first if any, a :tag last if any, e.g. localhost/vitctl:0.1.0")
 
 
+# What buildah's FROM takes besides a reference: one pinned by digest, or one named with its transport
+_DIGEST = r"@sha256:[0-9a-f]{64}"
+_TRANSPORT = r"(?:docker|docker-archive|docker-daemon|oci|oci-archive|containers-storage|dir):\S+"
+BASE_REFERENCE = re.compile(rf"{_TRANSPORT}|{IMAGE_REFERENCE.pattern}(?:{_DIGEST})?")
+
+
+def base_problem(base: str) -> str | None:
+    """Why buildah would refuse `base` as the image to build on (after it started), or None."""
+    if BASE_REFERENCE.fullmatch(base):
+        return None
+    what = "is empty (an unset shell variable?)" if not base.strip() else "is not an image reference"
+    return (f"{base!r} {what}: give the image with torch and nvcc to build on, lowercase name components "
+            f"separated by /, a registry host first if any, a :tag or @sha256:digest last, e.g. {DEFAULT_BASE}, or "
+            "localhost/vitctl-base:torch2.11.0 (containers/base/build-base)")
+
+
 def arch_list_problem(arch_list: str) -> str | None:
     """Why torch would refuse `arch_list` as TORCH_CUDA_ARCH_LIST when the build compiles the ops (minutes into the
     build), or None."""
