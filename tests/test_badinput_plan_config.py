@@ -245,6 +245,8 @@ def test_a_config_file_named_with_a_dot_slash_is_read_and_a_folder_is_refused(tm
     """Before: `no preset './myconf'` for a file that is there (Path drops the ./), and the same for a folder."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "myconf").write_text(ok("config", "show", "demo_vit").stdout)
+    result = vitctl("config", "show", "myconf")  # read as a preset's name, which it is not: the fix is named
+    assert result.exit_code == 1 and "; myconf here is a file: pass ./myconf to read it as YAML" in result.stderr
     assert yaml.safe_load(ok("config", "show", "./myconf").stdout)["model"]["name"] == "vit_micro"
     (tmp_path / "folder").mkdir()
     _refused(vitctl("config", "show", "./folder"), "config file folder is a folder; pass a YAML file in it, or a "

@@ -331,7 +331,8 @@ def preset_path(name: str) -> Path:
     path = PRESETS / f"{name}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in PRESETS.glob("*.yaml"))
-        raise ConfigError(f"no preset {name!r}; presets: {', '.join(known)} (or pass a .yaml path)")
+        here = f"; {name} here is a file: pass ./{name} to read it as YAML" if Path(name).is_file() else ""
+        raise ConfigError(f"no preset {name!r}; presets: {', '.join(known)} (or pass a .yaml path){here}")
     return path
 
 
