@@ -42,6 +42,24 @@ def _wait_for_step(out: Path, step: int) -> None:
     raise AssertionError(f"rank 0 never logged step {step}")
 
 
+def test_a_running_job_before_its_first_checkpoint_is_named_as_such(tmp_path):
+    """Exporting (or finetuning from) a running job too early said 'neither a checkpoint folder nor a run folder'."""
+    out = tmp_path / "run"
+    job = subprocess.Popen([VITCTL, "train", *QUICK, "--steps", "1000", "--set", "train.log_every=1", "--set",
+                            "train.checkpoint_every=1000", "--out", str(out)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=os.environ, start_new_session=True)
+    try:
+        _wait_for_step(out, 2)
+        result = vitctl("export", out, "--out", tmp_path / "w.safetensors")
+        assert result.exit_code == 1 and result.stderr.startswith(
+            f"error: {out} is a run folder whose run has saved no checkpoint yet: a running job saves its first at "
+            f"step train.checkpoint_every (`vitctl status {out}` shows where it is)"), result.stderr
+        assert "RUNNING" in ok("status", out).output
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
 def _rank_pid(out: Path, rank: int) -> int:
     """The PID of one rank of the job into `out` (a child of submitit's controller, whose PID is the job id)."""
     controller = int(registry.find_record(str(out)).job_id)

@@ -58,6 +58,8 @@ def test_export_of_a_step_and_of_the_ema(micro_run, tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--step", 7], "has no checkpoint of step 7; it has steps 2, 3"),
     (["--out", "."], "is a folder"),
+    (["--out", "w.pt"], "--out w.pt: .pt names a torch.save file, and an export is a safetensors file; name it "
+                        "w.safetensors"),
 ])
 def test_export_errors_say_what_to_do(micro_run, tmp_path, args, message):
     out = [] if "--out" in args else ["--out", tmp_path / "w.safetensors"]
@@ -68,6 +70,7 @@ def test_export_errors_say_what_to_do(micro_run, tmp_path, args, message):
 def test_export_of_a_folder_without_checkpoints(tmp_path):
     result = vitctl("export", tmp_path, "--out", tmp_path / "w.safetensors")
     assert result.exit_code == 1 and "neither a checkpoint folder nor a run folder" in result.stderr
+
 
 
 def test_a_folder_of_weight_files_as_from_ckpt_names_the_file_to_pass(micro_run, prepared_shards, tmp_path):

@@ -36,6 +36,7 @@ from vitctl.datasets.oserrors import as_data_error
 
 from .config import ConfigError
 from .integrity import files_sha256
+from .runlock import LOCK
 
 log = logging.getLogger("vitctl.checkpoint")
 FORMAT = "vitctl-checkpoint/2"
@@ -489,6 +490,10 @@ def _no_checkpoint(path: Path) -> str:
                 "save it left unfinished); resume it (--resume) until it saves one, or pass another run")
     if path.is_dir() and (weights := sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)):
         return f"{what}; it holds {weights[0]}: to finetune from it, pass that file to --from-ckpt"
+    if (path / LOCK).is_file():  # a job was launched into it
+        return (f"{path} is a run folder whose run has saved no checkpoint yet: a running job saves its first at step "
+                f"train.checkpoint_every (`vitctl status {path}` shows where it is); resume a stopped one (--resume) "
+                "until it saves one, or pass another run")
     return what
 
 

@@ -43,12 +43,18 @@ def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = Fa
     return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"])
 
 
+TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
 def _check_out(out: Path) -> None:
     """Refuse an --out that cannot become a file (a folder, a path under something that is not a folder), or whose
     writing would destroy something: a file that is not an export (writing over an earlier export is how a damaged one
     is replaced), or anything in a checkpoint folder (its own files, or a file keep-last-K would trip over)."""
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name such as {out / 'model.safetensors'}")
+    if out.suffix in TORCH_SAVE_SUFFIXES:  # torch.load, which such a name invites, fails on a safetensors file
+        raise ConfigError(f"--out {out}: {out.suffix} names a torch.save file, and an export is a safetensors file; "
+                          f"name it {out.with_suffix('.safetensors')}")
     if blocker := file_in_the_way(out.parent):
         raise ConfigError(f"--out {out}: {what_it_is(blocker)}, not a folder; move it away or choose another --out")
     if inside := next((p for p in out.absolute().parents if is_checkpoint(p)), None):
