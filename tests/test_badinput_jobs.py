@@ -207,6 +207,22 @@ def test_resume_onto_a_folder_without_checkpoints_or_past_its_steps_warns(tmp_pa
     assert "warning" not in ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr  # a rerun
 
 
+def test_steps_past_the_end_of_the_epochs_warn_and_the_fix_trains_them(tmp_path):
+    """--steps only stops early: before, --steps 40 on 64 samples, batch 4, 2 epochs ran 32 steps with no word why."""
+    args = [*QUICK, "--set", "train.eval_every_epochs=100"]
+    result = ok("train", *args, "--steps", 40, "--epochs", 2, "--out", tmp_path / "a")
+    assert ("warning: train.max_steps=40 (--steps) is past the end of train.epochs=2: 64 train samples make 16 steps "
+            "an epoch at a global batch of 4, so the run stops at step 32; add --epochs 3 to train 40 steps"
+            ) in result.stderr, result.stderr
+    assert _last_step(tmp_path / "a") == 32
+    fixed = ok("train", *args, "--steps", 40, "--epochs", 3, "--out", tmp_path / "b")
+    assert "warning" not in fixed.stderr and _last_step(tmp_path / "b") == 40
+
+
+def _last_step(run: Path) -> int:
+    return max(json.loads(line).get("step", 0) for line in (run / "metrics.jsonl").read_text().splitlines())
+
+
 def test_resume_with_other_settings_than_the_checkpoint_s_names_them(tmp_path):
     """Before: `--resume` without the run's --set options went on in fp32, without clipping, in silence."""
     run = tmp_path / "run"

@@ -3,6 +3,7 @@ Slurm user hears of a bad request at once rather than after the queue wait; each
 where the device is known."""
 
 import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -249,24 +250,47 @@ def _check_val_split(folder: Path) -> None:
         split_shards(folder, "val")
 
 
+def steps_warning(config: RunConfig, world_size: int, strategy: Strategy) -> str | None:
+    """A train.max_steps past the end of train.epochs, which the run stops at instead (--steps only stops early)."""
+    if not config.train.max_steps or config.data.source != "synthetic" and config.data.path is None:
+        return None
+    samples = _train_samples(config)[0]
+    global_batch = config.data.batch_size * parallel_dims(strategy, world_size).dp_size
+    batches, accum = samples // global_batch, config.optim.accum_steps
+    last = math.ceil(math.ceil(config.train.epochs * batches - 1e-9) / accum)  # as the trainer's schedule counts
+    epoch_steps = batches / accum
+    if config.train.max_steps <= last:
+        return None
+    steps = config.train.max_steps
+    return (f"train.max_steps={steps} (--steps) is past the end of train.epochs={config.train.epochs:g}: {samples} "
+            f"train samples make {epoch_steps:g} steps an epoch at a global batch of {global_batch}, so the run stops "
+            f"at step {last}; add --epochs {math.ceil(steps / epoch_steps)} to train {steps} steps")
+
+
+def _train_samples(config: RunConfig) -> tuple[int, int | None]:
+    """The train split's sample and class counts (None: synthetic data has no class list); ConfigError for a dataset
+    that cannot be read."""
+    c = config.data
+    if c.source == "synthetic":
+        return c.train_samples, None
+    folder = Path(c.path)
+    shards, class_list = split_shards(folder, "train")
+    _check_val_split(folder)
+    missing = [e["name"] for e in shards if not index_path(folder / e["name"]).exists()]
+    if missing:
+        raise ConfigError(f"data.path {folder}: {len(missing)} train shards have no index file (first: {missing[0]}); "
+                          f"run `vitctl data index {folder}`")
+    return sum(e["samples"] for e in shards), len(class_list)
+
+
 def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
     c, global_batch = config.data, config.data.batch_size * dp_size
-    if c.source == "synthetic":
-        samples, classes = c.train_samples, None
-    elif c.path is None:  # checked here, not when loading: `vitctl config show` prints a preset without data
+    if c.source != "synthetic" and c.path is None:  # here, not when loading: `config show` prints a preset without data
         return ["data.path is required (or data.source=synthetic)"]
-    else:
-        folder = Path(c.path)
-        try:
-            shards, class_list = split_shards(folder, "train")
-            _check_val_split(folder)
-        except ConfigError as e:
-            return [str(e)]
-        missing = [e["name"] for e in shards if not index_path(folder / e["name"]).exists()]
-        if missing:
-            return [f"data.path {folder}: {len(missing)} train shards have no index file (first: {missing[0]}); "
-                    f"run `vitctl data index {folder}`"]
-        samples, classes = sum(e["samples"] for e in shards), len(class_list)
+    try:
+        samples, classes = _train_samples(config)
+    except ConfigError as e:
+        return [str(e)]
     problems = []
     if classes is not None and config.model.num_classes != classes:
         problems.append(f"model.num_classes is {config.model.num_classes} but the shards hold {classes} classes; "

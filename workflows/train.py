@@ -11,7 +11,7 @@ from vitctl.trainer.config import ConfigError, RunConfig, load_config, parse_ove
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
-from vitctl.trainer.preflight import config_problems, preflight
+from vitctl.trainer.preflight import config_problems, preflight, steps_warning
 
 from . import registry
 from .errors import LaunchError
@@ -135,6 +135,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     # a run that goes on from its own checkpoints does not read finetune.from_ckpt again: it may be gone by now
     resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
     strategy = preflight(config, request.nodes * request.tasks, local_device, resuming)
+    if warning := steps_warning(config, request.nodes * request.tasks, strategy):
+        echo(f"warning: {warning}")
     if request.tasks % strategy.tp:  # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
         raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
                           f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
