@@ -76,7 +76,7 @@ def _print_plain(statuses: list[status.JobStatus], as_json: bool, watch: bool) -
               f"{WATCH_INTERVAL_S} s).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status_command(job: str | None, watch: bool, as_json: bool) -> None:
-    """State, progress, throughput and ETA of submitted jobs (JOB: id or run folder)."""
+    """State, progress, throughput and ETA of submitted jobs (JOB: id, run folder or job name)."""
     records = _selected(job)
     statuses = status.collect(records)
     if as_json or not console.is_terminal:

@@ -162,6 +162,17 @@ def test_a_bare_folder_name_that_names_jobs_in_several_places_is_refused_with_th
     assert "job 7002 (vit_micro-a) is not running" in ok("cancel", theirs).output
 
 
+def test_a_job_is_found_by_the_name_vitctl_jobs_shows(home, tmp_path):
+    """Before: `no job 'vit_micro-a'` for the name in `vitctl jobs`' name column."""
+    registry.add_record(record("7001", str(tmp_path / "sweep/a")))
+    assert "vit_micro-a" in ok("jobs").output
+    assert "job 7001 (vit_micro-a) is not running" in ok("cancel", "vit_micro-a").output
+    registry.add_record(record("7002", str(tmp_path / "other/a")))  # another run of that model into a folder named a
+    result = vitctl("cancel", "vit_micro-a")
+    assert result.exit_code == 1 and result.stderr.startswith(
+        "error: 'vit_micro-a' names the run folders of 2 jobs in different places: 7001"), result.stderr
+
+
 @pytest.mark.parametrize("command", ["status", "logs", "cancel"])
 def test_an_empty_job_is_refused_not_read_as_every_job(command):
     """Before: `vitctl status ""` (an unset shell variable) listed every job."""

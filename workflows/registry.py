@@ -122,7 +122,8 @@ def reload(record: JobRecord) -> JobRecord:
 
 def find_records(key: str) -> list[JobRecord]:
     """The jobs `key` names, the newest per run folder: a job id; a run folder given as a path (it holds a `/` or is
-    a folder here), matched exactly; else a run folder's last component, which folders in several places may share."""
+    a folder here), matched exactly; else a run folder's last component, or else a job's name (`vitctl jobs` shows
+    them), which folders in several places may share."""
     if not key.strip():  # an unset shell variable
         raise UnknownJobError("the job is empty; give a job id or a run folder (`vitctl jobs` lists them)")
     records, where = load_records(), repr(key)
@@ -132,7 +133,8 @@ def find_records(key: str) -> list[JobRecord]:
         folder = Path(key).resolve()
         matches, where = [r for r in records if Path(r.run_dir).resolve() == folder], f"{key!r} ({folder})"
     else:
-        matches = [r for r in records if key and Path(r.run_dir).name == key]
+        matches = ([r for r in records if Path(r.run_dir).name == key] or
+                   [r for r in records if r.name == key])
     if not matches:
         raise UnknownJobError(f"no job {where} in {registry_path()}; `vitctl jobs` lists the known ones")
     return list({r.run_dir: r for r in matches}.values())  # a folder's later jobs replace its earlier ones
