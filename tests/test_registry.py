@@ -57,6 +57,23 @@ def test_a_damaged_registry_is_recovered_from_its_backup_and_reported(home):
     assert {"101", "102"} <= {r.job_id for r in registry.load_records()}  # mended for good
 
 
+@pytest.mark.parametrize("field, value", [("folder", None), ("nodes", "1"), ("command", "vitctl train")])
+def test_a_record_edited_to_a_field_of_another_type_is_recovered_as_damage(home, field, value):
+    """Before: a traceback in status (a folder of null) or logs (nodes of "1")."""
+    for job_id in ("101", "102"):
+        registry.add_record(record(job_id, f"/runs/{job_id}"))
+    rows = json.loads(registry.registry_path().read_text())
+    rows[1][field] = value
+    registry.registry_path().write_text(json.dumps(rows))
+    for command in (["status"], ["logs", "102"]):
+        result = subprocess.run([VITCTL, *command], capture_output=True, text=True, env=os.environ)
+        assert "Traceback" not in result.stderr, result.stderr
+    listed = subprocess.run([VITCTL, "status"], capture_output=True, text=True, env=os.environ)
+    assert "101" in listed.stdout and "102" in listed.stdout
+    damaged = next(home.glob("jobs.json.damaged-*"))  # the first command recovered it, and kept the edit aside
+    assert json.loads(damaged.read_text())[1][field] == value
+
+
 def test_without_a_good_backup_the_registry_starts_empty_and_says_so(home):
     registry.add_record(record("101"))
     registry.registry_path().write_text("[{")

@@ -15,6 +15,8 @@ import re
 import subprocess
 import tempfile
 import time
+import types
+import typing
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -191,10 +193,23 @@ def _parse(text: str) -> list[JobRecord]:
     names = {f.name for f in fields(JobRecord)}
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError("not a list of job records")
+    hints = typing.get_type_hints(JobRecord)
+    for row in rows:  # a hand-edited field of another type surfaced later as a traceback in status or logs
+        if wrong := next((k for k, v in row.items() if k in names and not isinstance(v, _types(hints[k]))), None):
+            hint = hints[wrong]
+            raise ValueError(f"a record's {wrong} is {row[wrong]!r}, not {getattr(hint, '__name__', hint)}")
     try:
         return [JobRecord(**{k: v for k, v in r.items() if k in names}) for r in rows]
     except TypeError as e:
         raise ValueError(f"a record lacks a field ({e})") from None
+
+
+def _types(hint: object) -> tuple[type, ...]:
+    """What isinstance takes for a field's type: int | None -> (int, NoneType), list[str] -> list, float -> a number."""
+    if isinstance(hint, types.UnionType):
+        return sum((_types(arg) for arg in typing.get_args(hint)), ())
+    base = typing.get_origin(hint) or hint
+    return (int, float) if base is float else (base,)
 
 
 def _write_atomic(path: Path, text: str) -> None:
