@@ -47,6 +47,9 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     replicated weights and activation checkpointing) whose predicted memory fits --memory-gib per GPU, and write it
     for `vitctl train --plan OUT`."""
     if profile_only:
+        if wf.local_device().type == "cpu":
+            err_console.print("warning: this machine has no GPU: measuring its CPU, whose profile plans CPU ranks "
+                              "only; to plan GPUs, run this on a GPU node", highlight=False, soft_wrap=True)
         path = wf.profile_only(model_name, img_size, gpus)
         if path is not None:
             console.print(f"profile: {path}", highlight=False, soft_wrap=True)
@@ -63,6 +66,8 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     outcome = wf.plan(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))
     console.print(f"profile: {outcome.profile_path} ({outcome.profile.device}, torch {outcome.profile.torch})",
                   highlight=False, soft_wrap=True)
+    if warning := wf.cpu_profile_warning(outcome.profile, outcome.profile_path):
+        err_console.print(f"warning: {warning}", highlight=False, soft_wrap=True)
     tables = [_uniform_table(outcome)]
     if outcome.result.best is not None:
         tables.insert(0, _plan_table(outcome))

@@ -3,6 +3,7 @@ when it is tight; never over the budget; nothing when nothing fits), its dynamic
 plan file it writes, the profiler on CPU (blocks, and collectives among gloo ranks), and the command run offline
 from a saved profile."""
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -486,6 +487,18 @@ def test_cli_plans_offline_from_a_saved_profile(tmp_path):
     loaded = read_plan(out, ParallelConfig(), len(LAYOUT.blocks))
     assert _is_ddp(loaded)
     assert strategy_problems(loaded, LAYOUT.shape(), CLUSTER.world, BATCH // CLUSTER.world) == []
+
+
+def test_a_profile_measured_on_the_cpu_warns_that_it_plans_from_a_cpu(tmp_path):
+    """Before: a plan for GPUs from `--profile-only` on a machine without one, said only by `(cpu, ...)`."""
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(dataclasses.replace(hand_made_profile(), device="cpu").to_json())
+    result = ok(*_plan_args(profile_path, out, 80))
+    assert (f"warning: profile {profile_path} was measured on the CPU: the plan's timings, and the strategy picked "
+            "from them, are a CPU's, not a GPU's; measure one on a GPU node (`vitctl plan --profile-only --model "
+            "vit_mini --img-size 32`) and pass it with --profile") in result.stderr, result.stderr
+    profile_path.write_text(hand_made_profile().to_json())
+    assert "warning" not in ok(*_plan_args(profile_path, out, 80)).stderr
 
 
 def test_cli_fails_clearly_when_nothing_fits(tmp_path):

@@ -175,6 +175,15 @@ def _file_in_the_way(path: Path, blocker: Path, fix: str) -> str:
     return f"cannot write {path}: {what_it_is(blocker)}, not a folder; {fix}"
 
 
+def cpu_profile_warning(profile: Profile, path: Path) -> str | None:
+    """A profile measured on the CPU (`--profile-only` where there is no GPU) plans GPUs from a CPU's timings."""
+    if profile.device != "cpu":
+        return None
+    return (f"profile {path} was measured on the CPU: the plan's timings, and the strategy picked from them, are a "
+            f"CPU's, not a GPU's; measure one on a GPU node (`vitctl plan --profile-only --model {profile.model} "
+            f"--img-size {profile.img_size}`) and pass it with --profile")
+
+
 def profile_only(model: str, img_size: int, ranks: int | None) -> Path | None:
     """Measure and cache this machine's profile: what needs several ranks among `ranks` local ranks (default: every
     GPU, or 2 CPU ranks), spawned here, or among all ranks when a launcher (torchrun) started one process per GPU, of
