@@ -58,8 +58,8 @@ RANKS_DEADLINE = 300.0  # seconds; the slowest rank test takes about 20 on this 
 
 def spawn_ranks(fn: Callable[..., None], nprocs: int, folder: Path, *args: object) -> None:
     """Run `fn(rank, init, *args)` on `nprocs` spawned processes that meet through a file in `folder`. Ranks that die
-    by a signal or outlive RANKS_DEADLINE are killed and run once more: torch's gloo, four ranks on two cores, has
-    aborted on heap corruption and hung in CI, in tests it passes otherwise. A rank that raises fails the test."""
+    by a signal or outlive RANKS_DEADLINE are killed and run once more: under torch's gloo, four ranks on two cores
+    have aborted on heap corruption and hung (once each, in tests that pass otherwise). A rank that raises fails."""
     for attempt in (1, 2):
         init = f"file://{folder / f'gloo-init-{attempt}'}"
         context = mp.start_processes(fn, args=(init, *args), nprocs=nprocs, join=False, start_method="spawn")

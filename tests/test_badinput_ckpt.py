@@ -197,7 +197,7 @@ def test_a_step_folder_holding_a_user_s_files_is_moved_aside_when_that_step_is_s
 
 def test_export_does_not_write_over_a_checkpoint_or_a_file_that_is_not_an_export(pretrained, tmp_path):
     """Before, `--out RUN/checkpoints/step-00000003/meta.json` replaced the checkpoint's meta.json (it was lost),
-    and `--out model.pth` a user's torch.save file."""
+    and `--out model.safetensors` a user's safetensors file (timm's weights, say)."""
     last = ckpt.list_checkpoints(pretrained)[-1]
     before = (last / "meta.json").read_bytes()
     for out in (last / "meta.json", last / "w.safetensors"):
@@ -206,13 +206,13 @@ def test_export_does_not_write_over_a_checkpoint_or_a_file_that_is_not_an_export
                                           "what training wrote there alone: writing there could destroy the "
                                           "checkpoint; choose an --out outside") in result.stderr, result.stderr
     assert (last / "meta.json").read_bytes() == before and not (last / "w.safetensors").exists()
-    mine = tmp_path / "model.pth"
-    torch.save({"w": torch.ones(2)}, mine)
+    mine = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(2)}, mine)
     result = vitctl("export", pretrained, "--out", mine)
     assert result.exit_code == 1 and (f"error: --out {mine} exists and is not a vitctl export (no vitctl_sha256 in "
                                       "its safetensors header): writing over it would destroy it; choose another "
                                       "--out") in result.stderr, result.stderr
-    assert torch.equal(torch.load(mine)["w"], torch.ones(2))
+    assert torch.equal(load_file(mine)["w"], torch.ones(2))
     again = tmp_path / "w.safetensors"  # an earlier export is written over: that is how a damaged one is replaced
     ok("export", pretrained, "--out", again)
     with open(again, "r+b") as f:  # its tensors damaged, its header whole
