@@ -164,7 +164,7 @@ def test_ctrl_c_halfway_leaves_only_complete_shards_and_a_rerun_finishes(prepare
     written = sorted(out.glob("imagenet-*.tar"))
     total = CLASSES * (TRAIN_PER_CLASS + VAL_PER_CLASS)
     assert 0 < len(written) < total, "interrupt came too late to test anything"
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
     assert not list(out.glob(".*.partial"))  # the writers the interrupt stopped removed their temporary files
     recorded = {e["name"]: e for e in _manifest(out)["splits"]["train"]["shards"]}
     for shard in written:
