@@ -2,6 +2,7 @@
 
 import re
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 from . import manifest as mf
@@ -120,7 +121,8 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
                             "prints it)")
         on_total(len(paths))
         samples = 0
-        for _, count in run_tasks(build_index, [(p,) for p in paths], workers):
-            samples += count
-            progress(1)
+        with closing(run_tasks(build_index, [(p,) for p in paths], workers)) as built:
+            for _, count in built:
+                samples += count
+                progress(1)
     return len(paths), samples

@@ -5,8 +5,10 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -14,6 +16,7 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0))
 
 
+_POLL_S = 0.2  # how soon a Ctrl-C sent to this process alone (not its workers) stops the wait for results
 _stopping: Any = None  # in a worker: an event the parent sets when it stops, so that tasks still queued do not start
 _PR_SET_PDEATHSIG = 1
 
@@ -42,11 +45,54 @@ def _interruptible(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` in a worker, stopped by Ctrl-C like the parent, so that it removes its temporary files."""
     if _stopping.is_set():
         return None  # nobody waits for the result any more
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    pressed = []
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        pressed.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         return fn(*args)
+    except Exception:
+        # Some code wraps the KeyboardInterrupt in another error: PIL's first Image.open imports its plugins, and a
+        # Ctrl-C in a class body's __set_name__ comes out as RuntimeError. The parent must see an interrupt.
+        if pressed:
+            raise KeyboardInterrupt from None
+        raise
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextmanager
+def _ctrl_c_deferred() -> Iterator[list[int]]:
+    """Within the block Ctrl-C is only recorded (in the list yielded); KeyboardInterrupt is raised as it ends.
+
+    concurrent.futures takes its locks in steps of plain Python: wait() acquires each future's lock in a loop, and
+    submit() records a task before it queues it. A KeyboardInterrupt raised between two steps leaves a lock held or a
+    task never queued, and the pool's shutdown then waits for ever.
+    """
+    pressed: list[int] = []
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # Ctrl-C is not ours to defer
+        yield pressed
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _wait_any(pending: set[Future]) -> tuple[set[Future], set[Future]]:
+    """The futures of `pending` that are done (at least one) and those that are not."""
+    done: set[Future] = set()
+    with _ctrl_c_deferred() as pressed:
+        while not done and not pressed:
+            done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+    return done, pending
 
 
 def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], workers: int) -> Iterator[Any]:
@@ -54,8 +100,8 @@ def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], workers: int) -> I
 
     No more worker processes start than there are tasks, and they die with this process.
     At most `2 * workers` tasks are in flight, so a long task list is never materialised as futures.
-    On error or interrupt, tasks not yet started are dropped (and running ones interrupted by the same Ctrl-C)
-    before the exception propagates.
+    On error or interrupt, or when the caller closes the generator (use `contextlib.closing`, so that this happens at
+    once), tasks not yet started are dropped and running ones (which the same Ctrl-C interrupts) are waited for.
     """
     workers = min(workers, len(tasks))  # a pool forks all its workers at once: --workers 100000 would exhaust memory
     if workers <= 1:
@@ -64,18 +110,20 @@ def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], workers: int) -> I
         return
     pending: set[Future] = set()
     stopping = multiprocessing.get_context().Event()
-    with ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(stopping, os.getpid())) as pool:
-        try:
-            for task in tasks:
-                if len(pending) >= 2 * workers:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    yield from (f.result() for f in done)
-                pending.add(pool.submit(_interruptible, fn, *task))
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+    pool = ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(stopping, os.getpid()))
+    try:
+        for task in tasks:
+            if len(pending) >= 2 * workers:
+                done, pending = _wait_any(pending)
                 yield from (f.result() for f in done)
-        except BaseException:
+            with _ctrl_c_deferred():
+                pending.add(pool.submit(_interruptible, fn, *task))
+        while pending:
+            done, pending = _wait_any(pending)
+            yield from (f.result() for f in done)
+    finally:
+        with _ctrl_c_deferred():
             stopping.set()
             for f in pending:
                 f.cancel()
-            raise
+            pool.shutdown()

@@ -386,10 +386,11 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     on_total(sum(len(s) for s in shards))
     planned = {mf.shard_name(split, i): samples for i, samples in enumerate(shards)}
     intact = set()
-    for name in run_tasks(_intact, [(out / name, entry) for name, entry in recorded.items()], workers):
-        if name is not None:
-            intact.add(name)
-            progress(len(planned[name]))
+    with contextlib.closing(run_tasks(_intact, [(out / name, e) for name, e in recorded.items()], workers)) as checked:
+        for name in checked:
+            if name is not None:
+                intact.add(name)
+                progress(len(planned[name]))
     todo = []
     for name, samples in planned.items():
         path = out / name
@@ -420,8 +421,10 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
 
     # One thread fsyncs and renames finished shards (and records them) while the writers go on with the next.
     try:
-        with ThreadPoolExecutor(max_workers=1) as finisher:
-            finished = [finisher.submit(finish, entry) for entry in run_tasks(write_shard, todo, workers)]
+        # `closing` stops the writers (a Ctrl-C interrupts them) before the finisher is waited for and the except runs
+        writers = contextlib.closing(run_tasks(write_shard, todo, workers))
+        with ThreadPoolExecutor(max_workers=1) as finisher, writers as written:
+            finished = [finisher.submit(finish, entry) for entry in written]
     except BaseException:  # every writer has stopped by now; one that finished after the error was not published
         for task in todo:
             partial_path(task[1]).unlink(missing_ok=True)

@@ -4,6 +4,7 @@ import io
 import random
 import shlex
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,11 +172,12 @@ def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], N
             repairs[path.name] = REWRITE if _planned(path.name, splits) else UNPLANNED
     on_total(len(entries))
     checks = []
-    for check in run_tasks(check_shard, [(folder, e) for e in entries], workers):
-        checks.append(check)
-        progress(1)
-        if check.problems:
-            problems[check.name], repairs[check.name] = check.problems, check.repair
+    with closing(run_tasks(check_shard, [(folder, e) for e in entries], workers)) as checked:
+        for check in checked:
+            checks.append(check)
+            progress(1)
+            if check.problems:
+                problems[check.name], repairs[check.name] = check.problems, check.repair
     pool = [(c.name, *jpg) for c in checks if not c.problems for jpg in c.jpg]
     chosen = random.Random(seed).sample(pool, min(decode, len(pool)))
     for name, offset, size, label, member in chosen:
