@@ -133,7 +133,7 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
     if not Path(record.folder).is_dir():
         raise registry.UnknownJobError(
             f"the logs of {where} are gone: its folder {record.folder} no longer exists (the run folder was moved or "
-            "deleted); if you moved it, the logs are in the submitit folder of its new place")
+            "deleted); if you moved it, `vitctl logs NEW_PLACE` shows them and records where")
     if not state.live:
         raise registry.UnknownJobError(f"{where} ended without a log for rank {rank} in {record.folder}: that rank "
                                        f"never started{f' ({state.note})' if state.note else ''}")

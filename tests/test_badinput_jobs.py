@@ -4,6 +4,7 @@ message (no traceback), and the fix it names is followed."""
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -155,6 +156,7 @@ def test_logs_of_a_job_whose_run_folder_is_gone_say_so_and_follow_does_not_wait(
     run = tmp_path / "gone"
     record = _ended_local_job(run)
     (run / "submitit" / "1_0_log.err").write_text("2026-11-25 04:50:14,211 [rank 0] vitctl.train: run\n")
+    (run / "submitit" / "1_submitted.pkl").write_bytes(pickle.dumps({"out_dir": str(run)}))  # as submitit's holds it
     moved = Path(shutil.move(run, tmp_path / "moved"))
     for follow in ([], ["--follow"]):
         done = subprocess.run([VITCTL, "logs", record.job_id, *follow], capture_output=True, text=True, timeout=60,
@@ -162,8 +164,9 @@ def test_logs_of_a_job_whose_run_folder_is_gone_say_so_and_follow_does_not_wait(
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.strip() == (
             f"error: the logs of job 1 (UNKNOWN) are gone: its folder {run}/submitit no longer exists (the run folder "
-            "was moved or deleted); if you moved it, the logs are in the submitit folder of its new place")
-    assert (moved / "submitit/1_0_log.err").read_text().endswith("vitctl.train: run\n")  # where the fix points
+            "was moved or deleted); if you moved it, `vitctl logs NEW_PLACE` shows them and records where")
+    assert ok("logs", moved).output.endswith("vitctl.train: run\n")  # the fix, followed
+    assert registry.find_record("1").run_dir == str(moved)
 
 
 def test_logs_of_an_ended_job_that_wrote_none_say_it_never_started(tmp_path):

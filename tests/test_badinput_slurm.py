@@ -137,7 +137,7 @@ def test_watch_ends_when_slurm_knows_no_job(tmp_path):
     assert "999999\tvit_micro-old\tUNKNOWN\t" in watched.stdout
 
 
-def test_status_of_a_job_whose_run_folder_moved_says_so(tmp_path):
+def test_status_of_a_job_whose_run_folder_moved_says_so(tmp_path, caplog):
     out = tmp_path / "run"
     ok("train", *RUN, "--steps", 2, "--time", 10, "--out", out)
     job = registry.load_records()[-1].job_id
@@ -146,4 +146,12 @@ def test_status_of_a_job_whose_run_folder_moved_says_so(tmp_path):
     listed = json.loads(ok("status", job, "--json").output)[0]
     assert listed["state"] == "COMPLETED" and listed["step"] is None
     assert listed["note"] == (f"its run folder {out} no longer exists (moved or deleted): its progress, checkpoints "
-                              "and logs went with it")  # before: an empty row, as of a job that never started
+                              "and logs went with it; if you moved it, `vitctl status NEW_PLACE` records where")
+    # before: an empty row, as of a job that never started; and the new place was "no job"
+    followed = vitctl("status", tmp_path / "moved", "--json")
+    assert followed.exit_code == 0, followed.stderr
+    assert (f"note: job {job}'s run folder {out} was moved to {tmp_path / 'moved'}; recorded its new place"
+            in caplog.text)
+    for shown in (followed.output, ok("status", job, "--json").output):
+        assert {k: json.loads(shown)[0][k] for k in ("job_id", "state", "step", "run_dir", "note")} == \
+            {"job_id": job, "state": "COMPLETED", "step": 2, "run_dir": str(tmp_path / "moved"), "note": ""}

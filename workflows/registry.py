@@ -134,12 +134,35 @@ def find_records(key: str) -> list[JobRecord]:
     if os.sep in key or (key and Path(key).is_dir()):
         folder = Path(key).resolve()
         matches, where = [r for r in records if Path(r.run_dir).resolve() == folder], f"{key!r} ({folder})"
+        matches = matches or _moved_to(folder, records)
     else:
         matches = ([r for r in records if Path(r.run_dir).name == key] or
                    [r for r in records if r.name == key])
     if not matches:
         raise UnknownJobError(f"no job {where} in {registry_path()}; `vitctl jobs` lists the known ones")
     return list({r.run_dir: r for r in matches}.values())  # a folder's later jobs replace its earlier ones
+
+
+def _moved_to(folder: Path, records: list[JobRecord]) -> list[JobRecord]:
+    """The jobs whose run folder was moved to `folder`, with their new place recorded (and logged)."""
+    moved = [r for r in records if r.job_id and not Path(r.run_dir).exists() and _submitted_from(folder, r)]
+    for r in moved:
+        logs = folder / Path(r.folder).relative_to(r.run_dir)
+        log.warning("note: job %s's run folder %s was moved to %s; recorded its new place", r.job_id, r.run_dir,
+                    folder)
+        update_record(r.key, run_dir=str(folder), folder=str(logs))
+        r.run_dir, r.folder = str(folder), str(logs)
+    return moved
+
+
+def _submitted_from(folder: Path, record: JobRecord) -> bool:
+    """Whether `folder` holds the job pickle submitit wrote for `record`: its name has the job id, its bytes the
+    run folder's old path (a job id alone, a PID for local jobs, may be another job's)."""
+    try:
+        logs = folder / Path(record.folder).relative_to(record.run_dir)
+        return record.run_dir.encode() in (logs / f"{record.job_id}_submitted.pkl").read_bytes()
+    except (ValueError, OSError):  # a submitit folder outside the run folder; no such pickle there
+        return False
 
 
 def find_record(key: str) -> JobRecord:

@@ -307,7 +307,7 @@ def _run_dir_gone(record: JobRecord) -> str:
     if Path(record.run_dir).is_dir():
         return ""
     return (f"its run folder {record.run_dir} no longer exists (moved or deleted): its progress, checkpoints and logs "
-            "went with it")
+            "went with it; if you moved it, `vitctl status NEW_PLACE` records where")
 
 
 def log_paths(record: JobRecord, rank: int) -> tuple[Path, Path]:
