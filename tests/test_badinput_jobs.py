@@ -227,7 +227,8 @@ def _last_step(run: Path) -> int:
 
 
 def test_resume_with_other_settings_than_the_checkpoint_s_names_them(tmp_path):
-    """Before: `--resume` without the run's --set options went on in fp32, without clipping, in silence."""
+    """Before: `--resume` without the run's --set options went on in fp32, without clipping, in silence; and a saved
+    null was named as Python's None, which --set refuses."""
     run = tmp_path / "run"
     ok("train", *QUICK, "--steps", 1, "--out", run, "--set", "optim.clip_grad=0", "--set", "optim.lr=1e-3")
     resumed = ok("train", *QUICK, "--steps", 2, "--out", run, "--resume", "--set", "optim.lr=1e-3")
@@ -237,6 +238,13 @@ def test_resume_with_other_settings_than_the_checkpoint_s_names_them(tmp_path):
     # more steps with the settings the last checkpoint (step 2) was saved with
     again = ok("train", *QUICK, "--steps", 3, "--out", run, "--resume", "--set", "optim.lr=1e-3")
     assert "settings" not in again.stderr
+
+    unclipped = tmp_path / "unclipped"
+    ok("train", *QUICK, "--steps", 1, "--out", unclipped, "--set", "optim.clip_grad=null")
+    warned = ok("train", *QUICK, "--steps", 2, "--out", unclipped, "--resume", "--dry-run")
+    assert "optim.clip_grad=null (now 1.0)" in warned.stderr, warned.stderr
+    followed = ok("train", *QUICK, "--steps", 2, "--out", unclipped, "--resume", "--set", "optim.clip_grad=null")
+    assert "settings" not in followed.stderr
 
 
 def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):

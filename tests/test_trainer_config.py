@@ -81,6 +81,7 @@ def test_overrides_win_over_presets_and_read_yaml_values():
     ("augment.reprob=2", "augment.reprob must be in \\[0, 1\\]"),
     ("data.std=[0.2, 0, 0.2]", "data.std must be positive"),
     ("data.mean=[0.5, 0.5]", "data.mean: expected a list of 3 values"),
+    ("train.max_steps=1.5e0", "train.max_steps: expected int, got '1.5e0', not a whole number"),
 ])
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -102,6 +103,40 @@ def test_data_path_is_required_unless_synthetic():
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match="swin_t_pretrain"):
         load_config("swin_xxl")
+
+
+def test_whole_numbers_with_an_exponent_are_ints():
+    """Before: `train.max_steps=1e3` (a string to YAML 1.1) was refused as 'a number in quotes'."""
+    config = load_config("demo_vit", ["train.max_steps=1e3", "data.train_samples=1.2e6", "train.checkpoint_every=5e2"])
+    assert (config.train.max_steps, config.data.train_samples, config.train.checkpoint_every) == (1000, 1200000, 500)
+
+
+def test_a_text_key_keeps_its_value_as_written_and_null_and_quotes_still_read_as_yaml():
+    """Before: YAML made 2024-01-01 a date, 001 the int 1, yes True (each refused as no text), and cut `#1` off."""
+    written = ["train.out_dir=2024-01-01", "data.path=runs/x #1", "finetune.from_ckpt=001", "parallel.plan=yes"]
+    config = load_config("demo_vit", written)
+    assert (config.train.out_dir, config.data.path, config.finetune.from_ckpt, config.parallel.plan) == \
+        ("2024-01-01", "runs/x #1", "001", "yes")
+    config = load_config("demo_vit", ["augment.rand_augment=rand-m9", "augment.rand_augment=null",
+                                      "train.out_dir='quoted dir'"])
+    assert (config.augment.rand_augment, config.train.out_dir) == (None, "quoted dir")
+
+
+def test_a_text_key_in_a_file_that_yaml_reads_as_another_type_says_to_quote_it(tmp_path):
+    preset = tmp_path / "dated.yaml"
+    preset.write_text("train:\n  out_dir: 2024-01-01\n")
+    with pytest.raises(ConfigError, match="train.out_dir: expected str, got datetime.date\\(2024, 1, 1\\); YAML reads "
+                       "the value as a date: put it in quotes"):
+        load_config(str(preset))
+    preset.write_text("train:\n  out_dir: '2024-01-01'\n")  # the fix
+    assert load_config(str(preset)).train.out_dir == "2024-01-01"
+
+
+def test_a_section_whose_keys_are_all_commented_out_keeps_its_defaults(tmp_path):
+    """Before: 'eval is a section of keys, not a value (got None)', with advice for --set."""
+    preset = tmp_path / "commented.yaml"
+    preset.write_text("model:\n  name: vit_micro\neval:\n  # crop_pct: 0.9\n")
+    assert load_config(str(preset)).eval == load_config(None).eval
 
 
 def test_parse_override_nests_keys():

@@ -149,8 +149,13 @@ def model_change(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
     if "name" not in keys:
         way += (f", or start a new run from its weights: `vitctl finetune --from-ckpt {path} --out NEW {sets(now)}` "
                 "(with the other options of this command)")
-    differ = ", ".join(f"model.{k}={saved.get(k)} (now {now.get(k)})" for k in keys)
+    differ = ", ".join(f"model.{k}={as_set_value(saved.get(k))} (now {as_set_value(now.get(k))})" for k in keys)
     return f"{path} was trained with model settings other than this run's: {differ}; --resume cannot change them: {way}"
+
+
+def as_set_value(value: Any) -> str:
+    """`value` as `--set key=VALUE` reads it back: null, true, [0.9, 0.999], not Python's None, True, (0.9, 0.999)."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 # What a resumed run is expected to change: how long it trains, where its data and folder are.
@@ -165,7 +170,7 @@ def settings_change(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         old, new = saved.get(section) or {}, now.get(section) or {}
         for key in sorted(old.keys() | new.keys()):
             if f"{section}.{key}" not in RESUME_MAY_CHANGE and old.get(key) != new.get(key):
-                changed.append(f"{section}.{key}={old.get(key)} (now {new.get(key)})")
+                changed.append(f"{section}.{key}={as_set_value(old.get(key))} (now {as_set_value(new.get(key))})")
     return changed
 
 

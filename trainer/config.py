@@ -1,6 +1,7 @@
 """Typed run configuration: YAML presets, `--set a.b=value` overrides, validation up front."""
 
 import dataclasses
+import datetime
 import difflib
 import math
 import os
@@ -200,14 +201,20 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         return number
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
+    if kind is int and isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value) and float(value).is_integer():
+        return int(float(value))  # 1e3, which YAML 1.1 reads as a string
     if isinstance(value, dict):
         named = f"; there is no {key}.{next(iter(value))}" if value else ""
         raise ConfigError(f"{key} is a value, not a section of keys{named}: set it as {key}=VALUE")
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         got = "no value" if value is None else repr(value)
-        if kind in (int, float) and isinstance(value, str) and (number := _as_number(value)) is not None \
+        if kind is int and isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value):
+            got += ", not a whole number"
+        elif kind in (int, float) and isinstance(value, str) and (number := _as_number(value)) is not None \
                 and math.isfinite(number):
             got += f"; a number in quotes is a string: write {value} without them"
+        if kind is str and isinstance(value, int | float | datetime.date):  # 2024-01-01, 001, yes, 12:30 in YAML
+            got += f"; YAML reads the value as a {type(value).__name__}: put it in quotes"
         raise ConfigError(f"{key}: expected {kind.__name__}, got {got}")
     return value
 
@@ -298,19 +305,35 @@ def _load_yaml(text: str) -> Any:
 
 
 def parse_override(text: str) -> dict[str, Any]:
-    """`optim.lr=1e-3` -> {"optim": {"lr": 0.001}}; the value is read as YAML."""
+    """`optim.lr=1e-3` -> {"optim": {"lr": 0.001}}; the value is read as YAML, but kept as written for a text key."""
     key, sep, raw = text.partition("=")
     parts = [part.strip() for part in key.split(".")]
     if not sep or not all(parts):
         raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. optim.lr=1e-3)")
     try:
-        value: Any = _load_yaml(raw) if raw else None
+        value: Any = raw if _is_text(parts) and _plain_text(raw) else _load_yaml(raw) if raw else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: its value is not valid YAML ({_yaml_problem(e)}); close its "
                           f"brackets, or quote a value that holds YAML syntax: {key}='...'") from None
     for part in reversed(parts):
         value = {part: value}
     return value
+
+
+def _is_text(parts: list[str]) -> bool:
+    """Whether the key `parts` names holds text (str, or str or None)."""
+    kind: Any = RunConfig
+    for part in parts:
+        if not dataclasses.is_dataclass(kind) or part not in (hints := typing.get_type_hints(kind)):
+            return False
+        kind = hints[part]
+    return kind in (str, str | None)
+
+
+def _plain_text(raw: str) -> bool:
+    """Whether a text key's value is taken as written: YAML would read 2024-01-01 as a date, 001 as 1, yes as true
+    and cut `runs/a #1` at its comment; null and a quoted value still go through YAML."""
+    return raw.strip() not in ("", "null", "Null", "NULL", "~") and raw[:1] not in ("'", '"')
 
 
 def preset_path(name: str) -> Path:
@@ -367,7 +390,8 @@ def _read_preset(path: Path) -> dict[str, Any]:
     if flat:
         raise ConfigError(f"config file {path} has sections that are not mappings of keys ({', '.join(flat)}); indent "
                           f"`key: value` lines under each section, as `vitctl config show demo_vit` prints")
-    return values
+    # a section whose keys are all commented out is None: it keeps its defaults
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def load_config(preset: str | None, overrides: list[str] = (), extra: dict[str, Any] | None = None) -> RunConfig:
