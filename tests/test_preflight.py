@@ -120,5 +120,23 @@ def test_an_out_inside_a_checkpoint_folder_is_refused(tmp_path):
     result = vitctl(*args, "--out", step / "run")
     assert result.exit_code == 1 and (f"run folder {step / 'run'} (--out) lies in the checkpoint folder {step}, "
                                       f"which holds what its run wrote there alone") in result.stderr, result.stderr
-    assert f"choose an --out outside {tmp_path / 'other'}" in result.stderr and not (step / "run").exists()
+    assert f"--out {tmp_path / 'other'} --resume; else choose an --out outside it" in result.stderr
+    assert not (step / "run").exists()
     ok(*args, "--out", tmp_path / "run")
+
+
+def test_an_out_at_a_run_s_checkpoints_is_refused_naming_the_run_to_resume(tmp_path):
+    """Before: `--out RUN/checkpoints --resume` trained from step 0 in there ('holds no checkpoint'), and a step
+    folder as --out was told to choose an --out outside RUN, away from the run to go on with."""
+    args = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=32",
+            "--batch", 4, "--executor", "local", "--gpus", 0]
+    run = tmp_path / "run"
+    ok(*args, "--steps", 1, "--out", run)
+    for out in (run / "checkpoints", run / "checkpoints/step-00000001"):
+        result = vitctl(*args, "--steps", 2, "--out", out, "--resume")
+        assert result.exit_code == 1 and f"to go on with that run, pass its folder: --out {run} --resume" \
+            in result.stderr, result.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001"]
+    resumed = ok(*args, "--steps", 2, "--out", run, "--resume")  # the fix
+    assert "starts at step 0" not in resumed.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]

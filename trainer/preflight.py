@@ -194,8 +194,12 @@ def _out_dir_error(out_dir: str) -> str | None:
     run = Path(out_dir)
     if inside := next((p for p in [run.absolute(), *run.absolute().parents] if is_checkpoint(p)), None):
         return f"run folder {out_dir} (--out) lies in the checkpoint folder {inside}, which holds what its run " \
-               f"wrote there alone (keep-last-K would delete it with that checkpoint); choose an --out outside " \
-               f"{inside.parent.parent}"
+               f"wrote there alone (keep-last-K would delete it with that checkpoint); to go on with that run, pass " \
+               f"its folder: --out {inside.parent.parent} --resume; else choose an --out outside it"
+    if run.is_dir() and run.absolute() == checkpoint_dir(run.absolute().parent) \
+            and any(is_checkpoint(p) for p in run.iterdir()):
+        return f"run folder {out_dir} (--out) is the checkpoints folder of the run {run.absolute().parent}; to go " \
+               f"on with that run, pass its folder: --out {run.absolute().parent} --resume; else choose another --out"
     parts = [run, checkpoint_dir(run), run / METRICS_FILE, run / LOCK]
     if locked := [p for p in parts if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))]:
         return f"run folder {out_dir} (--out): this user cannot write {', '.join(map(str, locked))} (its " \
