@@ -1,5 +1,6 @@
 """Entry point of the `vitctl` command."""
 
+import errno
 import os
 import signal
 import sys
@@ -67,6 +68,12 @@ class VitctlGroup(click.Group):
         except KeyboardInterrupt:
             err_console.print("interrupted", highlight=False)
             ctx.exit(INTERRUPTED)
+        except OSError as e:  # a path given anywhere (--out, --data, a config file) that no file system takes
+            if e.errno != errno.ENAMETOOLONG:
+                raise
+            err_console.print(f"[bold red]error:[/] a name in {escape(str(e.filename))} is longer than the file "
+                              "system allows (255 bytes a name): shorten it", highlight=False, soft_wrap=True)
+            ctx.exit(1)
 
 
 @click.group(cls=VitctlGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -221,3 +221,47 @@ def test_a_taken_rendezvous_port_fails_the_job_at_once_and_says_what_to_do(tmp_p
            f"follows from the job id) (traceback in {record.folder}/{record.job_id}_0_log.err)" in note, note
     ok("train", *two, "--out", out)  # the fix, followed
     assert wait_for(registry.load_records()[-1].job_id, status.TERMINAL) == "COMPLETED"
+
+
+def test_a_percent_sign_in_out_is_refused_before_submitit_misreads_it(tmp_path):
+    """Before: `--out runs/5%aug` ended in submitit's traceback ('%a ... not a job array'), leaving a record stuck
+    as submitting; `pct%jx` trained into a folder named after the job id and reported the job as failed."""
+    for name in ("5%aug", "pct%jx"):
+        result = vitctl("train", *LOCAL, "--out", tmp_path / name)
+        assert result.exit_code == 1 and result.stderr.strip() == (
+            f"error: run folder {tmp_path / name} (--out) holds '%', which submitit reads in its log paths as a "
+            "placeholder (%j: the job id); choose an --out without '%'"), result.stderr
+    assert not list(tmp_path.glob("*%*")) and registry.load_records() == []
+    ok("train", *LOCAL, "--out", tmp_path / "5aug")
+
+
+def test_a_name_longer_than_the_file_system_takes_is_one_line_not_a_traceback(tmp_path):
+    long = "a" * 300
+    for args in (["train", *LOCAL, "--out", tmp_path / long], ["config", "show", f"{long}.yaml"]):
+        done = subprocess.run([str(Path(sys.executable).parent / "vitctl"), *map(str, args)], capture_output=True,
+                              text=True, env=os.environ, timeout=120)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("error: a name in ") and done.stderr.rstrip().endswith(
+            "is longer than the file system allows (255 bytes a name): shorten it"), done.stderr
+
+
+def test_a_finetuning_preset_without_weights_is_refused_and_both_ways_out_work(tmp_path):
+    """Before: `vitctl train --config swin_l_22k_to_1k_224` trained Swin-L from random weights at lr 2e-5."""
+    tiny = ["--set", "data.source=synthetic", "--set", "data.train_samples=8", "--batch", 2, "--steps", 1, "--set",
+            "model.img_size=32", "--set", "model.window_size=1", "--set", "model.num_classes=3", "--no-compile",
+            "--precision", "fp32", "--set", "data.workers=0", "--executor", "local", "--gpus", 0, "--dry-run"]
+    result = vitctl("train", "--config", "swin_l_22k_to_1k_224", *tiny, "--out", tmp_path / "a")
+    assert result.exit_code == 1 and result.stderr.startswith(
+        "error: preset swin_l_22k_to_1k_224 finetunes pretrained weights (30 epochs at lr 2e-05)"), result.stderr
+    (tmp_path / "mine.yaml").write_text(ok("config", "show", "swin_l_22k_to_1k_224").output)
+    ok("train", "--config", tmp_path / "mine.yaml", *tiny, "--out", tmp_path / "a")
+    weights = tmp_path / "w.safetensors"
+    ok("train", "--config", tmp_path / "mine.yaml", *[a for a in tiny if a != "--dry-run"], "--out", tmp_path / "b")
+    ok("export", tmp_path / "b", "--out", weights)
+    ok("finetune", "--config", "swin_l_22k_to_1k_224", "--from-ckpt", weights, *tiny, "--out", tmp_path / "c")
+
+
+def test_an_unlimited_time_says_a_limit_is_needed():
+    result = vitctl("train", *SLURM, "--time", "UNLIMITED", "--dry-run")
+    assert result.exit_code == 1 and "--time UNLIMITED: vitctl needs a time limit, to checkpoint before it and " \
+        "requeue; give the partition's longest" in result.stderr, result.stderr

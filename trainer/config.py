@@ -17,6 +17,7 @@ import yaml
 from .recipe import CROP_MODES, ERASE_MODES, INTERPOLATIONS, RAND_GRAMMAR, parse_rand_augment
 
 PRESETS = Path(__file__).parent / "presets"
+FINETUNE_PRESETS = ("swin_l_22k_to_1k_224", "swin_l_22k_to_1k_384")  # recipes that start from pretrained weights
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "fp8")
 # torchao's float8 scaling (one scale per tensor, or per row), or our own row-scaled matmuls (ops/float8_rows.py)
 FP8_RECIPES = ("tensorwise", "rowwise", "fused_rowwise")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from vitctl.trainer import checkpoint
-from vitctl.trainer.config import ConfigError, RunConfig, load_config, parse_override
+from vitctl.trainer.config import FINETUNE_PRESETS, ConfigError, RunConfig, load_config, parse_override
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
@@ -54,6 +54,11 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
         raise ConfigError(f"data.path {config.data.path} {what}; prepare one with `vitctl data shard`")
     source = config.finetune.from_ckpt
     resuming = resume and bool(checkpoint.list_checkpoints(Path(config.train.out_dir)))
+    if preset in FINETUNE_PRESETS and not source and not resuming:
+        raise ConfigError(f"preset {preset} finetunes pretrained weights ({config.train.epochs:g} epochs at lr "
+                          f"{config.optim.lr:g}), which from random weights would train a poor model: pass them, "
+                          f"`vitctl finetune --config {preset} --from-ckpt WEIGHTS`; to train from scratch with its "
+                          f"settings anyway, `vitctl config show {preset} > mine.yaml` and pass --config ./mine.yaml")
     if source and not resuming and not Path(source).exists():
         raise ConfigError(f"--from-ckpt {source}: no such file or folder")
     return config
@@ -116,6 +121,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     check_time(request)
     request = resolve_container_image(request)
     run_dir = Path(config.train.out_dir).absolute()
+    if "%" in str(run_dir):  # submitit would write the logs elsewhere (%j) or refuse the folder (%a)
+        raise ConfigError(f"run folder {run_dir} (--out) holds '%', which submitit reads in its log paths as a "
+                          "placeholder (%j: the job id); choose an --out without '%'")
     config.train.out_dir = str(run_dir)  # tasks may start elsewhere
     if config.data.path:
         config.data.path = str(Path(config.data.path).absolute())
