@@ -259,6 +259,17 @@ def test_a_plan_for_another_model_and_a_plan_beside_strategy_keys_are_refused(pr
     assert result.exit_code == 1 and "sets the strategy, so parallel.tp cannot be given beside it" in result.stderr
 
 
+def test_a_plan_beside_a_preset_s_strategy_key_names_the_set_that_clears_it(tmp_path):
+    """Before: 'drop them or drop the plan', for a key the user never gave (the preset's parallel.checkpoint)."""
+    plan = write_plan(tmp_path / "plan.json", Strategy(blocks=(BlockStrategy(),) * 24), "swin_l")
+    show = ["config", "show", "swin_l_22k_to_1k_384", "--set", f"parallel.plan={plan}"]
+    result = vitctl(*show)
+    assert result.exit_code == 1 and "so parallel.checkpoint cannot be given beside it (from --set, or from the " \
+        "preset); drop them, or give them their defaults (--set parallel.checkpoint=none)" in result.stderr, \
+        result.stderr
+    ok(*show, "--set", "parallel.checkpoint=none")
+
+
 def test_the_dry_run_names_the_mesh_the_ranks_build(tmp_path, monkeypatch):
     """2 nodes x 8 GPUs, pp2·tp2·fsdp4: each dimension's first group, as init_device_mesh lays the ranks out (an
     arange of the world in the mesh's shape), and whether its groups stay in a node of 8 consecutive ranks."""

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from vitctl.datasets.atomic import fsync_dir, write_json_atomic
 from vitctl.datasets.oserrors import as_data_error
 
-from .config import ConfigError
+from .config import ConfigError, as_set_value
 from .integrity import files_sha256
 from .runlock import LOCK
 
@@ -151,11 +151,6 @@ def model_change(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
                 "(with the other options of this command)")
     differ = ", ".join(f"model.{k}={as_set_value(saved.get(k))} (now {as_set_value(now.get(k))})" for k in keys)
     return f"{path} was trained with model settings other than this run's: {differ}; --resume cannot change them: {way}"
-
-
-def as_set_value(value: Any) -> str:
-    """`value` as `--set key=VALUE` reads it back: null, true, [0.9, 0.999], not Python's None, True, (0.9, 0.999)."""
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 # What a resumed run is expected to change: how long it trains, where its data and folder are.

@@ -3,6 +3,7 @@
 import dataclasses
 import datetime
 import difflib
+import json
 import math
 import os
 import re
@@ -303,6 +304,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
+def as_set_value(value: Any) -> str:
+    """`value` as `--set key=VALUE` reads it back: null, true, [0.9, 0.999], not Python's None, True, (0.9, 0.999)."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def parse_override(text: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import CHECKPOINT, INTERLEAVED, SCHEDULES, ConfigError, ParallelConfig
+from ..config import CHECKPOINT, INTERLEAVED, SCHEDULES, ConfigError, ParallelConfig, as_set_value
 from ..models import ModelShape
 
 PLAN_VERSION = 1
@@ -102,8 +102,10 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
     given = [key for key in ("tp", "pp", "fsdp", "checkpoint", "microbatches", "schedule", "virtual_stages", "stages")
              if getattr(config, key) != getattr(defaults, key)]
     if given:
+        defaults_back = " ".join(f"--set parallel.{key}={as_set_value(getattr(defaults, key))}" for key in given)
         raise ConfigError(f"{where} sets the strategy, so parallel.{', parallel.'.join(given)} cannot be given "
-                          f"beside it; drop them or drop the plan")
+                          f"beside it (from --set, or from the preset); drop them, or give them their defaults "
+                          f"({defaults_back}), or drop the plan")
     try:
         plan = json.loads(path.read_text(), object_pairs_hook=_refuse_repeated_keys)
     except FileNotFoundError:
