@@ -268,7 +268,18 @@ def test_a_rank_gets_a_share_of_its_node_s_cpus_for_its_loader_unless_told(tmp_p
     assert cpus_per_task("--out", tmp_path / "d", "--cpus-per-gpu", 10) == (10, "")
     fake_cluster(tmp_path / "small", node_cpus=32)
     monkeypatch.setenv("PATH", f"{tmp_path / 'small'}:{Path(sys.executable).parent}")
-    assert cpus_per_task("--out", tmp_path / "e") == (4, "")  # as many as 8 tasks on 32 CPUs can each have
+    cpus, warning = cpus_per_task("--out", tmp_path / "e")  # as many as 8 tasks on 32 CPUs can each have
+    assert cpus == 4 and warning.strip() == (
+        "warning: 4 CPUs a task (a node's 32 over its 8 tasks): each rank's 8 loader workers and the rank itself would "
+        "share 4 CPUs, and loading may hold the step back; a node's 32 CPUs give each of its 8 tasks at most 4: "
+        "--set data.workers=3, or fewer --tasks-per-node")  # before: no word
+    assert cpus_per_task("--out", tmp_path / "f", "--set", "data.workers=3") == (4, "")  # the fix
+    cpus, warning = cpus_per_task("--out", tmp_path / "g", "--cpus-per-gpu", 2)
+    assert (cpus, warning.split("; ", 1)[1].strip()) == (2, "a node's 32 CPUs give each of its 8 tasks at most 4: "
+                                                            "--cpus-per-gpu 4 --set data.workers=3 or --set "
+                                                            "data.workers=1, or fewer --tasks-per-node")
+    for fix in (["--cpus-per-gpu", 4, "--set", "data.workers=3"], ["--cpus-per-gpu", 2, "--set", "data.workers=1"]):
+        assert cpus_per_task("--out", tmp_path / "h", *fix)[1] == ""
 
 
 def test_too_few_cpus_for_the_loader_are_a_warning_whose_fix_works(tmp_path, monkeypatch):

@@ -307,15 +307,25 @@ def with_cpus_per_task(request: LaunchRequest, node_cpus: int | None, loader_wor
     return replace(request, cpus_per_gpu=max(1, min(need, node_cpus // request.tasks) if node_cpus else need))
 
 
-def cpus_warning(request: LaunchRequest, loader_workers: int) -> str | None:
-    """Why a Slurm job's --cpus-per-gpu would starve its loader: fewer CPUs a task than its workers and the rank."""
+def cpus_warning(request: LaunchRequest, loader_workers: int, node_cpus: int | None, given: bool) -> str | None:
+    """Why a Slurm job's CPUs a task (`given` as --cpus-per-gpu, else a node's share) would starve its loader: fewer
+    than its workers and the rank. The fix it names fits the node."""
     cpus = request.cpus_per_gpu
     if request.executor != "slurm" or cpus is None or cpus > loader_workers:
         return None
-    return (f"--cpus-per-gpu {cpus}: each rank's {loader_workers} loader workers and the rank itself would share "
-            f"{cpus} CPU{'s' if cpus != 1 else ''}, and loading may hold the step back; give --cpus-per-gpu "
-            f"{loader_workers + 1} or more (or leave it out: vitctl then asks for that many, at most a node's share), "
-            f"or --set data.workers={cpus - 1}")
+    share = node_cpus // request.tasks if node_cpus else None
+    what = f"--cpus-per-gpu {cpus}" if given else f"{cpus} CPU{'s' if cpus != 1 else ''} a task (a node's " \
+        f"{node_cpus} over its {request.tasks} tasks)"
+    problem = (f"{what}: each rank's {loader_workers} loader workers and the rank itself would share {cpus} "
+               f"CPU{'s' if cpus != 1 else ''}, and loading may hold the step back")
+    if share is None or share > loader_workers:  # the node has the CPUs
+        return (f"{problem}; give --cpus-per-gpu {loader_workers + 1} or more (or leave it out: vitctl then asks for "
+                f"that many, at most a node's share), or --set data.workers={cpus - 1}")
+    fixes = [f"--set data.workers={cpus - 1}"]
+    if share > cpus:
+        fixes.insert(0, f"--cpus-per-gpu {share} --set data.workers={share - 1}")
+    return (f"{problem}; a node's {node_cpus} CPUs give each of its {request.tasks} tasks at most {share}: "
+            f"{' or '.join(fixes)}, or fewer --tasks-per-node")
 
 
 # sinfo's node states (%T, less the suffixes such as * for "not responding") in which a node starts no new job.
