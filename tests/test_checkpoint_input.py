@@ -236,7 +236,8 @@ def test_a_checkpoint_without_a_head_says_how_to_start_one_and_that_works(weight
     source = tmp_path / "backbone.pth"
     torch.save({k: v for k, v in weights.items() if not k.startswith("head.")}, source)
     with pytest.raises(ConfigError, match=r"missing \(2\): head\.bias, head\.weight; the checkpoint has no classifier "
-                                          r"head for it: start a new one with --set finetune.reset_head=true") as error:
+                                          r"head that fits this model: start a new one with --set "
+                                          r"finetune.reset_head=true") as error:
         load_pretrained(micro_model(), source, None, "vit_micro")
     fix = follow(str(error.value), "--set")  # what --set would add to the config, here given to the trainer itself
     assert train(config(tmp_path / "ft", "train.max_steps=1", f"finetune.from_ckpt={source}", *fix))["step"] == 1
@@ -278,6 +279,19 @@ def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, name, saved
     result = finetune(source, tmp_path / "ft")
     assert result.exit_code == 1 and re.search(error, result.stderr), result.output + result.stderr
     assert not (tmp_path / "ft").exists()  # nothing was launched
+
+
+def test_a_run_folder_whose_head_does_not_fit_is_refused_before_launch_and_the_fix_works(pretrained, tmp_path):
+    """Before, a run folder's format alone was checked before launch: --dry-run passed, and on Slurm the ranks named
+    the head's shapes after the queue wait."""
+    args = ["--set", "model.num_classes=4", "--set", "finetune.reset_head=false"]
+    result = finetune(pretrained, tmp_path / "ft", *args, "--dry-run")
+    assert result.exit_code == 1 and "shape mismatch, file -> model (2): head.bias (5,) -> (4,), head.weight " \
+        "(5, 96) -> (4, 96); the checkpoint has no classifier head that fits this model: start a new one with --set " \
+        "finetune.reset_head=true" in result.stderr, result.stderr
+    assert not (tmp_path / "ft").exists()
+    ok("finetune", "--from-ckpt", pretrained, "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, "--steps",
+       1, *SETS, "--set", "model.num_classes=4", "--set", "finetune.reset_head=true")
 
 
 def test_weights_resized_to_the_model_with_a_new_head_pass_the_check_before_launch(pretrained, tmp_path):

@@ -429,6 +429,12 @@ def _stored(path: Path) -> dict[str, Any]:
         return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
+def stored_tensors(path: Path, prefix: str = "model") -> dict[str, TensorStorageMetadata]:
+    """The metadata (shape, dtype) of the whole tensors of one part of a checkpoint, named as the model names them."""
+    return {key.removeprefix(f"{prefix}."): meta for key, meta in _stored(path).items()
+            if key.startswith(f"{prefix}.") and isinstance(meta, TensorStorageMetadata)}
+
+
 def saved_keys(path: Path) -> set[str]:
     return set(_stored(path))
 
@@ -448,8 +454,8 @@ def consolidated(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Whole tensors of one part of a checkpoint (`model` or `ema`), named as the model names its parameters;
     gathered from every rank's shards by one process, after the checkpoint's checksums are verified."""
     read_checked(path)
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in _stored(path).items()
-             if key.startswith(f"{prefix}.") and isinstance(meta, TensorStorageMetadata)}
+    state = {f"{prefix}.{key}": torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in stored_tensors(path, prefix).items()}
     if not state:
         raise ConfigError(f"{path} holds no EMA weights: its run was trained without train.ema_decay; drop --ema to "
                           "export its weights" if prefix == "ema" else f"{path} holds no {prefix} weights")

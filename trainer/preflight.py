@@ -159,8 +159,11 @@ def _source_error(config: RunConfig, fits: bool) -> str | None:
     source = Path(config.finetune.from_ckpt)
     try:
         if source.is_dir():  # what source_kind checks of a folder, its meta.json kept for the model's name
-            return _architecture_error(config, source, read_meta(resolve_checkpoint(source)))
-        kind = source_kind(source, config.finetune.trust_checkpoint)
+            if error := _architecture_error(config, source, read_meta(resolve_checkpoint(source))):
+                return error
+            kind = "folder"
+        else:
+            kind = source_kind(source, config.finetune.trust_checkpoint)
         if kind == "safetensors" and (model := exported_model(source)) and (
                 error := _architecture_error(config, source, {"config": {"model": model}})):
             return error

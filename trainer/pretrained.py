@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.serialization import MAGIC_NUMBER, get_unsafe_globals_in_checkpoint
 
-from .checkpoint import consolidated, read_meta, resolve_checkpoint
+from .checkpoint import consolidated, read_meta, resolve_checkpoint, stored_tensors
 from .config import ConfigError
 from .integrity import nonfinite, tensors_sha256
 from .models.layers import copy_whole, init_module, packed_layout
@@ -245,7 +245,8 @@ def adapt(state: dict[str, torch.Tensor], model: nn.Module, reset_head: bool | N
         if key in target and value.shape != target[key].shape and _resizable(key, value, target[key]):
             state[key] = (interpolate_pos_embed(value, target[key].shape[1]) if key == "pos_embed" else
                           interpolate_bias_table(value, target[key].shape[0]))
-            log.info("resized %s %s -> %s", key, tuple(value.shape), tuple(state[key].shape))
+            if not value.is_meta:  # the check before launch fits shapes alone: the load that follows logs it
+                log.info("resized %s %s -> %s", key, tuple(value.shape), tuple(state[key].shape))
     head_differs = any(k.startswith(HEAD_PREFIXES) and (k not in target or state[k].shape != target[k].shape)
                        for k in state)
     if reset_head or (reset_head is None and head_differs):
@@ -288,10 +289,12 @@ def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
 
 
 def shapes_only(path: Path, kind: str) -> dict[str, torch.Tensor] | None:
-    """`path`'s tensors as meta tensors of their shapes, read without their data (a safetensors header, a torch.save
-    zip file mapped to memory), for `fit` before launch; None for a folder, the legacy format or a file that needs
-    full unpickling, whose tensors only the ranks read."""
-    if kind == "safetensors":
+    """`path`'s tensors as meta tensors of their shapes, read without their data (a checkpoint's .metadata, a
+    safetensors header, a torch.save zip file mapped to memory), for `fit` before launch; None for the legacy format
+    or a file that needs full unpickling, whose tensors only the ranks read."""
+    if kind == "folder":
+        shapes = {k: meta.size for k, meta in stored_tensors(resolve_checkpoint(path)).items()}
+    elif kind == "safetensors":
         with safe_open(path, "pt") as f:
             shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     elif kind == "zip":
@@ -324,7 +327,7 @@ def fit(state: dict[str, torch.Tensor], path: Path, model: nn.Module, reset_head
                    (("missing", missing), ("unexpected", unexpected), ("shape mismatch, file -> model", shapes))
                    if keys]
         if all(k.startswith(HEAD_PREFIXES) for k in missing + unexpected + mismatched):
-            details.append("the checkpoint has no classifier head for it: start a new one with "
+            details.append("the checkpoint has no classifier head that fits this model: start a new one with "
                            "--set finetune.reset_head=true")
         else:  # a new head would leave the rest unfitted: these are weights of another architecture
             details.append(f"use weights of a {model_name}, or --model set to the architecture they are of")
