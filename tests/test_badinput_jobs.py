@@ -207,7 +207,21 @@ def test_resume_onto_a_folder_without_checkpoints_or_past_its_steps_warns(tmp_pa
     fewer = ok("train", *QUICK, "--steps", 1, "--out", missing, "--resume")
     assert (f"warning: {missing} is at step 2 already, past train.max_steps=1 (--steps): there is nothing to train; "
             "pass --steps above 2 to train on") in fewer.stderr, fewer.stderr
-    assert "warning" not in ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr  # a rerun
+    rerun = ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr  # as `make demo` reruns
+    assert "warning" not in rerun and (f"note: {missing} is at step 2 already: the run ends there "
+                                       "(train.max_steps=2, --steps): nothing to train; pass --steps above 2 to train "
+                                       "on") in rerun, rerun
+
+
+def test_resuming_a_run_at_the_end_of_its_epochs_says_there_is_nothing_to_train(tmp_path):
+    """Before: exit 0 and no word, its log announcing 16 steps while none was trained."""
+    args = [*QUICK, "--set", "train.eval_every_epochs=100", "--out", tmp_path / "run", "--resume"]
+    ok("train", *args, "--epochs", 1)
+    rerun = ok("train", *args, "--epochs", 1)
+    assert (f"note: {tmp_path / 'run'} is at step 16 already: the run ends there, at step 16, the end of "
+            "train.epochs=1: nothing to train; pass --epochs 2 to train on") in rerun.stderr, rerun.stderr
+    ok("train", *args, "--epochs", 2)  # the fix
+    assert _last_step(tmp_path / "run") == 32
 
 
 def test_steps_past_the_end_of_the_epochs_warn_and_the_fix_trains_them(tmp_path):

@@ -5,6 +5,7 @@ where the device is known."""
 import contextlib
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -257,21 +258,48 @@ def _check_val_split(folder: Path) -> None:
         split_shards(folder, "val")
 
 
-def steps_warning(config: RunConfig, world_size: int, strategy: Strategy) -> str | None:
-    """A train.max_steps past the end of train.epochs, which the run stops at instead (--steps only stops early)."""
-    if not config.train.max_steps or config.data.source != "synthetic" and config.data.path is None:
+@dataclass
+class Schedule:
+    """How long a run trains: its samples, global batch, optimizer steps an epoch and the step train.epochs ends at."""
+
+    samples: int
+    global_batch: int
+    epoch_steps: float
+    epochs_end: int
+
+
+def schedule(config: RunConfig, world_size: int, strategy: Strategy) -> Schedule | None:
+    """The run's schedule, as the trainer counts it; None where there is no data to count (no data.path)."""
+    if config.data.source != "synthetic" and config.data.path is None:
         return None
     samples = _train_samples(config)[0]
     global_batch = config.data.batch_size * parallel_dims(strategy, world_size).dp_size
     batches, accum = samples // global_batch, config.optim.accum_steps
-    last = math.ceil(math.ceil(config.train.epochs * batches - 1e-9) / accum)  # as the trainer's schedule counts
-    epoch_steps = batches / accum
-    if config.train.max_steps <= last:
-        return None
+    end = math.ceil(math.ceil(config.train.epochs * batches - 1e-9) / accum)
+    return Schedule(samples, global_batch, batches / accum, end)
+
+
+def steps_warning(config: RunConfig, plan: Schedule | None) -> str | None:
+    """A train.max_steps past the end of train.epochs, which the run stops at instead (--steps only stops early)."""
     steps = config.train.max_steps
-    return (f"train.max_steps={steps} (--steps) is past the end of train.epochs={config.train.epochs:g}: {samples} "
-            f"train samples make {epoch_steps:g} steps an epoch at a global batch of {global_batch}, so the run stops "
-            f"at step {last}; add --epochs {math.ceil(steps / epoch_steps)} to train {steps} steps")
+    if not steps or plan is None or steps <= plan.epochs_end:
+        return None
+    return (f"train.max_steps={steps} (--steps) is past the end of train.epochs={config.train.epochs:g}: "
+            f"{plan.samples} train samples make {plan.epoch_steps:g} steps an epoch at a global batch of "
+            f"{plan.global_batch}, so the run stops at step {plan.epochs_end}; add --epochs "
+            f"{math.ceil(steps / plan.epoch_steps)} to train {steps} steps")
+
+
+def finished_note(config: RunConfig, plan: Schedule | None, step: int) -> str | None:
+    """A resumed run whose checkpoint is at the step this run ends at already: there is nothing to train."""
+    steps = config.train.max_steps
+    if plan is None or step < (end := min(steps or plan.epochs_end, plan.epochs_end)) or (steps and step > steps):
+        return None  # a step past train.max_steps gets a warning of its own
+    if steps and steps <= plan.epochs_end:
+        return f"the run ends there (train.max_steps={steps}, --steps): nothing to train; pass --steps above {step} " \
+               "to train on"
+    return f"the run ends there, at step {end}, the end of train.epochs={config.train.epochs:g}: nothing to train; " \
+           f"pass --epochs {math.floor(config.train.epochs) + 1} to train on"
 
 
 def _train_samples(config: RunConfig) -> tuple[int, int | None]:

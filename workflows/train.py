@@ -11,7 +11,7 @@ from vitctl.trainer.config import FINETUNE_PRESETS, ConfigError, RunConfig, load
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
-from vitctl.trainer.preflight import config_problems, preflight, steps_warning
+from vitctl.trainer.preflight import config_problems, finished_note, preflight, schedule, steps_warning
 
 from . import registry
 from .errors import LaunchError
@@ -144,7 +144,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     # a run that goes on from its own checkpoints does not read finetune.from_ckpt again: it may be gone by now
     resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
     strategy = preflight(config, request.nodes * request.tasks, local_device, resuming)
-    if warning := steps_warning(config, request.nodes * request.tasks, strategy):
+    plan = schedule(config, request.nodes * request.tasks, strategy)
+    if warning := steps_warning(config, plan):
         echo(f"warning: {warning}")
     if request.tasks % strategy.tp:  # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
         raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
@@ -160,9 +161,12 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
-    if found and config.train.max_steps and (step := checkpoint.read_meta(found[-1])["step"]) > config.train.max_steps:
+    step = checkpoint.read_meta(found[-1])["step"] if found else None
+    if step is not None and config.train.max_steps and step > config.train.max_steps:
         echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
              f"there is nothing to train; pass --steps above {step} to train on")
+    elif step is not None and (note := finished_note(config, plan, step)):
+        echo(f"note: {run_dir} is at step {step} already: {note}")
     if found and (changed := checkpoint.settings_change(checkpoint.read_meta(found[-1])["config"], config.to_dict())):
         echo(f"warning: --resume with other settings than {found[-1]} was saved with: {', '.join(changed)}; the "
              "run goes on with the new ones (--set the saved values to keep them)")
