@@ -160,15 +160,16 @@ def _source_error(config: RunConfig, fits: bool) -> str | None:
     source = Path(config.finetune.from_ckpt)
     try:
         if source.is_dir():  # what source_kind checks of a folder, its meta.json kept for the model's name
-            if error := _architecture_error(config, source, read_meta(resolve_checkpoint(source))):
+            weights = resolve_checkpoint(source)
+            if error := _architecture_error(config, source, read_meta(weights)):
                 return error
             kind = "folder"
         else:
-            kind = source_kind(source, config.finetune.trust_checkpoint)
+            weights, kind = source, source_kind(source, config.finetune.trust_checkpoint)
         if kind == "safetensors" and (model := exported_model(source)) and (
                 error := _architecture_error(config, source, {"config": {"model": model}})):
             return error
-        if fits and (shapes := shapes_only(source, kind)) is not None:
+        if fits and (shapes := shapes_only(weights, kind)) is not None:
             with torch.device("meta"):
                 fit(shapes, source, build_model(config.model, resolve("none", torch.device("cpu"))),
                     config.finetune.reset_head, config.model.name)
@@ -293,9 +294,12 @@ def steps_warning(config: RunConfig, plan: Schedule | None) -> str | None:
 def finished_note(config: RunConfig, plan: Schedule | None, step: int) -> str | None:
     """A resumed run whose checkpoint is at the step this run ends at already: there is nothing to train."""
     steps = config.train.max_steps
-    if plan is None or step < (end := min(steps or plan.epochs_end, plan.epochs_end)) or (steps and step > steps):
-        return None  # a step past train.max_steps gets a warning of its own
-    if steps and steps <= plan.epochs_end:
+    if plan is None or (steps and step > steps):  # a step past train.max_steps gets a warning of its own
+        return None
+    end = min(steps, plan.epochs_end) if steps else plan.epochs_end
+    if step < end:
+        return None
+    if end == steps:
         return f"the run ends there (train.max_steps={steps}, --steps): nothing to train; pass --steps above {step} " \
                "to train on"
     return f"the run ends there, at step {end}, the end of train.epochs={config.train.epochs:g}: nothing to train; " \

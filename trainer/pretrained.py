@@ -289,11 +289,11 @@ def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
 
 
 def shapes_only(path: Path, kind: str) -> dict[str, torch.Tensor] | None:
-    """`path`'s tensors as meta tensors of their shapes, read without their data (a checkpoint's .metadata, a
+    """`path`'s tensors as meta tensors of their shapes, read without their data (a checkpoint folder's .metadata, a
     safetensors header, a torch.save zip file mapped to memory), for `fit` before launch; None for the legacy format
     or a file that needs full unpickling, whose tensors only the ranks read."""
     if kind == "folder":
-        shapes = {k: meta.size for k, meta in stored_tensors(resolve_checkpoint(path)).items()}
+        shapes = {k: meta.size for k, meta in stored_tensors(path).items()}
     elif kind == "safetensors":
         with safe_open(path, "pt") as f:
             shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)

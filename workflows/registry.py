@@ -145,24 +145,25 @@ def find_records(key: str) -> list[JobRecord]:
 
 def _moved_to(folder: Path, records: list[JobRecord]) -> list[JobRecord]:
     """The jobs whose run folder was moved to `folder`, with their new place recorded (and logged)."""
-    moved = [r for r in records if r.job_id and not Path(r.run_dir).exists() and _submitted_from(folder, r)]
-    for r in moved:
-        logs = folder / Path(r.folder).relative_to(r.run_dir)
-        log.warning("note: job %s's run folder %s was moved to %s; recorded its new place", r.job_id, r.run_dir,
-                    folder)
-        update_record(r.key, run_dir=str(folder), folder=str(logs))
-        r.run_dir, r.folder = str(folder), str(logs)
+    moved = []
+    for r in records:
+        if r.job_id and not Path(r.run_dir).exists() and (logs := _moved_submitit_folder(folder, r)):
+            log.warning("note: job %s's run folder %s was moved to %s; recorded its new place", r.job_id, r.run_dir,
+                        folder)
+            update_record(r.key, run_dir=str(folder), folder=str(logs))
+            r.run_dir, r.folder = str(folder), str(logs)
+            moved.append(r)
     return moved
 
 
-def _submitted_from(folder: Path, record: JobRecord) -> bool:
-    """Whether `folder` holds the job pickle submitit wrote for `record`: its name has the job id, its bytes the
-    run folder's old path (a job id alone, a PID for local jobs, may be another job's)."""
+def _moved_submitit_folder(folder: Path, record: JobRecord) -> Path | None:
+    """`record`'s submitit folder at its place under `folder`, where it holds the job pickle submitit wrote: its name
+    has the job id, its bytes the run folder's old path (a job id alone, a PID for local jobs, may be another's)."""
     try:
         logs = folder / Path(record.folder).relative_to(record.run_dir)
-        return record.run_dir.encode() in (logs / f"{record.job_id}_submitted.pkl").read_bytes()
+        return logs if record.run_dir.encode() in (logs / f"{record.job_id}_submitted.pkl").read_bytes() else None
     except (ValueError, OSError):  # a submitit folder outside the run folder; no such pickle there
-        return False
+        return None
 
 
 def find_record(key: str) -> JobRecord:

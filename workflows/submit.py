@@ -97,10 +97,10 @@ def default_executor() -> str:
 
 def parse_time(text: str) -> int:
     """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> whole minutes, at least 1."""
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
     if text.strip().lower() in ("unlimited", "infinite"):
         raise ConfigError(f"--time {text}: vitctl needs a time limit, to checkpoint before it and requeue; give the "
                           "partition's longest (`sinfo -o '%P %l'` lists them), e.g. --time 7-00:00:00")
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
     if not match:
         raise ConfigError(f"--time {text!r} is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)")
     days, first, second, third = (int(g) if g else 0 for g in match.groups())

@@ -11,7 +11,7 @@ from vitctl.trainer.config import FINETUNE_PRESETS, ConfigError, RunConfig, load
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
-from vitctl.trainer.preflight import config_problems, finished_note, preflight, schedule, steps_warning
+from vitctl.trainer.preflight import Schedule, config_problems, finished_note, preflight, schedule, steps_warning
 
 from . import registry
 from .errors import LaunchError
@@ -161,15 +161,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
-    step = checkpoint.read_meta(found[-1])["step"] if found else None
-    if step is not None and config.train.max_steps and step > config.train.max_steps:
-        echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
-             f"there is nothing to train; pass --steps above {step} to train on")
-    elif step is not None and (note := finished_note(config, plan, step)):
-        echo(f"note: {run_dir} is at step {step} already: {note}")
-    if found and (changed := checkpoint.settings_change(checkpoint.read_meta(found[-1])["config"], config.to_dict())):
-        echo(f"warning: --resume with other settings than {found[-1]} was saved with: {', '.join(changed)}; the "
-             "run goes on with the new ones (--set the saved values to keep them)")
+    if found:
+        _resume_notes(run_dir, found[-1], config, plan, echo)
     if dry_run:
         return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
@@ -178,6 +171,20 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if request.executor == "local":
         wait_local(submitted, record, echo)
     return record
+
+
+def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo) -> None:
+    """What a resumed run should know of its last checkpoint `last`: nothing left to train, other settings."""
+    meta = checkpoint.read_meta(last)
+    step = meta["step"]
+    if config.train.max_steps and step > config.train.max_steps:
+        echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
+             f"there is nothing to train; pass --steps above {step} to train on")
+    elif note := finished_note(config, plan, step):
+        echo(f"note: {run_dir} is at step {step} already: {note}")
+    if changed := checkpoint.settings_change(meta["config"], config.to_dict()):
+        echo(f"warning: --resume with other settings than {last} was saved with: {', '.join(changed)}; the run "
+             "goes on with the new ones (--set the saved values to keep them)")
 
 
 def layout_lines(strategy: Strategy, request: LaunchRequest) -> list[str]:
