@@ -11,12 +11,13 @@ def config() -> None:
 
 
 @config.command()
-@click.argument("preset")
+@click.argument("preset", required=False)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config value, as `vitctl train --set` does (repeatable).")
-def show(preset: str, overrides: tuple[str, ...]) -> None:
-    """Print the config PRESET (a preset name or a YAML file, as --config takes) resolves to, defaults included; the
-    output loads back as a preset file. Exits 1 after printing it if `vitctl train` would refuse it."""
+def show(preset: str | None, overrides: tuple[str, ...]) -> None:
+    """Print the config PRESET (a preset name or a YAML file, as --config takes; none: the built-in defaults that
+    train runs without --config) resolves to; the output loads back as a preset file. Exits 1 after printing it if
+    `vitctl train` would refuse it."""
     text, problems = wf.resolved_yaml(preset, list(overrides))
     click.echo(text, nl=False)
     if problems:

@@ -15,7 +15,8 @@ PRECISION_CHOICE = click.Choice(PRECISIONS)
 
 def run_options(command):
     options = [
-        click.option("--config", "preset", help="Preset name (e.g. swin_b_pretrain) or a YAML file."),
+        click.option("--config", "preset", help="Preset name (e.g. swin_b_pretrain) or a YAML file [default: the "
+                     "built-in defaults, as `vitctl config show` prints them]."),
         click.option("--data", type=GivenPath(path_type=Path), help="Shard folder from `vitctl data shard`."),
         click.option("--out", type=GivenPath(path_type=Path), help="Run folder (checkpoints, metrics, logs)."),
         click.option("--model", help="Model name, e.g. vit_b16, swin_b."),

@@ -101,3 +101,11 @@ def test_a_config_train_would_refuse_is_shown_then_refused_as_train_refuses_it(t
     assert trained.exit_code == 1 and "image size 200" in trained.stderr and "unknown op 'bogus'" in trained.stderr
     nearest = re.search(r"the nearest size that works with window 7 is (\d+);", shown.stderr).group(1)
     ok("config", "show", "demo_vit", "--set", "model.name=swin_micro", "--set", f"model.img_size={nearest}")
+
+
+def test_without_a_preset_it_shows_the_defaults_that_train_runs_without_config(tmp_path):
+    printed = ok("config", "show", "--set", "data.source=synthetic").output
+    (tmp_path / "shown.yaml").write_text(printed)
+    assert load_config(str(tmp_path / "shown.yaml")) == load_config(None, ["data.source=synthetic"]) != \
+        load_config("demo_vit", ["data.source=synthetic"])
+    assert yaml.safe_load(printed)["model"]["name"] == RunConfig().model.name

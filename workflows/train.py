@@ -85,7 +85,7 @@ def _same(flag: Any, value: Any) -> bool:
     return flag == value and isinstance(flag, bool) == isinstance(value, bool)
 
 
-def resolved_yaml(preset: str, overrides: list[str]) -> tuple[str, list[str]]:
+def resolved_yaml(preset: str | None, overrides: list[str]) -> tuple[str, list[str]]:
     """The config `vitctl train --config PRESET --set ...` would run, every key included, as YAML; and the problems
     `vitctl train` would refuse it for whatever the ranks, devices and data."""
     config = load_config(preset, overrides)
