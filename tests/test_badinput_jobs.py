@@ -5,7 +5,9 @@ message (no traceback), and the fix it names is followed."""
 import json
 import os
 import pickle
+import pty
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -34,11 +36,14 @@ def _start(out: Path, steps: int) -> subprocess.Popen:
                             text=True, env=os.environ, start_new_session=True)
 
 
-def _wait_for_step(out: Path, step: int) -> None:
+def _wait_for_step(out: Path, step: int, terminal: int | None = None) -> None:
+    """Until rank 0 logs `step`; reading what vitctl writes to `terminal` meanwhile, as a terminal shows it."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if any(f" step={step} " in log.read_text() for log in out.glob("submitit/*_0_log.err")):
             return
+        while terminal is not None and select.select([terminal], [], [], 0)[0]:
+            os.read(terminal, 65536)
         time.sleep(0.2)
     raise AssertionError(f"rank 0 never logged step {step}")
 
@@ -75,10 +80,13 @@ def _rank_pid(out: Path, rank: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("whom", "signum"), [("group", signal.SIGINT), ("vitctl", signal.SIGTERM)])
-def test_ctrl_c_or_sigterm_stops_a_local_job_with_a_checkpoint_and_resume_goes_on(tmp_path, whom, signum):
-    """Ctrl-C reaches the whole process group; before, submitit's controller printed a KeyboardInterrupt traceback
-    and killed the ranks before they checkpointed, and a SIGTERM to vitctl left silently (143), the job running on."""
+@pytest.mark.parametrize(("whom", "signum"), [("group", signal.SIGINT), ("vitctl", signal.SIGTERM),
+                                              ("group", signal.SIGHUP)])
+def test_ctrl_c_sigterm_or_a_hangup_stops_a_local_job_with_a_checkpoint_and_resume_goes_on(tmp_path, whom, signum):
+    """Ctrl-C and a hangup (a closed terminal, a dropped SSH link) reach the whole process group; before, on Ctrl-C
+    submitit's controller printed a KeyboardInterrupt traceback and killed the ranks before they checkpointed, a
+    hangup killed every process at once (the steps since the last checkpoint lost, the job called out of memory?),
+    and a SIGTERM to vitctl left silently (143), the job running on."""
     out = tmp_path / "run"
     job = _start(out, 40)
     _wait_for_step(out, 2)
@@ -92,7 +100,7 @@ def test_ctrl_c_or_sigterm_stops_a_local_job_with_a_checkpoint_and_resume_goes_o
     assert said, stderr.splitlines()[-1]
     assert (out / f"checkpoints/step-{int(said[1]):08d}").is_dir()
     assert not Path(f"/proc/{record.job_id}").exists()  # the controller has ended: nothing left running
-    if whom == "group":  # the fix it names
+    if signum == signal.SIGINT:  # the fix it names
         ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 40, "--out", out, "--resume")
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert steps[-1]["step"] == 40 and any(s.get("event") == "resume" for s in steps)
@@ -125,6 +133,24 @@ def test_a_second_ctrl_c_during_the_cancel_does_not_leave_the_job_running(tmp_pa
     except KeyboardInterrupt:
         pytest.fail("the second Ctrl-C cut the cancel short: the job was never asked to stop")
     assert asked == ["1"]
+
+
+@pytest.mark.slow
+def test_a_terminal_that_hangs_up_leaves_a_checkpoint_and_vitctl_ends_as_interrupted(tmp_path):
+    """A closed window: vitctl's output is a terminal that is gone (writes fail with EIO) while it stops the job."""
+    out, (terminal, attached) = tmp_path / "run", pty.openpty()
+    job = subprocess.Popen([VITCTL, "train", *QUICK, "--tasks-per-node", "2", "--steps", "40", "--set",
+                            "train.log_every=1", "--out", str(out)], stdin=subprocess.DEVNULL, stdout=attached,
+                           stderr=attached, env=os.environ, start_new_session=True)
+    os.close(attached)
+    _wait_for_step(out, 2, terminal)
+    os.killpg(job.pid, signal.SIGHUP)
+    os.close(terminal)
+    assert job.wait(timeout=120) == 130  # not 1, as a failed write to the terminal ended it
+    state = status.state_of(registry.find_record(str(out)))
+    step = re.fullmatch(r"checkpointed at step (\d+) on a signal.*", state.note)
+    assert state.state == "CANCELLED" and step, state
+    assert (out / f"checkpoints/step-{int(step[1]):08d}").is_dir()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ stays in the rank's log.
 """
 
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -497,21 +498,35 @@ def _sbatch_errors(stderr: str) -> str:
     return "; ".join(lines) or "no message"
 
 
+# What a terminal sends its whole process group: Ctrl-C, and the hangup of a closed window or a dropped SSH link.
+TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+
+
 @contextlib.contextmanager
 def _terminal_interrupts_ignored(active: bool) -> Iterator[None]:
-    """Processes started in the block ignore SIGINT: an ignored signal stays ignored across exec, and Python then
-    raises no KeyboardInterrupt. A Ctrl-C in the terminal, sent to its whole process group, so reaches only this
-    vitctl, which stops the local job the way `vitctl cancel` does (wait_local); without this, submitit's controller
-    printed its traceback and killed the ranks before they could checkpoint."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if active else None
+    """Processes started in the block ignore the terminal's signals: an ignored signal stays ignored across exec, and
+    Python then raises no KeyboardInterrupt. A Ctrl-C or a hangup, sent to the terminal's whole process group, so
+    reaches only this vitctl, which stops the local job the way `vitctl cancel` does (wait_local); without this,
+    submitit's controller printed its traceback and killed the ranks before they could checkpoint (a hangup killed
+    them all at once)."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in TERMINAL_SIGNALS} if active else {}
     try:
         yield
     finally:
-        if active:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _hung_up(terminals: list[int], signum: int, frame: Any) -> None:
+    """The terminal is gone: what is written to it from now on (buffered text included) would fail (EIO), so the
+    file descriptors that were `terminals` (isatty is false once it hung up) go to /dev/null instead; then as Ctrl-C."""
+    with open(os.devnull, "wb") as devnull:
+        for fd in terminals:
+            os.dup2(devnull.fileno(), fd)
     raise KeyboardInterrupt
 
 
@@ -558,10 +573,12 @@ class TracebackFilter:
 
 def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -> dict[str, Any]:
     """Follow rank 0's log until a local job ends; rank 0's result, or LaunchError saying why it did not end well.
-    Ctrl-C or SIGTERM stops the job as `vitctl cancel` does (its ranks checkpoint) and raises Interrupted once it
-    has ended; a second one leaves it stopping on its own."""
+    Ctrl-C, SIGTERM or a hangup stops the job as `vitctl cancel` does (its ranks checkpoint) and raises Interrupted
+    once it has ended; a second one leaves it stopping on its own."""
     log, interrupted = LogTail([log_paths(record, 0)[1]]), False
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM to this vitctl: as Ctrl-C, not a silent exit
+    # SIGTERM to this vitctl: as Ctrl-C, not a silent exit; a hangup: the ranks checkpoint rather than die unsaved
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt),
+                signal.SIGHUP: signal.signal(signal.SIGHUP, functools.partial(_hung_up, _terminals()))}
     try:
         try:
             _follow(submitted, record, log, echo)
@@ -577,7 +594,8 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
                                   f"{record.job_id}` shows when it has ended (its log: {log_paths(record, 0)[1]})"
                                   ) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     state = state_of(registry.reload(record))  # `vitctl cancel` or an interrupt may have marked it meanwhile
     if state.state == "COMPLETED":
         return submitted.results()[0]
@@ -588,10 +606,14 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
     raise LaunchError(f"job {record.job_id} failed: {state.note}")
 
 
+def _terminals() -> list[int]:
+    return [stream.fileno() for stream in (sys.stdout, sys.stderr) if stream.isatty()]
+
+
 def _cancel_undisturbed(record: JobRecord) -> None:
     """Cancel the job with Ctrl-C and SIGTERM ignored until it is asked to stop: a second Ctrl-C a few ms after the
     first (`timeout -s INT` signals the process and its group) once cut the cancel short and left the job running."""
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (*TERMINAL_SIGNALS, signal.SIGTERM)}
     try:
         status.cancel(registry.reload(record))
     finally:
