@@ -15,8 +15,9 @@ from .console import GivenPath, console
 @click.option("--step", type=click.IntRange(min=0), help="The checkpoint of this step [default: the last].")
 @click.option("--ema", is_flag=True, help="Export the EMA weights (runs with train.ema_decay) instead.")
 def export(run: Path, out: Path, step: int | None, ema: bool) -> None:
-    """Write RUN's weights (a run folder or one checkpoint folder) with timm's names: `finetune --from-ckpt` and
-    `timm.create_model(..., pretrained_cfg_overlay={"file": OUT})` read them."""
+    """Write RUN's weights (a run folder or one checkpoint folder) with timm's names: `finetune --from-ckpt` reads
+    them, and timm through the `timm.create_model` call printed (with the model's class count and image size)."""
     done = export_weights(run, out, step, ema)
     console.print(f"{done.out}: {done.model}, {done.tensors} tensors, {done.parameters:,} parameters "
-                  f"({'EMA' if ema else 'weights'} of {done.checkpoint})", highlight=False, soft_wrap=True)
+                  f"({'EMA' if ema else 'weights'} of {done.checkpoint})\ntimm: {done.timm}", highlight=False,
+                  soft_wrap=True)

@@ -34,16 +34,29 @@ def micro_run(prepared_shards, tmp_path_factory) -> Path:
     return out
 
 
-def test_export_has_timm_names_and_timm_loads_it(prepared_shards, tmp_path):
+@pytest.mark.parametrize("model", [["model.name=vit_s16"],
+                                   ["model.name=swin_t", "model.img_size=64", "model.window_size=2"]])
+def test_export_has_timm_names_and_the_timm_call_it_prints_loads_every_weight(prepared_shards, tmp_path, model):
+    """The call `export --help` named before, `create_model(NAME, pretrained=True, pretrained_cfg_overlay={"file":
+    OUT})`, failed on a head of CLASSES classes; with num_classes=CLASSES added, timm dropped the trained head."""
     import timm
 
-    run(prepared_shards, tmp_path / "run", "model.name=vit_s16", "train.max_steps=1")
-    ok("export", tmp_path / "run", "--out", tmp_path / "vit.safetensors")
-    weights = load_file(tmp_path / "vit.safetensors")
-    model = timm.create_model("vit_small_patch16_224", img_size=32, num_classes=CLASSES)
-    model.load_state_dict(weights, strict=True)
+    run(prepared_shards, tmp_path / "run", *model, "train.max_steps=1")
+    printed = ok("export", tmp_path / "run", "--out", tmp_path / "w.safetensors").output
+    call = re.search(r"^timm: (timm\.create_model\(.*\))$", printed, re.M)[1]
+    built = eval(call, {"timm": timm})  # as a user pastes it
+    weights = load_file(tmp_path / "w.safetensors")
+    assert built.state_dict().keys() == weights.keys() and all(torch.equal(built.state_dict()[k], weights[k])
+                                                               for k in weights)
     saved = timm_layout(ckpt.consolidated(ckpt.list_checkpoints(tmp_path / "run")[-1]))
     assert all(torch.equal(weights[k], saved[k]) for k in saved)
+    assert built(torch.zeros(1, 3, *[load_config(None, [*BASE, *model]).model.img_size] * 2)).shape == (1, CLASSES)
+
+
+def test_export_of_a_model_timm_lacks_names_what_reads_it(micro_run, tmp_path):
+    printed = ok("export", micro_run, "--out", tmp_path / "w.safetensors").output
+    assert f"\ntimm: timm has no vit_micro; `vitctl finetune --from-ckpt {tmp_path / 'w.safetensors'}` reads it\n" in \
+        printed
 
 
 def test_export_of_a_step_and_of_the_ema(micro_run, tmp_path):

@@ -13,6 +13,7 @@ from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is
 from vitctl.trainer.checkpoint import consolidated, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
+from vitctl.trainer.models import MODELS, SwinTransformer, default_window
 from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import EXPORT_SHA256
 
@@ -24,6 +25,27 @@ class Export:
     tensors: int
     parameters: int
     model: str
+    timm: str  # how timm reads the file, or why it cannot
+
+
+def timm_call(model: dict, out: Path) -> str:
+    """The `timm.create_model` call that builds this model with the export's weights, head included; or why none
+    does. The class count goes in the overlay too: given only as a keyword, timm drops a head of another size."""
+    spec = MODELS.get(model["name"])
+    if spec is None or spec.timm_name is None:
+        return f"timm has no {model['name']}; `vitctl finetune --from-ckpt {out}` reads it"
+    if model.get("pre_logits"):
+        return ("timm's ViT has no pre-logits layer (it drops one on loading); `vitctl finetune --from-ckpt "
+                f"{out}` reads it")
+    size = model["img_size"]
+    overlay = {"file": str(out.absolute()), "num_classes": model["num_classes"]}
+    extra = ""
+    if size != 224:
+        overlay["input_size"] = (3, size, size)
+        extra += f", img_size={size}"
+    if spec.family is SwinTransformer and (window := model.get("window_size") or default_window(size)) != 7:
+        extra += f", window_size={window}"
+    return f"timm.create_model({spec.timm_name!r}, pretrained=True, pretrained_cfg_overlay={overlay!r}{extra})"
 
 
 def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = False) -> Export:
@@ -40,7 +62,8 @@ def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = Fa
     _write(out, tensors, {"format": "pt", "vitctl_model": json.dumps(model), "vitctl_step": str(meta["step"]),
                           "vitctl_weights": part, "vitctl_checkpoint": str(source.resolve()),
                           EXPORT_SHA256: tensors_sha256(tensors)})
-    return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"])
+    return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"],
+                  timm_call(model, out))
 
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
