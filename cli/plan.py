@@ -76,7 +76,7 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
         raise wf.ConfigError(_indivisible_batch(outcome))
     wf.write_plan(outcome, out)
     console.print(f"plan: {out}  (train with --plan {out} --batch "
-                  f"{_per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
+                  f"{wf.per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
 
 
 def _refuse_overwriting(out: Path) -> None:
@@ -93,11 +93,6 @@ def _indivisible_batch(outcome: wf.PlanOutcome) -> str:
     return (f"no strategy can run a global batch of {r.batch} on {r.nodes} x {r.gpus} GPUs: it divides over the "
             f"data-parallel ranks of none of them (the table says why each cannot run); give a multiple of "
             f"{world}, e.g. --batch {' or --batch '.join(map(str, fitting))}")
-
-
-def _per_rank_batch(outcome: wf.PlanOutcome) -> int:
-    s = outcome.result.best.strategy
-    return outcome.request.batch // (outcome.world // (s.tp * s.pp))
 
 
 def _plan_table(outcome: wf.PlanOutcome) -> Table:

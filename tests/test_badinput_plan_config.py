@@ -17,8 +17,8 @@ from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
 # A local dry run of vit_micro (4 blocks, 3 heads) on one CPU rank: the plan file is read before anything starts
 DRY_RUN = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64",
            "--batch", 4, "--executor", "local", "--gpus", 0, "--dry-run"]
-VALID_PLAN_KEYS = ("version, model, world_size, tp, pp, dp_shard, microbatches, schedule, virtual_stages, stages, "
-                   "fsdp_rest, groups, predicted")
+VALID_PLAN_KEYS = ("version, model, world_size, img_size, batch_size, tp, pp, dp_shard, microbatches, schedule, "
+                   "virtual_stages, stages, fsdp_rest, groups, predicted")
 
 
 def _plan(**changes) -> dict:

@@ -679,3 +679,29 @@ def test_every_value_of_the_wrong_type_is_named_at_once(tmp_path):
         f'error: parallel.plan {plan_file}: fsdp_rest holds "no", not true or false, e.g. "fsdp_rest": false; '
         f'groups[0].fsdp (blocks 0-3) holds "no", not true or false, e.g. "fsdp": true; fix these, or write the plan '
         f"again with `vitctl plan`\n")
+
+
+def test_a_plan_records_its_image_size_and_batch_and_train_refuses_others_until_the_fix_is_followed(tmp_path):
+    """A plan searched at 32 px and its batch was trained at any size and batch without a word: on the GPUs, an out
+    of memory after the queue wait."""
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    printed = ok(*_plan_args(profile_path, out, 80)).output
+    batch = int(re.search(r"--batch (\d+)\)", printed)[1])
+    plan = json.loads(out.read_text())
+    assert (plan["img_size"], plan["batch_size"]) == (32, batch)
+    train = ["train", "--config", "demo_vit", "--model", "vit_mini", "--set", "data.source=synthetic", "--executor",
+             "local", "--gpus", 0, "--tasks-per-node", plan["world_size"], "--plan", out, "--dry-run", "--out",
+             tmp_path / "run"]
+    result = vitctl(*train, "--batch", batch, "--set", "model.img_size=64")
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: parallel.plan {out}: the plan was searched for 32 px images (its img_size), and this job trains at "
+        f"64 px: its memory and time were predicted for 32; plan again at this size (vitctl plan --img-size 64 ...), "
+        f"or train at --set model.img_size=32\n")
+    result = vitctl(*train, "--batch", 2 * batch)
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: parallel.plan {out}: the plan was searched for {batch} samples per data-parallel rank (its "
+        f"batch_size), and this job has {2 * batch}: its memory and time were predicted for {batch}; plan again for "
+        f"this batch (vitctl plan --batch GLOBAL ..., the samples of all data-parallel ranks together), or pass "
+        f"--batch {batch}\n")
+    ok(*train, "--batch", batch)  # both fixes followed: the plan's size (demo_vit's) and batch

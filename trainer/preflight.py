@@ -35,7 +35,8 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     problems, strategy = _config_checks(config, resuming)
     dims = None
     if strategy is not None:
-        found = strategy_problems(strategy, model_shape(config.model), world_size, config.data.batch_size)
+        found = strategy_problems(strategy, model_shape(config.model), world_size, config.data.batch_size,
+                                  config.model.img_size)
         plan = config.parallel.plan  # the strategy's values are the plan file's, not parallel.* keys the user set
         problems += [f"parallel.plan {plan}: {p}" if plan else p for p in found]
         problems += _combination_problems(config, strategy)
@@ -59,7 +60,8 @@ def config_problems(config: RunConfig) -> list[str]:
                                                                       strategy.dp_shard > 0 else 1)
         plan = config.parallel.plan
         problems += [f"parallel.plan {plan}: {p}" if plan else p
-                     for p in strategy_problems(strategy, model_shape(config.model), fewest, config.data.batch_size)]
+                     for p in strategy_problems(strategy, model_shape(config.model), fewest, config.data.batch_size,
+                                                config.model.img_size)]
         problems += _combination_problems(config, strategy)
     return problems
 

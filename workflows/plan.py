@@ -92,8 +92,14 @@ def write_plan(outcome: PlanOutcome, out: Path) -> None:
     p = best.prediction
     _write(out, best.strategy.to_json(request.model, outcome.world, predicted={
         "step_s": round(p.step_s, 4), "peak_gib": round(p.peak_gib, 2), "room_gib": round(p.room_bytes / 2**30, 2),
-        "images_per_s": round(p.images_per_s, 1)}),
+        "images_per_s": round(p.images_per_s, 1)}, img_size=request.img_size, batch_size=per_rank_batch(outcome)),
            "choose another --out")
+
+
+def per_rank_batch(outcome: PlanOutcome) -> int:
+    """The samples per data-parallel rank of the searched plan (its --batch is all data-parallel ranks')."""
+    s = outcome.result.best.strategy
+    return outcome.request.batch // (outcome.world // (s.tp * s.pp))
 
 
 def check_out(out: Path) -> None:

@@ -30,8 +30,11 @@ class Strategy:
     stages: tuple[int, ...] = ()  # blocks per stage, n_stages entries; () = as even as possible
     blocks: tuple[BlockStrategy, ...] = ()  # one per block, in the model's order
     fsdp_rest: bool = False  # shard the weights outside the blocks (embeddings, final norm, head) too
-    # the ranks a plan file was searched for (its predictions hold for those alone); None: any
+    # what a plan file was searched for (its predictions hold for those alone): ranks, image size, samples per
+    # data-parallel rank; None: any
     world_size: int | None = field(default=None, compare=False)
+    img_size: int | None = field(default=None, compare=False)
+    batch_size: int | None = field(default=None, compare=False)
 
     @property
     def fsdp(self) -> bool:
@@ -59,15 +62,19 @@ class Strategy:
         n = self.n_stages
         return tuple(n_blocks // n + (i < n_blocks % n) for i in range(n))
 
-    def to_json(self, model: str, world_size: int, predicted: dict[str, Any] | None = None) -> str:
-        """The plan file: degrees, pipeline, and runs of consecutive blocks with the same strategy."""
+    def to_json(self, model: str, world_size: int, predicted: dict[str, Any] | None = None,
+                img_size: int | None = None, batch_size: int | None = None) -> str:
+        """The plan file: degrees, pipeline, and runs of consecutive blocks with the same strategy; what it was
+        searched for (the ranks; the image size and samples per data-parallel rank, where given)."""
         groups: list[dict[str, Any]] = []
         for block in self.blocks:
             if groups and groups[-1]["fsdp"] == block.fsdp and groups[-1]["checkpoint"] == block.checkpoint:
                 groups[-1]["blocks"] += 1
             else:
                 groups.append({"blocks": 1, **asdict(block)})
-        plan = {"version": PLAN_VERSION, "model": model, "world_size": world_size, "tp": self.tp, "pp": self.pp,
+        searched = {"img_size": img_size, "batch_size": batch_size}
+        plan = {"version": PLAN_VERSION, "model": model, "world_size": world_size,
+                **{key: value for key, value in searched.items() if value is not None}, "tp": self.tp, "pp": self.pp,
                 "dp_shard": self.dp_shard, "microbatches": self.microbatches, "schedule": self.schedule,
                 "virtual_stages": self.virtual_stages, "stages": list(self.stages), "fsdp_rest": self.fsdp_rest,
                 "groups": groups}
@@ -121,7 +128,8 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
     strategy = Strategy(tp=plan["tp"], pp=plan["pp"], dp_shard=plan.get("dp_shard", -1),
                         microbatches=plan["microbatches"], schedule=plan["schedule"],
                         virtual_stages=plan.get("virtual_stages", 1), stages=tuple(plan.get("stages", ())),
-                        blocks=blocks, fsdp_rest=plan.get("fsdp_rest", False), world_size=plan.get("world_size"))
+                        blocks=blocks, fsdp_rest=plan.get("fsdp_rest", False), world_size=plan.get("world_size"),
+                        img_size=plan.get("img_size"), batch_size=plan.get("batch_size"))
     if len(blocks) != n_blocks:
         raise ConfigError(_block_count_error(where, len(blocks), n_blocks, plan.get("model"), model, path))
     if model and plan.get("model", model) != model:  # same depth, other widths: its memory and times are not ours
@@ -162,7 +170,8 @@ _KIND_NAMES = {"whole": "a whole number", "count": "a whole number of at least 1
                "string": "a string", "wholes": "a list of whole numbers", "list": "a list"}
 _GROUP_EXAMPLE = '{"blocks": 4, "fsdp": true, "checkpoint": "selective"}'
 # key: (kind, an example value, whether the key may be left out)
-_PLAN_KEYS = {"model": ("string", '"vit_b16"', True), "world_size": ("whole", "8", True), "tp": ("whole", "2", False),
+_PLAN_KEYS = {"model": ("string", '"vit_b16"', True), "world_size": ("whole", "8", True),
+              "img_size": ("whole", "224", True), "batch_size": ("whole", "128", True), "tp": ("whole", "2", False),
               "pp": ("whole", "2", False), "dp_shard": ("whole", "-1", True), "microbatches": ("whole", "4", False),
               "schedule": ("string", '"1f1b"', False), "virtual_stages": ("whole", "1", True),
               "stages": ("wholes", "[6, 6]", True), "fsdp_rest": ("bool", "false", True),
@@ -188,7 +197,7 @@ def _unknown_plan_keys(plan: dict[str, Any]) -> list[str]:
 def _range_problems(plan: dict[str, Any]) -> list[str]:
     """Values of the right type that no strategy takes (named by the plan's key, not by parallel.*)."""
     problems = [f"{key} holds {plan[key]}, not a whole number of at least 1, e.g. \"{key}\": {_PLAN_KEYS[key][1]}"
-                for key in ("world_size", "tp", "pp", "microbatches", "virtual_stages")
+                for key in ("world_size", "img_size", "batch_size", "tp", "pp", "microbatches", "virtual_stages")
                 if type(plan.get(key)) is int and plan[key] < 1]
     if type(shard := plan.get("dp_shard")) is int and shard != -1 and shard < 1:
         problems.append(f"dp_shard holds {shard}, not -1 (every data-parallel rank) or a whole number of at least 1")
@@ -231,8 +240,10 @@ def _key_problems(values: dict[str, Any], keys: dict[str, tuple[str, str, bool]]
     return problems
 
 
-def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_size: int) -> list[str]:
-    """Every reason `s` cannot run `model` on `world_size` ranks with `batch_size` samples per data-parallel rank."""
+def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_size: int,
+                      img_size: int | None = None) -> list[str]:
+    """Every reason `s` cannot run `model` (at `img_size` px) on `world_size` ranks with `batch_size` samples per
+    data-parallel rank."""
     problems = []
     if min(s.tp, s.pp, s.microbatches, s.virtual_stages) < 1:
         return ["parallel.tp, parallel.pp, parallel.microbatches and parallel.virtual_stages must each be at least 1"]
@@ -240,6 +251,15 @@ def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_siz
         problems.append(f"the plan was searched for {s.world_size} ranks (its world_size), and this job has "
                         f"{world_size}: its memory and time were predicted for {s.world_size}; plan again for this "
                         f"job's nodes and GPUs (vitctl plan --nodes N --gpus G ...), or run it on {s.world_size} ranks")
+    if s.img_size is not None and img_size is not None and s.img_size != img_size:
+        problems.append(f"the plan was searched for {s.img_size} px images (its img_size), and this job trains at "
+                        f"{img_size} px: its memory and time were predicted for {s.img_size}; plan again at this size "
+                        f"(vitctl plan --img-size {img_size} ...), or train at --set model.img_size={s.img_size}")
+    if s.batch_size is not None and s.batch_size != batch_size:
+        problems.append(f"the plan was searched for {s.batch_size} samples per data-parallel rank (its batch_size), "
+                        f"and this job has {batch_size}: its memory and time were predicted for {s.batch_size}; plan "
+                        f"again for this batch (vitctl plan --batch GLOBAL ..., the samples of all data-parallel "
+                        f"ranks together), or pass --batch {s.batch_size}")
     if world_size % (s.tp * s.pp):
         problems.append(f"parallel.tp={s.tp} x parallel.pp={s.pp} = {s.tp * s.pp} does not divide the {world_size} "
                         f"ranks; the ranks are pp x data parallel x tp")
