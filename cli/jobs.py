@@ -1,6 +1,7 @@
 """`vitctl status`, `jobs`, `logs`, `cancel`: watch the jobs `vitctl train` submitted."""
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -21,14 +22,17 @@ WATCH_INTERVAL_S = 2
 
 
 def sparkline(values: list[float]) -> str:
-    if not values:
-        return ""
-    low, high = min(values), max(values)
-    return "".join(SPARKS[round((v - low) / (high - low) * 7) if high > low else 3] for v in values)
+    """One bar per value, scaled between the finite ones; a NaN or infinite value is a dot."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return "·" * len(values)
+    low, high = min(finite), max(finite)
+    return "".join(SPARKS[round((v - low) / (high - low) * 7) if high > low else 3] if math.isfinite(v) else "·"
+                   for v in values)
 
 
 def _eta(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds):
         return ""
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else f"{int(seconds)}s"
 
@@ -63,7 +67,7 @@ def _selected(job: str | None) -> list[registry.JobRecord]:
 def _print_plain(statuses: list[status.JobStatus], as_json: bool, watch: bool) -> None:
     """One snapshot for a pipe or a file: tab-separated rows under their header, or JSON (a line each, watching)."""
     if as_json:
-        click.echo(json.dumps([s.to_dict() for s in statuses], indent=None if watch else 1))
+        click.echo(json.dumps([s.to_dict() for s in statuses], indent=None if watch else 1, allow_nan=False))
         return
     click.echo("\t".join(HEADERS))
     for row in _rows(statuses):

@@ -363,3 +363,20 @@ def test_a_job_shows_only_its_own_progress_not_that_of_later_jobs_in_its_run_fol
     steps = {s.job_id: s.step for s in status.collect([first, second])}
     assert steps == {"1": 2, "2": 6}
     assert status.collect([first])[0].step == 2  # also when the later job is not listed
+
+
+def test_status_json_of_a_diverged_run_is_json_every_parser_reads(tmp_path):
+    """A NaN loss was written as the bare NaN, which JSON has not: JavaScript's, Go's and serde's parsers refused the
+    whole listing."""
+    run = tmp_path / "diverged"
+    record = _ended_local_job(run)
+    (run / "metrics.jsonl").write_text(
+        '{"step": 2, "total_steps": 9, "loss": 2.5, "images_per_s": Infinity, "step_time_s": 0.0}\n'
+        '{"step": 3, "total_steps": 9, "loss": NaN, "images_per_s": 10.0, "step_time_s": NaN}\n')
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    listed = json.loads(ok("status", record.job_id, "--json").output, parse_constant=refuse)[0]
+    assert listed["step"] == 3 and listed["loss"] is listed["eta_s"] is None and listed["images_per_s"] == [None, 10.0]
+    assert "nan" in ok("status", record.job_id).output.lower()  # the table still shows it

@@ -91,7 +91,14 @@ class JobStatus:
         return is_live(self.state)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As JSON holds it: a diverged run's NaN or infinite loss (or rate) is null, which every parser reads."""
+        values = asdict(self)
+        values["images_per_s"] = [_finite(rate) for rate in self.images_per_s]
+        return values | {key: _finite(values[key]) for key in ("loss", "eta_s")}
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
 
 
 def _run(args: list[str], errors: list[str]) -> str:
