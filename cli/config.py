@@ -17,7 +17,7 @@ def config() -> None:
 def show(preset: str | None, overrides: tuple[str, ...]) -> None:
     """Print the config PRESET (a preset name or a YAML file, as --config takes; none: the built-in defaults that
     train runs without --config) resolves to; the output loads back as a preset file. Exits 1 after printing it if
-    `vitctl train` would refuse it."""
+    `vitctl train` would refuse it whatever the data, ranks and devices (train checks those at launch)."""
     text, problems = wf.resolved_yaml(preset, list(overrides))
     click.echo(text, nl=False)
     if problems:

@@ -20,7 +20,9 @@ def run_options(command):
         click.option("--data", type=GivenPath(path_type=Path), help="Shard folder from `vitctl data shard`."),
         click.option("--out", type=GivenPath(path_type=Path), help="Run folder (checkpoints, metrics, logs)."),
         click.option("--model", help="Model name, e.g. vit_b16, swin_b."),
-        click.option("--batch", type=click.IntRange(min=1), help="Batch size per rank."),
+        click.option("--batch", type=click.IntRange(min=1),
+                     help="Samples per data-parallel rank and step (the ranks of a tensor- or pipeline-parallel group "
+                     "share one batch)."),
         click.option("--epochs", type=float),
         click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps."),
         click.option("--precision", type=PRECISION_CHOICE),
