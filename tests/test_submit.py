@@ -282,6 +282,22 @@ def test_a_rank_gets_a_share_of_its_node_s_cpus_for_its_loader_unless_told(tmp_p
         assert cpus_per_task("--out", tmp_path / "h", *fix)[1] == ""
 
 
+def test_a_local_dry_run_prints_the_script_with_the_cpus_a_slurm_dry_run_asks_for(tmp_path, monkeypatch):
+    """Its script says to submit it as it is, and asked for one CPU a task: the 8 loader workers would share it."""
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no cluster
+
+    def script(executor: str, *args) -> tuple[str, str]:
+        result = vitctl("train", "--config", "swin_b_pretrain", "--set", "data.source=synthetic", "--executor",
+                        executor, "--gpus", 0, "--tasks-per-node", 2, "--dry-run", "--out", tmp_path / "run", *args)
+        assert result.exit_code == 0, result.output + result.stderr
+        return re.findall(r"^#SBATCH --cpus-per-task=\d+$", result.output, re.MULTILINE), result.stderr
+
+    assert script("local") == script("slurm") == (["#SBATCH --cpus-per-task=9"], "")
+    cpus, warning = script("local", "--cpus-per-gpu", 4)
+    assert cpus == ["#SBATCH --cpus-per-task=4"] and warning.startswith(
+        "warning: --cpus-per-gpu 4: each rank's 8 loader workers")
+
+
 def test_too_few_cpus_for_the_loader_are_a_warning_whose_fix_works(tmp_path, monkeypatch):
     fake_cluster(tmp_path / "bin", node_cpus=96)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{Path(sys.executable).parent}")

@@ -299,10 +299,10 @@ def validate_slurm(request: LaunchRequest) -> tuple[str, int]:
 
 
 def with_cpus_per_task(request: LaunchRequest, node_cpus: int | None, loader_workers: int) -> LaunchRequest:
-    """A Slurm request without --cpus-per-gpu: a CPU for each of a task's loader workers and one for the rank, at
-    most an equal share of a node's CPUs where the nodes are known (not in a dry run away from the cluster). Slurm's
-    default, one CPU a task, would make a rank's loader workers and DALI's threads share one."""
-    if request.executor != "slurm" or request.cpus_per_gpu is not None:
+    """A Slurm request (or sbatch script) without --cpus-per-gpu: a CPU for each of a task's loader workers and one
+    for the rank, at most an equal share of a node's CPUs where the nodes are known (not in a dry run away from the
+    cluster). Slurm's default, one CPU a task, would make a rank's loader workers and DALI's threads share one."""
+    if request.cpus_per_gpu is not None:
         return request
     need = loader_workers + 1
     return replace(request, cpus_per_gpu=max(1, min(need, node_cpus // request.tasks) if node_cpus else need))
@@ -312,7 +312,7 @@ def cpus_warning(request: LaunchRequest, loader_workers: int, node_cpus: int | N
     """Why a Slurm job's CPUs a task (`given` as --cpus-per-gpu, else a node's share) would starve its loader: fewer
     than its workers and the rank. The fix it names fits the node."""
     cpus = request.cpus_per_gpu
-    if request.executor != "slurm" or cpus is None or cpus > loader_workers:
+    if cpus is None or cpus > loader_workers:
         return None
     share = node_cpus // request.tasks if node_cpus else None
     what = f"--cpus-per-gpu {cpus}" if given else f"{cpus} CPU{'s' if cpus != 1 else ''} a task (a node's " \

@@ -135,10 +135,11 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     node_cpus = None
     if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
         node_cpus = _checked_against_cluster(request, dry_run, echo)
-    given = request.cpus_per_gpu is not None
-    request = with_cpus_per_task(request, node_cpus, config.data.workers)
-    if warning := cpus_warning(request, config.data.workers, node_cpus, given):
-        echo(f"warning: {warning}")
+    if request.executor == "slurm" or dry_run:  # a dry run prints an sbatch script, whatever the executor
+        given = request.cpus_per_gpu is not None
+        request = with_cpus_per_task(request, node_cpus, config.data.workers)
+        if warning := cpus_warning(request, config.data.workers, node_cpus, given):
+            echo(f"warning: {warning}")
     # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
     # a run that goes on from its own checkpoints does not read finetune.from_ckpt again: it may be gone by now
