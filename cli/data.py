@@ -198,7 +198,11 @@ def verify_command(shards: Path, decode: int, workers: int) -> None:
     for name, problems in sorted(report.problems.items()):
         for problem in problems:
             console.print(f"[red]FAIL[/] {escape(name)}: {escape(problem)}", highlight=False, soft_wrap=True)
-    lines = [f"to fix {some(report.fixed_by_command)}, run:\n  {report.command}"] if report.command else []
+    gone = ", ".join(report.gone_sources)
+    how = (f": the images they were sharded from, {gone}, are not on this machine; copy these shards and their .idx "
+           f"files again from a good copy of this folder (manifest.json holds each one's sha256), or restore {gone} "
+           "and run" if gone else ", run")
+    lines = [f"to fix {some(report.fixed_by_command)}{how}:\n  {report.command}"] if report.command else []
     lines += [f"to fix {some(names)}: {advice}" for advice, names in report.advice.items()]
     for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)

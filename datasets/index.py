@@ -1,6 +1,7 @@
 """DALI webdataset index files (format v1.2), computed in-process from the shard's tar headers."""
 
 import re
+import shlex
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -121,8 +122,12 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
                             "prints it)")
         on_total(len(paths))
         samples = 0
-        with closing(run_tasks(build_index, [(p,) for p in paths], workers)) as built:
-            for _, count in built:
-                samples += count
-                progress(1)
+        try:
+            with closing(run_tasks(build_index, [(p,) for p in paths], workers)) as built:
+                for _, count in built:
+                    samples += count
+                    progress(1)
+        except DataError as e:  # a shard `vitctl data shard` wrote, damaged since: verify names how to write it again
+            raise DataError(e.what, e.where, f"`vitctl data verify {shlex.quote(str(folder))}` checks every shard "
+                            "against manifest.json and prints the command that writes the damaged ones again") from None
     return len(paths), samples

@@ -137,6 +137,7 @@ class VerifyReport:
     fixed_by_command: list[str]
     advice: dict[str, list[str]]  # what to do, for problems no command fixes -> the names
     decoded: int
+    gone_sources: list[str] = field(default_factory=list)  # image folders the command reads that are not here
 
 
 def verify(folder: Path, decode: int, workers: int, progress: Callable[[int], None],
@@ -194,7 +195,9 @@ def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], N
     # Indexing needs every shard there, so the shards are written first; one line fixes everything it can.
     command = " && ".join([*(shard_command(folder, split, splits[split]) for split in rewrite),
                            f"vitctl data index {shlex.quote(str(folder))}"]) if fixed else None
-    return VerifyReport(manifest, problems, command, fixed, advice, len(chosen))
+    gone = sorted({splits[split]["source"] for split in rewrite
+                   if "source" in splits[split] and not Path(splits[split]["source"]).is_dir()})
+    return VerifyReport(manifest, problems, command, fixed, advice, len(chosen), gone)
 
 
 def _split_of(name: str) -> str:

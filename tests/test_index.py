@@ -106,6 +106,25 @@ def test_index_without_manifest_is_a_clear_error(tmp_path):
     assert result.exit_code == 1 and "no manifest.json" in result.stderr
 
 
+@pytest.mark.parametrize("damage", ["truncated", "a header byte changed"])
+def test_a_damaged_shard_names_verify_which_prints_the_command_that_mends_it(shards_copy, damage):
+    """Index said 'copy or download it again' or 'check that this is the right file': shards written here have
+    nothing to download; verify knows the `vitctl data shard` command that writes them again."""
+    shard = shards_copy / "imagenet-val-000001.tar"
+    raw = bytearray(shard.read_bytes())
+    if damage == "truncated":
+        raw = raw[:40960 if len(raw) > 40960 else len(raw) // 2]
+    else:
+        raw[10] ^= 0x20
+    shard.write_bytes(bytes(raw))
+    result = vitctl("data", "index", shards_copy)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().endswith(f"fix: `vitctl data verify {shards_copy}` checks every shard against "
+                                          "manifest.json and prints the command that writes the damaged ones again")
+    verified = vitctl("data", "verify", shards_copy)
+    assert verified.exit_code == 1 and "imagenet-val-000001.tar" in verified.output and " run:\n" in verified.output
+
+
 def test_members_webdataset_leaves_out_are_not_indexed(tmp_path):
     names = ["__info__", ".hidden.jpg", "README", "a.cls", "a.JPG", "b.cls", "__meta__/c.jpg"]
     shard = tmp_path / "x.tar"

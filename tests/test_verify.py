@@ -111,7 +111,7 @@ def test_manifest_labels_that_differ_from_the_shard_are_caught(shards_copy):
 def _fix_commands(output: str) -> list[list[str]]:
     """The command lines verify prints under 'run:', each split at '&&' into argument lists."""
     lines = output.splitlines()
-    commands = [lines[i + 1].strip() for i, line in enumerate(lines) if line.endswith(", run:")]
+    commands = [lines[i + 1].strip() for i, line in enumerate(lines) if line.endswith(" run:")]
     return [shlex.split(part) for command in commands for part in command.split(" && ")]
 
 
@@ -135,6 +135,29 @@ def test_damaged_shards_and_index_come_with_commands_that_repair_them(shards_cop
     assert [args[args.index("--split") + 1] for args in commands[:2]] == ["train", "val"]
     _follow(commands)
     assert "OK" in ok("data", "verify", shards_copy, "--decode", 1000).output
+
+
+def test_damaged_shards_whose_images_are_gone_are_told_both_ways_to_fix_them_and_each_works(root_copy, tmp_path):
+    """The shard command alone was named, and following it failed: ROOT does not exist (exit 2)."""
+    shards, good = tmp_path / "shards", tmp_path / "good"
+    ok("data", "shard", root_copy, "--out", shards, "--maxcount", 16, "--workers", 2)
+    ok("data", "index", shards)
+    shutil.copytree(shards, good)
+    shard = shards / "imagenet-val-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:4096])
+    away = Path(shutil.move(root_copy, tmp_path / "elsewhere"))
+    result = _verify(shards)
+    assert result.exit_code == 1
+    assert (f"to fix imagenet-val-000001.tar: the images they were sharded from, {root_copy}, are not on this "
+            f"machine; copy these shards and their .idx files again from a good copy of this folder (manifest.json "
+            f"holds each one's sha256), or restore {root_copy} and run:") in result.output
+    for name in ("imagenet-val-000001.tar", "imagenet-val-000001.idx"):  # the first way
+        shutil.copy2(good / name, shards / name)
+    assert "OK" in ok("data", "verify", shards, "--decode", 1000).output
+    shard.write_bytes(shard.read_bytes()[:4096])
+    shutil.move(away, root_copy)  # the second way
+    _follow(_fix_commands(_verify(shards).output))
+    assert "OK" in ok("data", "verify", shards, "--decode", 1000).output
 
 
 def test_incomplete_split_comes_with_the_command_that_finishes_it(prepared_root, tmp_path):
