@@ -102,6 +102,11 @@ def _shape_problem(manifest: dict[str, Any]) -> str | None:
     problem = _type_problem(manifest, _TOP, "manifest")
     if problem or not all(isinstance(c, str) for c in manifest["classes"]):
         return problem or "manifest.classes is not a list of WNIDs"
+    classes = manifest["classes"]
+    if manifest["label_convention"] == LABEL_CONVENTION and classes != sorted(set(classes)):
+        # label i names the i-th WNID in sorted order: a reordered list would name every label wrongly
+        return (f"manifest.classes is not in sorted order without repeats, as its label_convention "
+                f"{LABEL_CONVENTION!r} has them (label i is the i-th WNID)")
     labels = frozenset(map(str, range(len(manifest["classes"]))))
     for split, info in manifest["splits"].items():
         where = f"splits.{split}"

@@ -277,3 +277,15 @@ def test_verify_while_a_data_command_writes_the_folder_says_so_and_works_once_it
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_a_class_list_put_out_of_order_is_caught(shards_copy):
+    """Every check passed (OK, exit 0) with two WNIDs swapped: a reader of label -> WNID named the classes wrongly."""
+    def swap_two_classes(manifest):
+        manifest["classes"][0], manifest["classes"][1] = manifest["classes"][1], manifest["classes"][0]
+
+    _edit_manifest(shards_copy, swap_two_classes)
+    result = _verify(shards_copy)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert "manifest.classes is not in sorted order without repeats, as its label_convention 'sorted-wnid-index' has " \
+           "them (label i is the i-th WNID)" in result.stderr
