@@ -12,7 +12,7 @@ from rich.table import Table
 from vitctl.workflows import registry, status
 from vitctl.workflows.errors import LaunchError
 
-from .console import console
+from .console import console, err_console
 
 SPARKS = "▁▂▃▄▅▆▇█"
 STATE_STYLE = {"RUNNING": "green", "COMPLETED": "bold green", "PENDING": "yellow", "REQUEUED": "yellow",
@@ -122,11 +122,16 @@ def logs(job: str, rank: int, follow: bool) -> None:
     click.echo(f"==> rank {rank} of job {record.job_id}: {paths[0]} and {paths[1].name}, merged by time <==")
     tail = status.LogTail(list(paths))
     while True:
-        ended = not follow or not status.state_of(record).live  # UNKNOWN too: nothing will write to it
+        state = status.state_of(record)
+        ended = not follow or not state.live  # UNKNOWN too: nothing will write to it
         click.echo(tail.read(final=ended), nl=False)
         if ended:
             break
         time.sleep(1)
+    if follow and state.state == "UNKNOWN" and (away := status.elsewhere(record)):
+        err_console.print(f"note: not following: job {record.job_id} is a local job that runs {away}, whose "
+                          f"processes this machine cannot see; `vitctl logs {record.job_id} --follow` there follows "
+                          "it", highlight=False, soft_wrap=True)
 
 
 def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:

@@ -380,3 +380,36 @@ def test_status_json_of_a_diverged_run_is_json_every_parser_reads(tmp_path):
     listed = json.loads(ok("status", record.job_id, "--json").output, parse_constant=refuse)[0]
     assert listed["step"] == 3 and listed["loss"] is listed["eta_s"] is None and listed["images_per_s"] == [None, 10.0]
     assert "nan" in ok("status", record.job_id).output.lower()  # the table still shows it
+
+
+@pytest.mark.slow
+def test_a_local_job_seen_from_another_host_is_not_called_dead_and_cancel_says_where_to_run(tmp_path):
+    """A shared VITCTL_HOME (or a container's PID namespace): the PID check alone called a running job FAILED ('no
+    rank reported an error'), `cancel` said it had ended (exit 0) while it trained on, and `logs --follow` ended."""
+    out = tmp_path / "run"
+    job = _start(out, 4000)
+    try:
+        _wait_for_step(out, 2)
+        record = registry.find_record(str(out))
+        assert (record.host, record.pid_namespace) == submit.pid_space()
+        registry.update_record(record.key, host="gpu-node-7")  # as another host reads the shared registry
+        listed = json.loads(ok("status", out, "--json").output)[0]
+        assert (listed["state"], listed["note"]) == ("UNKNOWN", (
+            f"a local job that runs on host gpu-node-7, whose processes this machine cannot see; `vitctl status "
+            f"{record.job_id}` there shows it"))
+        cancelled = vitctl("cancel", record.job_id)
+        assert cancelled.exit_code == 1 and cancelled.stderr.strip() == (
+            f"error: cannot cancel job {record.job_id}: it is a local job that runs on host gpu-node-7, whose "
+            f"processes this machine cannot signal; run `vitctl cancel {record.job_id}` there")
+        followed = subprocess.run([VITCTL, "logs", record.job_id, "--follow"], capture_output=True, text=True,
+                                  timeout=60, env=os.environ)
+        assert followed.returncode == 0 and "note: not following" in followed.stderr
+        assert job.poll() is None  # it trains on
+        registry.update_record(record.key, host=record.host)  # back on its host, the advice works
+        assert "cancel requested" in ok("cancel", record.job_id).output
+        _, stderr = job.communicate(timeout=120)
+        assert job.returncode == 0 or "checkpointed at step" in stderr, stderr
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()

@@ -2,6 +2,7 @@
 start time recorded with it before anything is sent to it."""
 
 import os
+import socket
 from pathlib import Path
 
 
@@ -45,3 +46,8 @@ def started_at(ticks: int) -> float:
     boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                 if line.startswith("btime "))
     return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def pid_space() -> tuple[str, str]:
+    """This host's name and PID namespace: where a recorded PID names a process this one can see and signal."""
+    return socket.gethostname(), os.readlink("/proc/self/ns/pid")

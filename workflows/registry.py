@@ -51,6 +51,8 @@ class JobRecord:
     command: list[str] = field(default_factory=list)
     started: int | None = None  # local jobs: their controller's (PID = job_id) start time, see process.start_time
     submitter: list[int] | None = None  # while job_id is "": [PID, start time] of the vitctl submitting it
+    host: str | None = None  # local jobs: the host and PID namespace their PIDs are in (process.pid_space)
+    pid_namespace: str | None = None
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # the registry's own id
 
     @property

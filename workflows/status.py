@@ -17,7 +17,7 @@ from vitctl.trainer.checkpoint import list_checkpoints
 from vitctl.trainer.metrics import read_metrics
 
 from .errors import LaunchError
-from .process import is_running
+from .process import is_running, pid_space
 from .registry import JobRecord, UnknownJobError, load_records, update_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
@@ -167,7 +167,8 @@ def local_state(record: JobRecord) -> JobState:
             return JobState("SUBMITTING", None, f"being submitted by vitctl (pid {record.submitter[0]})")
         return JobState("UNKNOWN", None, "the vitctl that submitted it stopped before the job started; no job of it "
                                          f"was found in {record.folder}")
-    if is_running(int(record.job_id), record.started):
+    away = elsewhere(record)
+    if not away and is_running(int(record.job_id), record.started):
         return JobState("RUNNING", time.time() - record.submitted, "cancel requested" if record.cancelled else "")
     result = _result(_result_path(record, 0))
     if result is not None:
@@ -176,6 +177,9 @@ def local_state(record: JobRecord) -> JobState:
         if stopped := _stop_note(result):
             return JobState("CANCELLED" if record.cancelled else "INTERRUPTED", elapsed, stopped)
         return JobState("COMPLETED" if outcome == "success" else "FAILED", elapsed)
+    if away:  # its PID names nothing here, or another process
+        return JobState("UNKNOWN", None, f"a local job that runs {away}, whose processes this machine cannot see; "
+                                         f"`vitctl status {record.job_id}` there shows it")
     if record.cancelled:
         return JobState("CANCELLED", None)
     if not Path(record.folder).is_dir():
@@ -184,6 +188,17 @@ def local_state(record: JobRecord) -> JobState:
         return JobState("UNKNOWN", None, f"it ended, and rank 0's result {path} cannot be read (damaged); "
                                          f"`vitctl logs {record.job_id}` shows how it ended")
     return JobState("FAILED", None)
+
+
+def elsewhere(record: JobRecord) -> str | None:
+    """Where a local job runs when this machine cannot see its processes (another host; another PID namespace, as a
+    container's), in words; None here, and for records that do not say (older ones)."""
+    if record.executor != "local" or record.host is None:
+        return None
+    host, namespace = pid_space()
+    if record.host != host:
+        return f"on host {record.host}"
+    return None if record.pid_namespace == namespace else f"in another PID namespace (a container) of host {host}"
 
 
 def _stop_note(result: tuple[tuple[str, Any], float] | None) -> str:
@@ -371,7 +386,10 @@ def cancel(record: JobRecord) -> tuple[JobState, bool]:
                               "nothing to cancel; `squeue -u $USER` lists your jobs in the queue")
         _scancel(record.job_id)
         return current, True
-    if not record.job_id or not is_running(int(record.job_id), record.started):
+    if (away := elsewhere(record)) and current.state == "UNKNOWN":
+        raise LaunchError(f"cannot cancel job {record.job_id}: it is a local job that runs {away}, whose processes "
+                          f"this machine cannot signal; run `vitctl cancel {record.job_id}` there")
+    if away or not record.job_id or not is_running(int(record.job_id), record.started):
         return current, False  # ended; its PID may belong to another process by now
     update_record(record.key, cancelled=True)  # first: whoever sees it end then knows why
     os.kill(int(record.job_id), signal.SIGTERM)

@@ -36,7 +36,7 @@ from vitctl.trainer.config import ConfigError
 from . import registry, status
 from .errors import Interrupted, LaunchError, TimeLimitReached
 from .job import TrainJob
-from .process import children, start_time, this_process
+from .process import children, pid_space, start_time, this_process
 from .registry import JobRecord
 from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
@@ -469,8 +469,10 @@ def claim_run_dir(record: JobRecord) -> None:
 def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str]) -> tuple[JobRecord, Any]:
     """Submit the job, recorded in the registry before it is submitted (so that no crash leaves it untracked)."""
     folder = job.run_dir / "submitit"
+    host, pid_namespace = pid_space() if request.executor == "local" else (None, None)
     record = JobRecord("", request.executor, name, str(job.run_dir), str(folder), request.nodes, request.tasks,
-                       request.gpus_per_node, time.time(), command=command, submitter=list(this_process()))
+                       request.gpus_per_node, time.time(), command=command, submitter=list(this_process()),
+                       host=host, pid_namespace=pid_namespace)
     claim_run_dir(record)
     try:
         # submitit prints sbatch's stderr before it raises, and the error below repeats it in one line.
