@@ -41,6 +41,8 @@ def build(base: str, tag: str | None, out: Path, arch_list: str, apex_archive: P
                               apex_archive.absolute() if apex_archive else None, max_jobs)
     if dry_run:
         wf.check_request(request)
+        if warning := wf.uncommitted_warning():
+            err_console.print(f"warning: {warning}", highlight=False, soft_wrap=True)
         click.echo("\n".join(wf.plan(request)))
         return
     built = wf.build(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))

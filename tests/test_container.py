@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ok, vitctl
 from vitctl.trainer.ops import cuda
-from vitctl.workflows import image
+from vitctl.workflows import image, provenance
 from vitctl.workflows.errors import LaunchError
 from vitctl.workflows.job import TrainJob
 from vitctl.workflows.provenance import IMAGE_COMMIT_ENV, vitctl_version
@@ -301,6 +301,39 @@ def test_a_rank_refuses_a_job_pickled_by_another_vitctl(monkeypatch):
                             git_commit="a" * 40)
     with pytest.raises(LaunchError, match=r"runs vitctl .* \(commit bbbbbbbbbbbb\) \(the container image\)"):
         same_version()
+
+
+def test_a_checkout_with_uncommitted_code_is_labelled_dirty_and_its_image_build_warns(tmp_path, monkeypatch):
+    """An image of a checkout with local edits was labelled with HEAD alone: a job submitted from the same HEAD with
+    other edits passed the ranks' check, and ran code other than its own."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli/main.py").write_text("print(1)\n")
+    (tmp_path / "notes.md").write_text("notes\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    head = git("rev-parse", "HEAD").strip()
+    monkeypatch.setattr(provenance, "SOURCE", tmp_path)
+    monkeypatch.delenv(IMAGE_COMMIT_ENV, raising=False)
+    assert provenance.git_commit() == head and image.uncommitted_warning() is None
+    (tmp_path / "notes.md").write_text("other notes\n")  # not vitctl's code: the label stays
+    assert provenance.git_commit() == head
+    (tmp_path / "cli/main.py").write_text("print(2)\n")
+    edited = provenance.git_commit()
+    assert re.fullmatch(rf"{head}-dirty-[0-9a-f]{{12}}", edited) and provenance.git_commit() == edited
+    assert f"it is labelled {head[:12]}{edited[40:]}, and its ranks refuse jobs submitted from any other state" in \
+        image.uncommitted_warning()
+    (tmp_path / "cli/new.py").write_text("")  # a file git does not track yet, which the image copies too
+    assert provenance.git_commit() not in (head, edited)
+    (tmp_path / "cli/new.py").unlink()
+    assert provenance.git_commit() == edited
+    monkeypatch.setenv(IMAGE_COMMIT_ENV, edited)  # in the image of the edited checkout, a job from the clean one
+    with pytest.raises(LaunchError, match=rf"submitted by .*\(commit {head[:12]}\) but this rank runs .*"
+                                          rf"\(commit {head[:12]}-dirty-"):
+        TrainJob({"train": {"out_dir": "/nonexistent"}}, vitctl_version=vitctl_version(), git_commit=head)()
 
 
 def test_in_the_image_a_missing_op_is_an_error_not_a_build(monkeypatch):

@@ -175,6 +175,16 @@ def squash_command(rootfs: Path, target: Path) -> list[str]:
     return ["mksquashfs", str(rootfs), str(target), "-all-root", "-noappend", "-no-progress", *SQUASH_OPTIONS]
 
 
+def uncommitted_warning() -> str | None:
+    """Why an image of this checkout would not be the commit: the build copies its uncommitted changes too."""
+    commit = git_commit()
+    if commit is None or "-dirty-" not in commit:
+        return None
+    return (f"the checkout holds uncommitted changes, which the image holds too: it is labelled {commit[:12]}"
+            f"{commit[40:]}, and its ranks refuse jobs submitted from any other state of the checkout (`git status` "
+            "lists the changes; commit them first for an image that a commit names)")
+
+
 def plan(request: ImageRequest) -> list[str]:
     """The build as shell lines (`--dry-run`)."""
     staged = [] if not request.apex_archive else [shlex.join(["cp", str(request.apex_archive), str(VENDOR) + "/"])]
@@ -287,6 +297,8 @@ def build(request: ImageRequest, echo: Callable[[str], None]) -> BuiltImage:
     only while the build runs."""
     check_request(request)
     check_tools()
+    if warning := uncommitted_warning():
+        echo(f"warning: {warning}")
     done = outputs(request)
     done.oci_archive.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
