@@ -196,3 +196,22 @@ def test_an_empty_job_is_refused_not_read_as_every_job(command):
     result = vitctl(command, "")
     assert result.exit_code == 1 and result.stderr == ("error: the job is empty; give a job id or a run folder "
                                                        "(`vitctl jobs` lists them)\n"), result.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "cancel"])
+def test_a_folder_in_a_run_or_holding_runs_names_the_run_folders(home, tmp_path, command):
+    """Before: a bare `no job` for the checkpoint path `train` prints, a run's submitit folder, or the folder of
+    runs."""
+    runs = tmp_path / "runs"
+    for job_id, name in (("7001", "a"), ("7002", "b")):
+        (runs / name / "checkpoints/step-00000004").mkdir(parents=True)
+        registry.add_record(record(job_id, str(runs / name)))
+    inside = vitctl(command, runs / "a/checkpoints/step-00000004")
+    assert inside.exit_code == 1 and inside.stderr.strip().endswith(
+        f"it lies in the run folder {runs / 'a'} (job 7001): give that folder, or the job id"), inside.stderr
+    holding = vitctl(command, runs)
+    assert holding.exit_code == 1 and holding.stderr.strip().endswith(
+        f"it holds the run folders {runs / 'a'} (job 7001), {runs / 'b'} (job 7002): give one of them, or its job "
+        "id"), holding.stderr
+    followed = vitctl(command, runs / "a")  # the fix: the run folder
+    assert "no job" not in followed.stderr and "7001" in followed.output + followed.stderr  # found (logs: none yet)

@@ -133,16 +133,31 @@ def find_records(key: str) -> list[JobRecord]:
     records, where = load_records(), repr(key)
     if key and os.sep not in key and (by_id := [r for r in records if r.job_id == key]):
         return by_id[-1:]
+    hint = "`vitctl jobs` lists the known ones"
     if os.sep in key or (key and Path(key).is_dir()):
         folder = Path(key).resolve()
         matches, where = [r for r in records if Path(r.run_dir).resolve() == folder], f"{key!r} ({folder})"
         matches = matches or _moved_to(folder, records)
+        hint = _nearby_runs(folder, records) or hint
     else:
         matches = ([r for r in records if Path(r.run_dir).name == key] or
                    [r for r in records if r.name == key])
     if not matches:
-        raise UnknownJobError(f"no job {where} in {registry_path()}; `vitctl jobs` lists the known ones")
+        raise UnknownJobError(f"no job {where} in {registry_path()}; {hint}")
     return list({r.run_dir: r for r in matches}.values())  # a folder's later jobs replace its earlier ones
+
+
+def _nearby_runs(folder: Path, records: list[JobRecord]) -> str | None:
+    """The run folder `folder` lies in (a checkpoint, its logs), or the run folders it holds, as advice; or None."""
+    runs = {Path(r.run_dir).resolve(): r for r in records if r.job_id}  # a folder's latest job last
+    if outer := next((run for run in runs if run in folder.parents), None):
+        return f"it lies in the run folder {outer} (job {runs[outer].job_id}): give that folder, or the job id"
+    inner = sorted(run for run in runs if folder in run.parents)
+    if inner:
+        shown = ", ".join(f"{run} (job {runs[run].job_id})" for run in inner[:5])
+        more = f" and {len(inner) - 5} more" if len(inner) > 5 else ""
+        return f"it holds the run folders {shown}{more}: give one of them, or its job id"
+    return None
 
 
 def _moved_to(folder: Path, records: list[JobRecord]) -> list[JobRecord]:
