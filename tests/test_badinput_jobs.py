@@ -154,6 +154,25 @@ def test_a_terminal_that_hangs_up_leaves_a_checkpoint_and_vitctl_ends_as_interru
 
 
 @pytest.mark.slow
+def test_under_nohup_a_hangup_leaves_the_local_job_training(tmp_path):
+    """nohup ignores the hangup for vitctl and the job it starts: it must not be taken for a Ctrl-C."""
+    out = tmp_path / "run"
+    job = subprocess.Popen([VITCTL, "train", *QUICK, "--tasks-per-node", "2", "--steps", "4000", "--set",
+                            "train.log_every=1", "--out", str(out)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, env=os.environ, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup starts it
+    try:
+        _wait_for_step(out, 2)
+        os.killpg(job.pid, signal.SIGHUP)
+        time.sleep(3)
+        record = registry.find_record(str(out))
+        assert job.poll() is None and not record.cancelled and status.state_of(record).state == "RUNNING"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+@pytest.mark.slow
 def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_path):
     out = tmp_path / "run"
     job = _start(out, 400)

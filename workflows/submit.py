@@ -579,8 +579,9 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
     once it has ended; a second one leaves it stopping on its own."""
     log, interrupted = LogTail([log_paths(record, 0)[1]]), False
     # SIGTERM to this vitctl: as Ctrl-C, not a silent exit; a hangup: the ranks checkpoint rather than die unsaved
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt),
-                signal.SIGHUP: signal.signal(signal.SIGHUP, functools.partial(_hung_up, _terminals()))}
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt)}
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup the job runs on after a hangup, as asked
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, functools.partial(_hung_up, _terminals()))
     try:
         try:
             _follow(submitted, record, log, echo)
