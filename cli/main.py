@@ -95,4 +95,8 @@ for command in (export, status_command, jobs, logs, cancel, rank):
 
 
 def main() -> None:
-    cli()
+    try:
+        cli()
+    finally:  # the command has ended: a Ctrl-C now would only break the interpreter's shutdown with a traceback
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -153,6 +153,25 @@ def test_a_terminal_that_hangs_up_leaves_a_checkpoint_and_vitctl_ends_as_interru
     assert (out / f"checkpoints/step-{int(step[1]):08d}").is_dir()
 
 
+def test_a_job_stopped_before_its_ranks_started_says_so_and_what_to_do(tmp_path, monkeypatch):
+    """Before: `interrupted: job N was stopped:  (its log: ...)`, a blank reason and a log with nothing in it."""
+    record = registry.JobRecord("1", "local", "vit_micro-run", str(tmp_path), str(tmp_path / "submitit"), 1, 2, 0,
+                                time.time())
+    follows = iter([KeyboardInterrupt, None])
+
+    def follow(*args):
+        if (raised := next(follows)) is not None:
+            raise raised
+
+    monkeypatch.setattr(submit, "_follow", follow)
+    monkeypatch.setattr(registry, "reload", lambda job: job)
+    monkeypatch.setattr(status, "cancel", lambda job: None)
+    monkeypatch.setattr(submit, "state_of", lambda job: status.JobState("CANCELLED", None, ""))
+    with pytest.raises(Interrupted, match=r"^job 1 was stopped: before its ranks had started training, so it saved "
+                                          r"nothing: run the same command again \(its log: "):
+        submit.wait_local(None, record, lambda line: None)
+
+
 @pytest.mark.slow
 def test_under_nohup_a_hangup_leaves_the_local_job_training(tmp_path):
     """nohup ignores the hangup for vitctl and the job it starts: it must not be taken for a Ctrl-C."""

@@ -361,3 +361,16 @@ def test_a_resumed_finetune_needs_its_source_no_more(weights, tmp_path):
     source.unlink()
     resumed = train(config(tmp_path / "ft", "train.max_steps=3", f"finetune.from_ckpt={source}"), resume=True)
     assert resumed["step"] == 3
+
+
+def test_a_ctrl_c_inside_dcp_s_read_is_an_interrupt_not_a_bug_to_report(tmp_path, monkeypatch):
+    """DCP wraps a KeyboardInterrupt in its CheckpointException: `export` said 'please report it' (exit 1)."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    monkeypatch.setattr(ckpt, "read_meta", lambda path: {"files": {"x": "sha"}})
+    with pytest.raises(KeyboardInterrupt), ckpt._reading(tmp_path):
+        raise CheckpointException("load failed", {0: (KeyboardInterrupt(), traceback.extract_stack())})
+    with pytest.raises(ConfigError, match="please report it"), ckpt._reading(tmp_path):  # any other failure
+        raise CheckpointException("load failed", {0: (RuntimeError("boom"), traceback.extract_stack())})

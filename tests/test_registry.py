@@ -215,3 +215,15 @@ def test_a_folder_in_a_run_or_holding_runs_names_the_run_folders(home, tmp_path,
         "id"), holding.stderr
     followed = vitctl(command, runs / "a")  # the fix: the run folder
     assert "no job" not in followed.stderr and "7001" in followed.output + followed.stderr  # found (logs: none yet)
+
+
+def test_a_full_file_system_under_the_registry_is_named_with_the_fix_that_fits(home):
+    """Before: 'No space left on device; point VITCTL_HOME at a folder this user can write', which it can."""
+    import errno
+
+    with pytest.raises(registry.LaunchError) as error, registry._home_errors():
+        raise OSError(errno.ENOSPC, "No space left on device", str(home / "jobs.json"))
+    assert str(error.value) == (
+        f"cannot keep the job registry in VITCTL_HOME={home}: No space left on device ({home / 'jobs.json'}); free "
+        f"space on the file system of {home} (or raise your quota there), or point VITCTL_HOME at a folder on another "
+        "one")

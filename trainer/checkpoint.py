@@ -417,6 +417,8 @@ def _reading(path: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        if any(isinstance(cause, KeyboardInterrupt) for cause in _causes(e)):  # Ctrl-C, which DCP wraps
+            raise KeyboardInterrupt from None
         if read_meta(path).get("files"):  # read_checked found every file as it was saved
             raise ConfigError(f"DCP cannot read checkpoint {path} ({_innermost(e)}), although its files match the "
                               "checksums taken when it was saved: please report it, with the traceback") from e

@@ -7,6 +7,7 @@ jobs.json is moved aside and rebuilt from that backup and from sacct, and the re
 """
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -215,8 +216,11 @@ def _home_errors() -> Iterator[None]:
         if blocker := file_in_the_way(folder):
             what = f"{what_it_is(blocker)}, not a folder"
         where = f"VITCTL_HOME={folder}" if "VITCTL_HOME" in os.environ else f"{folder} (VITCTL_HOME is not set)"
-        raise LaunchError(f"cannot keep the job registry in {where}: {what}; point VITCTL_HOME at a folder this "
-                          f"user can write, e.g. `export VITCTL_HOME=$HOME/.vitctl`") from None
+        fix = "point VITCTL_HOME at a folder this user can write, e.g. `export VITCTL_HOME=$HOME/.vitctl`"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the folder is writable: its file system is full
+            fix = (f"free space on the file system of {folder} (or raise your quota there), or point VITCTL_HOME "
+                   "at a folder on another one")
+        raise LaunchError(f"cannot keep the job registry in {where}: {what}; {fix}") from None
 
 
 def _read_registry() -> str | None:
