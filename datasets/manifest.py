@@ -118,6 +118,16 @@ def _shape_problem(manifest: dict[str, Any]) -> str | None:
     return None
 
 
+def split_digest(manifest: dict[str, Any], split: str) -> str | None:
+    """What identifies a split's samples and labels: the class list and each shard's name and sha256 (a copy of the
+    folder elsewhere has the same); None where the split is missing."""
+    info = manifest["splits"].get(split)
+    if info is None:
+        return None
+    shards = [[entry["name"], entry["sha256"]] for entry in info["shards"]]
+    return hashlib.sha256(json.dumps([manifest["classes"], shards]).encode()).hexdigest()[:16]
+
+
 def new(classes: list[str]) -> dict[str, Any]:
     return {"format": FORMAT, "label_convention": LABEL_CONVENTION, "classes": classes, "splits": {}}
 

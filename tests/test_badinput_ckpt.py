@@ -17,7 +17,7 @@ import test_checkpoint_input as base
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ok, vitctl
+from conftest import CLASSES, ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, ModelConfig, load_config
 from vitctl.trainer.loop import train
@@ -315,3 +315,25 @@ def test_a_resume_onto_shards_of_other_classes_names_the_data_not_num_classes(tm
         f"--out NEW --data {tmp_path / 'sh5'}` (with the other options of this command)")
     check_resumable([last], run_config("sh3", 3))  # the fix: its own data
     check_resumable([last], run_config("moved", 3))  # shards moved elsewhere, the same classes: not refused
+
+
+def test_a_resume_onto_other_samples_of_the_same_classes_warns_and_each_fix_is_quiet(prepared_root, tmp_path):
+    """A shard folder written again (another seed: other shards) or another dataset of the same classes: --resume
+    went on from its place in an epoch of the old order without a word."""
+    for shards, seed in (("a", 0), ("b", 1)):
+        ok("data", "shard", prepared_root, "--out", tmp_path / shards, "--maxcount", 16, "--seed", seed)
+        ok("data", "index", tmp_path / shards)
+    run = tmp_path / "run"
+    common = ["--config", "demo_vit", "--batch", 8, "--executor", "local", "--gpus", 0, "--out", run,
+              "--set", "train.checkpoint_every=2", "--set", f"model.num_classes={CLASSES}"]
+    ok("train", *common, "--data", tmp_path / "a", "--steps", 2)
+    warned = ok("train", *common, "--data", tmp_path / "b", "--steps", 3, "--resume", "--dry-run")
+    assert (f"warning: --resume onto other train samples than {run} was trained on: the shards of --data "
+            f"{tmp_path / 'b'} differ from those its checkpoint recorded (their names and sha256)") in warned.stderr
+    fix = re.search(r"`(vitctl finetune .*)`$", warned.stderr.splitlines()[0])[1].replace("NEW", str(tmp_path / "ft"))
+    copy = Path(shutil.copytree(tmp_path / "a", tmp_path / "a-copy"))  # the data it began with, elsewhere
+    quiet = ok("train", *common, "--data", copy, "--steps", 4, "--resume")  # trains on
+    assert "warning" not in quiet.stderr, quiet.stderr
+    followed = ok(*shlex.split(fix)[1:], "--config", "demo_vit", "--batch", 8, "--executor", "local", "--gpus", 0,
+                  "--steps", 1, "--set", f"model.num_classes={CLASSES}")
+    assert "warning" not in followed.stderr, followed.stderr

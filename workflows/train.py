@@ -8,6 +8,7 @@ import torch
 
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import FINETUNE_PRESETS, ConfigError, RunConfig, load_config, parse_override
+from vitctl.trainer.data.shards import train_digest
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
@@ -186,6 +187,21 @@ def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule |
     if changed := checkpoint.settings_change(meta["config"], config.to_dict()):
         echo(f"warning: --resume with other settings than {last} was saved with: {', '.join(changed)}; the run "
              "goes on with the new ones (--set the saved values to keep them)")
+    if warning := _other_samples(run_dir, meta, config):
+        echo(f"warning: {warning}")
+
+
+def _other_samples(run_dir: Path, meta: dict, config: RunConfig) -> str | None:
+    """A resume onto train shards of the same classes but other samples than the run saved (a folder sharded again,
+    or another one): its place in the epoch then counts into another order of other images."""
+    saved, path = meta.get("data"), config.data.path
+    if not saved or config.data.source == "synthetic" or not path or train_digest(Path(path)) in (saved, None):
+        return None
+    return (f"--resume onto other train samples than {run_dir} was trained on: the shards of --data {path} differ "
+            f"from those its checkpoint recorded (their names and sha256); the run goes on with them, from its place "
+            f"in an epoch of the old ones. To go on with the data it began with, pass --data with it (a copy anywhere "
+            f"will do); to train on this data from its weights, `vitctl finetune --from-ckpt {run_dir} --out NEW "
+            f"--data {path}`")
 
 
 def layout_lines(strategy: Strategy, request: LaunchRequest) -> list[str]:

@@ -63,6 +63,13 @@ def split_shards(folder: Path, split: str) -> tuple[list[dict[str, Any]], list[s
     return info["shards"], manifest["classes"]
 
 
+def train_digest(folder: Path) -> str | None:
+    """The identity of the folder's train samples (manifest.split_digest), which a checkpoint records; None without a
+    manifest or a train split."""
+    manifest = mf.load(folder)
+    return mf.split_digest(manifest, "train") if manifest else None
+
+
 def _changed(folder: Path, entry: dict[str, Any]) -> str | None:
     """How the shard differs from its manifest entry by its size alone, or None."""
     path = folder / entry["name"]
