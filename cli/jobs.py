@@ -158,13 +158,19 @@ def cancel(job: str) -> None:
     """Cancel a job: a running one's ranks checkpoint, then stop (scancel on Slurm; SIGTERM to a local job); a
     pending one leaves the queue."""
     record = registry.find_record(job)
+    if record.executor == "local" and record.cancelled and status.kill(record):
+        click.echo(f"killed job {record.job_id} ({record.name}): the first cancel had not stopped it (a hung rank "
+                   "holds the others' stop); the steps since its last checkpoint are lost, and --resume goes on from "
+                   "that checkpoint")
+        return
     found, requested = status.cancel(record)
     if requested and found.state == "PENDING":
         click.echo(f"cancelled job {record.job_id} ({record.name}) while it was pending: it leaves the queue; no rank "
                    "is running, so there is nothing to checkpoint")
     elif requested:
+        again = "; if it does not stop, cancel again to kill it" if record.executor == "local" else ""
         click.echo(f"cancel requested for job {record.job_id} ({record.name}): its ranks checkpoint, then stop; "
-                   f"`vitctl status {record.job_id}` shows when it has ended")
+                   f"`vitctl status {record.job_id}` shows when it has ended{again}")
     elif found.state == "SUBMITTING":
         raise LaunchError(f"the job into {record.run_dir} is still being submitted ({found.note}); run `vitctl "
                           "cancel` again once `vitctl jobs` shows its id")

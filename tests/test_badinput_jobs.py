@@ -192,6 +192,51 @@ def test_under_nohup_a_hangup_leaves_the_local_job_training(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_hung_rank_s_job_is_killed_by_a_second_cancel_and_resume_goes_on(tmp_path):
+    """A stopped rank (SIGSTOP: as a rank stuck in a driver call) held the other's stop in its all-reduce: the cancel
+    never took, status said RUNNING, and gloo's timeout fired only after 30 minutes."""
+    out = tmp_path / "run"
+    job = _start(out, 4000)
+    try:
+        _wait_for_step(out, 2)
+        os.kill(_rank_pid(out, 1), signal.SIGSTOP)
+        record = registry.find_record(str(out))
+        first = ok("cancel", record.job_id).output
+        assert first.strip().endswith("; if it does not stop, cancel again to kill it"), first
+        time.sleep(3)
+        assert job.poll() is None  # the hung rank holds the stop
+        assert ok("cancel", record.job_id).output.startswith(f"killed job {record.job_id} (vit_micro-run): the first "
+                                                             "cancel had not stopped it")
+        _, stderr = job.communicate(timeout=60)
+        assert "killed by a second `vitctl cancel`: the steps since its last checkpoint are lost" in stderr, stderr
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    state = status.state_of(registry.find_record(str(out)))
+    assert state.state == "CANCELLED" and state.note.startswith("killed by a second `vitctl cancel`")
+    ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 3, "--out", out, "--resume")  # the fix it names
+
+
+def test_a_running_job_whose_steps_stopped_coming_is_said_to_be_quiet(tmp_path):
+    """A hung rank: the row stayed RUNNING with a frozen step and ETA, and no word, for 30 minutes."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    record = registry.JobRecord(str(os.getpid()), "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 2, 0,
+                                time.time() - 3600, started=submit.start_time(os.getpid()))  # this process: running
+    registry.add_record(record)
+    writer = MetricsWriter(run, True)
+    for step, ago in ((20, 1250.0), (40, 1240.0)):  # one step every 10 s, the last 1,240 s ago
+        writer.write({"step": step, "total_steps": 900, "loss": 2.0, "images_per_s": 8.0, "step_time_s": 0.5,
+                      "time": time.time() - ago})
+    listed = json.loads(ok("status", record.job_id, "--json").output)[0]
+    assert listed["state"] == "RUNNING" and re.fullmatch(
+        rf"no step logged for 21 min \(the last, step 40, at \d\d:\d\d; one every 10 s before\): a rank may hang; "
+        rf"`vitctl logs {record.job_id} --rank R` shows each rank's last lines, and `vitctl cancel {record.job_id}` "
+        rf"stops the job", listed["note"]), listed["note"]
+
+
+@pytest.mark.slow
 def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_path):
     out = tmp_path / "run"
     job = _start(out, 400)

@@ -54,6 +54,7 @@ class JobRecord:
     submitter: list[int] | None = None  # while job_id is "": [PID, start time] of the vitctl submitting it
     host: str | None = None  # local jobs: the host and PID namespace their PIDs are in (process.pid_space)
     pid_namespace: str | None = None
+    killed: bool = False  # local jobs: a second cancel killed its processes (the first had not stopped them)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # the registry's own id
 
     @property

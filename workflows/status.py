@@ -1,6 +1,7 @@
 """What a submitted job is doing: its state (Slurm: squeue, and sacct over all its attempts; local jobs: their
 processes and result files), why it waits or failed, its progress from the rank-0 metrics file, and its logs."""
 
+import contextlib
 import heapq
 import math
 import os
@@ -17,13 +18,14 @@ from vitctl.trainer.checkpoint import list_checkpoints
 from vitctl.trainer.metrics import read_metrics
 
 from .errors import LaunchError
-from .process import is_running, pid_space
+from .process import children, is_running, pid_space
 from .registry import JobRecord, UnknownJobError, load_records, update_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE", "INTERRUPTED"}  # INTERRUPTED: a local job that checkpointed on a signal and ended
 FAILED = {"FAILED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 RATE_HISTORY = 24
+QUIET_S = 600  # a running job that logs no step for this long, and for 10 of its intervals, is said to be quiet
 SLURM_TIMEOUT_S = 30  # a Slurm command that takes longer counts as not answering (slurmctld down or overloaded)
 # squeue's reasons for a pending job, in words; others are shown as Slurm names them.
 PENDING_REASONS = {
@@ -181,7 +183,7 @@ def local_state(record: JobRecord) -> JobState:
         return JobState("UNKNOWN", None, f"a local job that runs {away}, whose processes this machine cannot see; "
                                          f"`vitctl status {record.job_id}` there shows it")
     if record.cancelled:
-        return JobState("CANCELLED", None)
+        return JobState("CANCELLED", None, KILLED_NOTE if record.killed else "")
     if not Path(record.folder).is_dir():
         return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
     if (path := _result_path(record, 0)).exists():
@@ -287,7 +289,22 @@ def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
             "images_per_s": [m["images_per_s"] for m in steps[-RATE_HISTORY:]], "eta_s": eta,
             "last_checkpoint": checkpoints[-1].name if checkpoints else None,
             "restarts": sum(1 for m in metrics if m.get("event") == "resume"),
-            "parallel": next((m["layout"] for m in reversed(metrics) if "layout" in m), None)}
+            "parallel": next((m["layout"] for m in reversed(metrics) if "layout" in m), None),
+            "quiet": _quiet_note(record, steps)}
+
+
+def _quiet_note(record: JobRecord, steps: list[dict[str, Any]]) -> str:
+    """For a running job whose steps stopped coming (a hung rank holds every other one in its collectives until
+    their timeout, 30 min under gloo): how long since the last, against how often they came before."""
+    if len(steps) < 2 or not all("time" in m for m in steps[-2:]):
+        return ""
+    gap, quiet = steps[-1]["time"] - steps[-2]["time"], time.time() - steps[-1]["time"]
+    if quiet < max(QUIET_S, 10 * gap):
+        return ""
+    at = time.strftime("%H:%M", time.localtime(steps[-1]["time"]))
+    return (f"no step logged for {quiet / 60:.0f} min (the last, step {steps[-1]['step']}, at {at}; one every "
+            f"{gap:.0f} s before): a rank may hang; `vitctl logs {record.job_id} --rank R` shows each rank's last "
+            f"lines, and `vitctl cancel {record.job_id}` stops the job")
 
 
 def _format_seconds(seconds: float | None) -> str:
@@ -307,9 +324,9 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
         done = progress(r, later.get((r.run_dir, r.submitted)))
         if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
             done["eta_s"] = None
-        parallel = done.pop("parallel")
+        parallel, quiet = done.pop("parallel"), done.pop("quiet")
         layout = f"{r.nodes}x{unit}" + (f" {parallel}" if parallel and parallel != "1 rank" else "")
-        note = "; ".join(filter(None, [state.note, _run_dir_gone(r)]))
+        note = "; ".join(filter(None, [state.note, quiet if state.state == "RUNNING" else "", _run_dir_gone(r)]))
         statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, layout,
                                   _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=note))
     return statuses
@@ -394,6 +411,22 @@ def cancel(record: JobRecord) -> tuple[JobState, bool]:
     update_record(record.key, cancelled=True)  # first: whoever sees it end then knows why
     os.kill(int(record.job_id), signal.SIGTERM)
     return current, True
+
+
+KILLED_NOTE = ("killed by a second `vitctl cancel`: the steps since its last checkpoint are lost; --resume goes on "
+               "from that checkpoint")
+
+
+def kill(record: JobRecord) -> bool:
+    """SIGKILL a local job's ranks and controller: for one that a cancel did not stop (a hung rank holds the others'
+    stop in a collective). Whether it was running."""
+    if elsewhere(record) or not record.job_id or not is_running(int(record.job_id), record.started):
+        return False
+    update_record(record.key, killed=True)  # first: whoever sees it end then knows why
+    for pid in [*children(int(record.job_id)), int(record.job_id)]:
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            os.kill(pid, signal.SIGKILL)
+    return True
 
 
 def slurm_command(args: list[str], fix: str) -> subprocess.CompletedProcess[str]:
