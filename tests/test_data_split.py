@@ -279,3 +279,29 @@ def test_a_damaged_eval_image_is_named_by_its_shard_and_offset(shards_copy, bran
     val = read_table(shards_copy, split_shards(shards_copy, "val")[0])
     with pytest.raises(DataError, match=damage(val, len(val) // 2, part)):
         list(EvalBatches(val, spec(0, branch), BATCH, 0, 1)())
+
+
+def test_a_shard_cut_short_or_gone_since_the_run_started_is_named_as_such(shards_copy):
+    """A truncated shard was blamed on its index (`vitctl data index` then said truncated: two detours), and a deleted
+    one ended the rank in a bare FileNotFoundError."""
+    from vitctl.datasets.errors import DataError
+    from vitctl.trainer.data.loader import ShardReader
+
+    table = read_table(shards_copy, split_shards(shards_copy, "train")[0])
+    reader = ShardReader(table)
+    last = int(np.flatnonzero(table.shard == 0)[-1])  # the last sample of the first shard
+    shard = Path(table.paths[0])
+    with open(shard, "r+b") as f:
+        f.truncate(int(table.offset[last]) + 10)
+    for read in (lambda: reader.read(last), lambda: reader._check_member_at(last, shard)):
+        with pytest.raises(DataError) as error:
+            read()
+        assert str(error.value) == (
+            f"{shard}: cut short since the run started: the file is {int(table.offset[last]) + 10} bytes, and the "
+            f"sample at offset {int(table.offset[last])} needs {int(table.offset[last]) + int(table.size[last])}\n"
+            f"fix: `vitctl data verify {shards_copy}` checks the folder against its manifest and prints the command "
+            "that writes missing or damaged shards again; then --resume")
+    gone = int(np.flatnonzero(table.shard == 1)[0])
+    Path(table.paths[1]).unlink()
+    with pytest.raises(DataError, match="the shard is gone: it was there when the run started"):
+        reader.read(gone)

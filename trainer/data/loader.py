@@ -42,6 +42,16 @@ class LoaderSpec:
     branch: str  # config.LOADER_BRANCHES: where decode, crop and the recipe run (DataConfig.decode)
 
 
+_MEND = ("`vitctl data verify {folder}` checks the folder against its manifest and prints the command that writes "
+         "missing or damaged shards again; then --resume")
+
+
+def _cut_short(shard: Path, offset: int, size: int) -> DataError:
+    """A shard truncated since the run started (its sample lies past the end): not an index of another shard."""
+    return DataError(f"cut short since the run started: the file is {shard.stat().st_size} bytes, and the sample at "
+                     f"offset {offset} needs {offset + size}", str(shard), _MEND.format(folder=shard.parent))
+
+
 class ShardReader:
     """Reads a sample's JPEG bytes; files are opened lazily, once per process that reads."""
 
@@ -50,12 +60,20 @@ class ShardReader:
         self.files: dict[int, object] = {}
 
     def read(self, row: int) -> bytes:
-        shard = int(self.table.shard[row])
+        shard, offset, size = int(self.table.shard[row]), int(self.table.offset[row]), int(self.table.size[row])
+        path = Path(self.table.paths[shard])
         f = self.files.get(shard)
         if f is None:
-            f = self.files[shard] = open(self.table.paths[shard], "rb")  # noqa: SIM115  (kept open for reuse)
-        f.seek(int(self.table.offset[row]))
-        return f.read(int(self.table.size[row]))
+            try:
+                f = self.files[shard] = open(path, "rb")  # noqa: SIM115  (kept open for reuse)
+            except FileNotFoundError:
+                raise DataError("the shard is gone: it was there when the run started", str(path),
+                                _MEND.format(folder=path.parent)) from None
+        f.seek(offset)
+        data = f.read(size)
+        if len(data) < size:
+            raise _cut_short(path, offset, size)
+        return data
 
     @contextlib.contextmanager
     def decoding(self, row: int) -> Iterator[None]:
@@ -75,6 +93,8 @@ class ShardReader:
         """Raises a DataError naming the index when no tar member of the indexed size starts at the row's offset:
         an index swapped for another shard's of the same sample count reads other bytes, not a damaged JPEG."""
         offset, size = int(self.table.offset[row]), int(self.table.size[row])
+        if shard.stat().st_size < offset + size:
+            raise _cut_short(shard, offset, size)
         with open(shard, "rb") as f:
             f.seek(max(offset - tarfile.BLOCKSIZE, 0))
             header = f.read(tarfile.BLOCKSIZE)
