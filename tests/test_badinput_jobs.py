@@ -496,3 +496,22 @@ def test_a_local_job_seen_from_another_host_is_not_called_dead_and_cancel_says_w
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
+
+
+@pytest.mark.parametrize("cause", ["full", "read-only"])
+def test_a_job_that_could_not_report_for_a_full_or_read_only_disk_is_said_so(tmp_path, monkeypatch, cause):
+    """A rank's error and result are written to the run folder too: a full or read-only one left only `no rank
+    reported an error (killed, or out of memory?)`."""
+    run = tmp_path / "run"
+    record = _ended_local_job(run)
+    folder = run / "submitit"
+    assert status.failure(record).startswith("no rank reported an error (killed, or out of memory?)")  # room here
+    if cause == "full":
+        monkeypatch.setattr(status.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30, 2**20))
+        why = f"the file system of {folder} is full (1 MiB free)"
+    else:
+        monkeypatch.setattr(status.os, "access", lambda path, mode: False)
+        why = f"{folder} takes no writes (a read-only file system, or no write access)"
+    assert status.failure(record) == (f"no rank could report an error: {why}; make room or write access, then "
+                                      f"--resume goes on from its last checkpoint (the log, maybe cut short: "
+                                      f"{folder}/1_0_log.err)")

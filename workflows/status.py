@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -267,7 +268,24 @@ def failure(record: JobRecord) -> str:
     if silent and failures:
         return (f"rank {silent[0]} ended without reporting an error (killed, or out of memory?), and rank "
                 f"{failures[0][0]} then lost its connection to it; see {log_paths(record, silent[0])[1]}")
+    if unwritable := _unwritable(Path(record.folder)):  # the ranks write their results and logs there
+        return (f"no rank could report an error: {unwritable}; make room or write access, then --resume goes on "
+                f"from its last checkpoint (the log, maybe cut short: {log_paths(record, 0)[1]})")
     return f"no rank reported an error (killed, or out of memory?); see {log_paths(record, 0)[1]}"
+
+
+FULL_BYTES = 64 * 2**20  # less room than this, and a rank's metrics, log or result may not fit
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why a job's folder takes no more writes (a full or read-only file system), or None."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # gone: said elsewhere
+        return None
+    if not os.access(folder, os.W_OK):
+        return f"{folder} takes no writes (a read-only file system, or no write access)"
+    return f"the file system of {folder} is full ({free / 2**20:.0f} MiB free)" if free < FULL_BYTES else None
 
 
 def _result_path(record: JobRecord, rank: int) -> Path:
