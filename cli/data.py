@@ -9,13 +9,13 @@ from rich.table import Table
 
 from vitctl.datasets import extract as ex
 from vitctl.datasets import ilsvrc, manifest, valprep
-from vitctl.datasets.index import index_folder
+from vitctl.datasets.index import index_folder, unfinished_splits
 from vitctl.datasets.parallel import default_workers
 from vitctl.datasets.shard import ShardSpec, read_source, shard_split
 from vitctl.datasets.synth import SynthSpec, write_synthetic
 from vitctl.datasets.verify import verify as verify_folder
 
-from .console import ByteSize, GivenPath, console, progress_bar
+from .console import ByteSize, GivenPath, console, err_console, progress_bar
 
 FULL_IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
 workers_option = click.option("--workers", type=click.IntRange(min=1), default=default_workers, show_default="CPUs",
@@ -175,6 +175,8 @@ def index(shards: Path, workers: int) -> None:
     with progress_bar("index", unit="shards") as bar:
         files, samples = index_folder(shards, workers, bar.advance, bar.set_total)
     console.print(f"index: {files} index files, {samples:,} samples")
+    for warning in unfinished_splits(shards):
+        err_console.print(f"warning: {warning}", highlight=False, markup=False, soft_wrap=True)
 
 
 @data.command(name="verify", short_help="Check shards, indexes and manifest.json; decode some images.")

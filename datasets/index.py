@@ -12,6 +12,7 @@ from .errors import DataError
 from .lock import writing_in
 from .oserrors import os_errors_explained
 from .parallel import run_tasks
+from .shard import shard_command
 from .tarscan import SPARSE, scan_path
 
 VERSION = "v1.2"
@@ -104,6 +105,15 @@ def build_index(shard: Path) -> tuple[str, int]:
                         "new --out folder")
     write_text_atomic(index_path(shard), format_index(samples))
     return shard.name, len(samples)
+
+
+def unfinished_splits(folder: Path) -> list[str]:
+    """Each split of the folder that a `vitctl data shard` began and did not finish, with the command that does."""
+    manifest = mf.load(folder) or {"splits": {}}
+    return [f"the {split} split is incomplete ({len(info['shards'])} of {info['planned_shards']} shards written): "
+            f"finish it with `{shard_command(folder, split, info)}`, then index again"
+            for split, info in sorted(manifest["splits"].items())
+            if not info["complete"] or len(info["shards"]) != info["planned_shards"]]
 
 
 def index_folder(folder: Path, workers: int, progress: Callable[[int], None],

@@ -2,6 +2,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import tarfile
@@ -289,3 +290,19 @@ def test_a_class_list_put_out_of_order_is_caught(shards_copy):
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert "manifest.classes is not in sorted order without repeats, as its label_convention 'sorted-wnid-index' has " \
            "them (label i is the i-th WNID)" in result.stderr
+
+
+def test_index_of_an_unfinished_split_warns_with_the_command_that_finishes_it(prepared_root, tmp_path):
+    """An index of a folder a `shard` stopped in (a full disk) said `index: 8 index files` and nothing more."""
+    out = tmp_path / "s"
+    ok("data", "shard", prepared_root, "--out", out, "--maxcount", 16, "--seed", 4)
+    _edit_manifest(out, lambda m: m["splits"]["train"].update(complete=False,
+                                                              shards=m["splits"]["train"]["shards"][1:]))
+    warned = ok("data", "index", out)
+    warning = next(line for line in warned.stderr.splitlines() if line.startswith("warning: "))
+    finish = re.fullmatch(r"warning: the train split is incomplete \(3 of 4 shards written\): finish it with `(.*)`, "
+                          r"then index again", warning)
+    assert finish, warning
+    ok(*shlex.split(finish[1])[1:])
+    assert "warning" not in ok("data", "index", out).stderr
+    assert "OK" in ok("data", "verify", out).output
