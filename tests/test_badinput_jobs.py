@@ -173,6 +173,23 @@ def test_a_job_stopped_before_its_ranks_started_says_so_and_what_to_do(tmp_path,
 
 
 @pytest.mark.slow
+def test_a_busy_run_folder_named_through_dotdot_or_a_link_is_refused_too(tmp_path):
+    """The check compared the path as written: `--out sub/../run` or a link to the folder let a second job in."""
+    out = tmp_path / "run"
+    job = _start(out, 4000)
+    try:
+        _wait_for_step(out, 2)
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "link").symlink_to(out)
+        for other in (tmp_path / "sub" / ".." / "run", tmp_path / "link"):
+            result = vitctl("train", *QUICK, "--steps", 4, "--out", other)
+            assert result.exit_code == 1 and f"run folder {out} is in use by job" in result.stderr, result.stderr
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
+@pytest.mark.slow
 def test_under_nohup_a_hangup_leaves_the_local_job_training(tmp_path):
     """nohup ignores the hangup for vitctl and the job it starts: it must not be taken for a Ctrl-C."""
     out = tmp_path / "run"
@@ -285,6 +302,21 @@ def test_logs_of_an_ended_job_that_wrote_none_say_it_never_started(tmp_path):
     assert result.stderr.strip() == (f"error: job 1 (FAILED) ended without a log for rank 1 in {record.folder}: that "
                                      f"rank never started (no rank reported an error (killed, or out of memory?); see "
                                      f"{record.folder}/1_0_log.err)")
+
+
+def test_a_rank_s_own_error_is_named_before_the_peer_that_lost_it_whichever_was_saved_first(tmp_path):
+    """Rank 1's result (gloo: Connection closed by peer) was saved 8 ms before rank 0's ConfigError, and the status
+    named rank 1's."""
+    run = tmp_path / "run"
+    record = _ended_local_job(run)
+    results = {1: "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:2776",
+               0: "vitctl.workflows.job.RankFailed: rank 0 raised ConfigError: run folder R is in use by job 793"}
+    for at, (rank, error) in enumerate(results.items()):  # rank 1's first
+        path = run / f"submitit/1_{rank}_result.pkl"
+        path.write_bytes(pickle.dumps(("error", f"Traceback (most recent call last):\n  ...\n{error}")))
+        os.utime(path, (time.time() + at, time.time() + at))
+    assert status.failure(record) == (f"rank 0 raised ConfigError: run folder R is in use by job 793 (traceback in "
+                                      f"{run}/submitit/1_0_log.err)")
 
 
 def test_status_of_a_job_with_a_damaged_result_and_metrics_says_so_and_resume_drops_the_damage(tmp_path):

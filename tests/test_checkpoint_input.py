@@ -103,6 +103,20 @@ def test_a_file_that_is_no_checkpoint_is_refused_before_launch(weights, tmp_path
         assert ACCEPTED in result.stderr
 
 
+def test_a_torch_save_file_named_safetensors_is_told_to_be_renamed_and_that_works(weights, tmp_path):
+    """torch.load goes by the suffix and handed it to safetensors: a SafetensorError traceback ('header too large')."""
+    source = tmp_path / "model.safetensors"
+    torch.save(timm_layout(weights), source)
+    result = finetune(source, tmp_path / "ft")
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
+    assert result.stderr.strip() == (f"error: finetune.from_ckpt {source} holds a torch.save file but is named "
+                                     ".safetensors, which torch.load hands to safetensors; rename it, e.g. to "
+                                     f"{tmp_path / 'model.pth'}")
+    source.rename(tmp_path / "model.pth")
+    ok("finetune", "--from-ckpt", tmp_path / "model.pth", "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0,
+       "--steps", 1, *SETS)
+
+
 @pytest.mark.parametrize("name", ["__0_0.distcp", "meta.json", ".metadata"])
 def test_a_file_inside_a_checkpoint_folder_names_the_folder_and_that_works(pretrained, tmp_path, name):
     """Before, a shard file was 'damaged or not a torch.save file (PytorchStreamReader failed ...); copy it again'."""

@@ -76,6 +76,9 @@ def _file_kind(path: Path) -> str:
         raise ConfigError(f"finetune.from_ckpt {path} is empty (0 bytes), not a checkpoint; {ACCEPTED}")
     with open(path, "rb") as f:
         head = f.read(len(LEGACY_MAGIC))
+    if head.startswith((ZIP_MAGIC, LEGACY_MAGIC)) and path.suffix == ".safetensors":  # torch.load goes by the suffix
+        raise ConfigError(f"finetune.from_ckpt {path} holds a torch.save file but is named .safetensors, which "
+                          f"torch.load hands to safetensors; rename it, e.g. to {path.with_suffix('.pth')}")
     if head.startswith(ZIP_MAGIC):
         return "zip"
     if head.startswith(LEGACY_MAGIC):

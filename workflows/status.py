@@ -263,7 +263,8 @@ def failure(record: JobRecord) -> str:
     failures = rank_failures(record)
     silent = [rank for rank in range(record.ranks) if _result(_result_path(record, rank)) is None]
     if failures and not (silent and all(PEER_LOST.search(message) for _, message in failures)):
-        rank, message = failures[0]
+        # a rank's own error before the errors of ranks that only lost it, whichever result was saved first
+        rank, message = next(((r, m) for r, m in failures if not PEER_LOST.search(m)), failures[0])
         return f"{message} (traceback in {log_paths(record, rank)[1]})"
     if silent and failures:
         return (f"rank {silent[0]} ended without reporting an error (killed, or out of memory?), and rank "
@@ -339,7 +340,7 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
     for r in records:
         state = state_of(r, slurm)
         unit = f"{r.gpus_per_node} GPU" if r.gpus_per_node else f"{r.tasks_per_node} CPU"
-        done = progress(r, later.get((r.run_dir, r.submitted)))
+        done = progress(r, later.get((str(Path(r.run_dir).resolve()), r.submitted)))
         if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
             done["eta_s"] = None
         parallel, quiet = done.pop("parallel"), done.pop("quiet")
@@ -354,7 +355,7 @@ def _next_submission(records: list[JobRecord]) -> dict[tuple[str, float], float]
     """For each job, by (run folder, submission time), when the next job into the same run folder was submitted."""
     by_folder: dict[str, list[float]] = {}
     for r in records:
-        by_folder.setdefault(r.run_dir, []).append(r.submitted)
+        by_folder.setdefault(str(Path(r.run_dir).resolve()), []).append(r.submitted)
     return {(folder, at): after for folder, times in by_folder.items()
             for at, after in zip(sorted(times), sorted(times)[1:], strict=False)}
 

@@ -445,7 +445,7 @@ def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str, lay
 def refuse_busy_run_dir(run_dir: Path, records: list[JobRecord]) -> None:
     """ConfigError naming the job if a live one writes to `run_dir`: one that `records` hold (pending ones too),
     or one that holds the folder's lock."""
-    same = [r for r in records if r.run_dir == str(run_dir)]
+    same = [r for r in records if Path(r.run_dir).resolve() == run_dir.resolve()]  # `..` and links name it too
     slurm = slurm_states([r.job_id for r in same if r.executor == "slurm" and r.job_id])
     for other in same:
         state = state_of(other, slurm)

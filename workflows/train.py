@@ -121,7 +121,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
         check_local(request)
     check_time(request)
     request = resolve_container_image(request)
-    run_dir = Path(config.train.out_dir).absolute()
+    run_dir = Path(config.train.out_dir).resolve()  # one name per folder (not `..` or a link) for the registry
     if "%" in str(run_dir):  # submitit would write the logs elsewhere (%j) or refuse the folder (%a)
         raise ConfigError(f"run folder {run_dir} (--out) holds '%', which submitit reads in its log paths as a "
                           "placeholder (%j: the job id); choose an --out without '%'")
