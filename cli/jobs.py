@@ -118,7 +118,8 @@ def logs(job: str, rank: int, follow: bool) -> None:
     record = registry.find_record(job)
     paths = status.log_paths(record, rank)
     if not any(p.exists() for p in paths):
-        _no_log(record, rank, follow)
+        _no_log(record, rank, follow)  # following a live job: it waits for the log
+        _wait_for_log(record, rank, paths)
     click.echo(f"==> rank {rank} of job {record.job_id}: {paths[0]} and {paths[1].name}, merged by time <==")
     tail = status.LogTail(list(paths))
     while True:
@@ -132,6 +133,18 @@ def logs(job: str, rank: int, follow: bool) -> None:
         err_console.print(f"note: not following: job {record.job_id} is a local job that runs {away}, whose "
                           f"processes this machine cannot see; `vitctl logs {record.job_id} --follow` there follows "
                           "it", highlight=False, soft_wrap=True)
+
+
+def _wait_for_log(record: registry.JobRecord, rank: int, paths: tuple[Path, Path]) -> None:
+    """Until the rank's log appears; the error of an ended job's missing log if the job ends first."""
+    state = status.state_of(record)
+    note = f": {state.note}" if state.note else ""
+    err_console.print(f"waiting for rank {rank} of job {record.job_id} to start ({state.state}{note})",
+                      highlight=False, soft_wrap=True)
+    while not any(p.exists() for p in paths):
+        if not status.state_of(record).live:
+            _no_log(record, rank, follow=False)
+        time.sleep(1)
 
 
 def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:

@@ -319,6 +319,22 @@ def test_a_rank_s_own_error_is_named_before_the_peer_that_lost_it_whichever_was_
                                       f"{run}/submitit/1_0_log.err)")
 
 
+def test_logs_follow_of_a_job_that_ends_before_its_rank_starts_says_so(tmp_path):
+    """Before: the header of two log files that never came, and exit 0 (a job cancelled while pending)."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    job = subprocess.Popen(["sleep", "3"])  # the job's controller, gone in 3 s without a rank having started
+    record = registry.JobRecord(str(job.pid), "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0,
+                                time.time(), started=submit.start_time(job.pid))
+    registry.add_record(record)
+    followed = subprocess.run([VITCTL, "logs", record.job_id, "--follow"], capture_output=True, text=True,
+                              timeout=60, env=os.environ)
+    job.wait()
+    assert followed.returncode == 1 and followed.stdout == "", followed.stdout
+    assert followed.stderr.startswith(f"waiting for rank 0 of job {job.pid} to start (RUNNING)\nerror: job "
+                                      f"{job.pid} (FAILED) ended without a log for rank 0"), followed.stderr
+
+
 def test_status_of_a_job_with_a_damaged_result_and_metrics_says_so_and_resume_drops_the_damage(tmp_path):
     """Before: `vitctl status` (of every job) and `cancel` ended in a UnicodeDecodeError traceback, and so did the
     resumed run's rank 0 (metrics.jsonl read strictly)."""

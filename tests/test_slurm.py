@@ -167,7 +167,10 @@ def test_cancel_shows_cancelled(prepared_shards, tmp_path):
     (["--partition", "gpu"], "--partition 'gpu' does not exist; partitions: debug"),
     (["--nodes", 3], "--nodes 3 but partition debug has 2 nodes"),
     (["--gpus", 8], "partition debug's nodes have no GPUs"),
-    (["--tasks-per-node", 4], "4 tasks x 1 CPUs per node but partition debug's nodes have 2 CPUs"),
+    (["--tasks-per-node", 4], "4 tasks x 1 CPUs per node but partition debug's nodes have 2 CPUs: pass fewer tasks "
+                              "a node (--tasks-per-node, or --gpus, with more --nodes)"),
+    (["--cpus-per-gpu", 3], "2 tasks x 3 CPUs per node but partition debug's nodes have 2 CPUs: pass --cpus-per-gpu 1, "
+                            "or fewer tasks a node"),
     (["--time", "1:xx"], "is not a Slurm time"),
     (["--partition", "gpu", "--dry-run"], "--partition 'gpu' does not exist; partitions: debug"),
 ])
@@ -179,6 +182,12 @@ def test_bad_requests_are_refused_before_submission(prepared_shards, tmp_path, e
     assert result.exit_code == 1 and message in result.stderr, result.stderr
     assert registry.load_records() == []
     assert not (tmp_path / "run/submitit").exists()
+
+
+def test_the_cpu_refusal_s_fix_fits_the_node(prepared_shards, tmp_path):
+    args = ["train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *SLURM_2x2, "--dry-run"]
+    ok(*args, "--cpus-per-gpu", 1)  # what the refusal of --cpus-per-gpu 3 names
+    ok(*args[:-1], "--nodes", 2, "--tasks-per-node", 1, "--dry-run")  # fewer tasks a node, more nodes
 
 
 def test_a_bad_config_is_refused_before_the_queue(prepared_shards, tmp_path):

@@ -287,8 +287,10 @@ def validate_slurm(request: LaunchRequest) -> tuple[str, int]:
                         f"{part['gpus'] or 'no'} GPUs (use --gpus 0 --tasks-per-node K for CPU ranks)")
     cpus = request.tasks * (request.cpus_per_gpu or 1)
     if cpus > part["cpus"]:
+        fixes = [f"--cpus-per-gpu {part['cpus'] // request.tasks}"] if part["cpus"] >= request.tasks else []
+        fixes.append("fewer tasks a node (--tasks-per-node, or --gpus, with more --nodes)")
         problems.append(f"{request.tasks} tasks x {request.cpus_per_gpu or 1} CPUs per node but partition "
-                        f"{name}'s nodes have {part['cpus']} CPUs")
+                        f"{name}'s nodes have {part['cpus']} CPUs: pass {', or '.join(fixes)}")
     if part["limit"] is not None and minutes > part["limit"]:
         problems.append(f"--time {request.time} exceeds partition {name}'s limit of {part['limit']} minutes")
     if mem := _mem_problem(request.mem, name):
