@@ -37,7 +37,7 @@ PENDING_REASONS = {
     "NodeDown": "waiting for a node that is down",
     "Dependency": "waiting for the jobs it depends on",
     "JobHeldUser": "held: `scontrol release JOB` lets it start",
-    "JobHeldAdmin": "held by an administrator",
+    "JobHeldAdmin": "held by an administrator, who alone can release it (`scontrol release JOB`)",
 }
 RANK_FAILED = re.compile(r"^[\w.]*RankFailed: ")
 TIME_LIMIT_REACHED = re.compile(r"^[\w.]*TimeLimitReached: (.*)")
