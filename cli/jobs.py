@@ -169,7 +169,7 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
 @click.argument("job")
 def cancel(job: str) -> None:
     """Cancel a job: a running one's ranks checkpoint, then stop (scancel on Slurm; SIGTERM to a local job); a
-    pending one leaves the queue."""
+    pending one leaves the queue; a local one that a first cancel did not stop (a hung rank) is killed by a second."""
     record = registry.find_record(job)
     if record.executor == "local" and record.cancelled and status.kill(record):
         click.echo(f"killed job {record.job_id} ({record.name}): the first cancel had not stopped it (a hung rank "
