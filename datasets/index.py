@@ -1,7 +1,6 @@
 """DALI webdataset index files (format v1.2), computed in-process from the shard's tar headers."""
 
 import re
-import shlex
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -113,7 +112,7 @@ def unfinished_splits(folder: Path) -> list[str]:
     return [f"the {split} split is incomplete ({len(info['shards'])} of {info['planned_shards']} shards written): "
             f"finish it with `{shard_command(folder, split, info)}`, then index again"
             for split, info in sorted(manifest["splits"].items())
-            if not info["complete"] or len(info["shards"]) != info["planned_shards"]]
+            if mf.unfinished(info)]
 
 
 def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
@@ -138,6 +137,5 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
                     samples += count
                     progress(1)
         except DataError as e:  # a shard `vitctl data shard` wrote, damaged since: verify names how to write it again
-            raise DataError(e.what, e.where, f"`vitctl data verify {shlex.quote(str(folder))}` checks every shard "
-                            "against manifest.json and prints the command that writes the damaged ones again") from None
+            raise DataError(e.what, e.where, mf.repair_advice(folder)) from None
     return len(paths), samples

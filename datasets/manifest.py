@@ -3,6 +3,7 @@
 import hashlib
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -118,14 +119,22 @@ def _shape_problem(manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def split_digest(manifest: dict[str, Any], split: str) -> str | None:
+def repair_advice(folder: Path) -> str:
+    """How to mend a shard of `folder` that is damaged or missing since `vitctl data shard` wrote it."""
+    return (f"`vitctl data verify {shlex.quote(str(folder))}` checks every shard against manifest.json and prints the "
+            "command that writes the damaged or missing ones again")
+
+
+def unfinished(info: dict[str, Any]) -> bool:
+    """Whether a split's `vitctl data shard` began and did not finish (or its shard list was cut short since)."""
+    return not info["complete"] or len(info["shards"]) != info["planned_shards"]
+
+
+def split_digest(classes: list[str], shards: list[dict[str, Any]]) -> str:
     """What identifies a split's samples and labels: the class list and each shard's name and sha256 (a copy of the
-    folder elsewhere has the same); None where the split is missing."""
-    info = manifest["splits"].get(split)
-    if info is None:
-        return None
-    shards = [[entry["name"], entry["sha256"]] for entry in info["shards"]]
-    return hashlib.sha256(json.dumps([manifest["classes"], shards]).encode()).hexdigest()[:16]
+    folder elsewhere has the same)."""
+    names = [[entry["name"], entry["sha256"]] for entry in shards]
+    return hashlib.sha256(json.dumps([classes, names]).encode()).hexdigest()[:16]
 
 
 def new(classes: list[str]) -> dict[str, Any]:

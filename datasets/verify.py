@@ -162,7 +162,7 @@ def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], N
     problems: dict[str, list[str]] = {}
     repairs: dict[str, str] = {}  # name -> how to fix its problems
     for split, info in splits.items():
-        if not info["complete"] or len(info["shards"]) != info["planned_shards"]:
+        if mf.unfinished(info):
             problems[f"split {split}"] = [f"incomplete: {len(info['shards'])} of {info['planned_shards']} shards "
                                           "written"]
             repairs[f"split {split}"] = REWRITE

@@ -539,7 +539,7 @@ def test_a_local_job_seen_from_another_host_is_not_called_dead_and_cancel_says_w
         registry.update_record(record.key, host=record.host)  # back on its host, the advice works
         assert "cancel requested" in ok("cancel", record.job_id).output
         _, stderr = job.communicate(timeout=120)
-        assert job.returncode == 0 or "checkpointed at step" in stderr, stderr
+        assert job.returncode == 1 and "was stopped (cancelled): checkpointed at step" in stderr, stderr
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

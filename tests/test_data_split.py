@@ -299,8 +299,8 @@ def test_a_shard_cut_short_or_gone_since_the_run_started_is_named_as_such(shards
         assert str(error.value) == (
             f"{shard}: cut short since the run started: the file is {int(table.offset[last]) + 10} bytes, and the "
             f"sample at offset {int(table.offset[last])} needs {int(table.offset[last]) + int(table.size[last])}\n"
-            f"fix: `vitctl data verify {shards_copy}` checks the folder against its manifest and prints the command "
-            "that writes missing or damaged shards again; then --resume")
+            f"fix: `vitctl data verify {shards_copy}` checks every shard against manifest.json and prints the command "
+            "that writes the damaged or missing ones again; then --resume")
     gone = int(np.flatnonzero(table.shard == 1)[0])
     Path(table.paths[1]).unlink()
     with pytest.raises(DataError, match="the shard is gone: it was there when the run started"):

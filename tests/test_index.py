@@ -120,7 +120,8 @@ def test_a_damaged_shard_names_verify_which_prints_the_command_that_mends_it(sha
     result = vitctl("data", "index", shards_copy)
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().endswith(f"fix: `vitctl data verify {shards_copy}` checks every shard against "
-                                          "manifest.json and prints the command that writes the damaged ones again")
+                                          "manifest.json and prints the command that writes the damaged or missing "
+                                          "ones again")
     verified = vitctl("data", "verify", shards_copy)
     assert verified.exit_code == 1 and "imagenet-val-000001.tar" in verified.output and " run:\n" in verified.output
 

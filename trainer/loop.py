@@ -29,7 +29,6 @@ from . import checkpoint as ckpt
 from . import runlock
 from .config import ConfigError, RunConfig, config_from_dict
 from .data import Batch, build_data
-from .data.shards import train_digest
 from .fp8 import convert_to_float8
 from .metrics import MetricsWriter, mfu
 from .models import build_model
@@ -125,8 +124,6 @@ class Trainer:
         self.strategy = preflight(config, env.world_size, env.device, resuming=bool(checkpoints))
         self.mesh = build_mesh(parallel_dims(self.strategy, env.world_size), env.device)
         self.data = build_data(config, self.mesh.dp_rank, self.mesh.dp_size, env.device)
-        reads_shards = config.data.source != "synthetic" and config.data.path
-        self.data_digest = train_digest(Path(config.data.path)) if reads_shards else None  # checkpoints record it
         self.ops = resolve(config.train.fused, env.device, compiling=config.train.compile)
         self.precision = Precision(config.train.precision, env.device)
         # On the meta device: parallelize divides it, then each rank allocates and initialises only its own part.
@@ -224,7 +221,7 @@ class Trainer:
         self._refuse_nonfinite(window, state["model"])
         meta = {"step": self.position.step, "position": asdict(self.position), "world_size": self.env.world_size,
                 "mesh": asdict(self.mesh.dims), "layout": self.strategy.layout(self.env.world_size),
-                "config": self.c.to_dict(), "data": self.data_digest, "time": time.time()}
+                "config": self.c.to_dict(), "data": self.data.digest, "time": time.time()}
         self.writer.save(self.position.step, state, meta, blocking)
 
     def _bring_up_to_date(self, masters: bool) -> None:

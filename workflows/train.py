@@ -176,7 +176,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
 
 
 def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo) -> None:
-    """What a resumed run should know of its last checkpoint `last`: nothing left to train, other settings."""
+    """What a resumed run should know of its last checkpoint `last`: nothing left to train, other settings, other
+    train samples."""
     meta = checkpoint.read_meta(last)
     step = meta["step"]
     if config.train.max_steps and step > config.train.max_steps:

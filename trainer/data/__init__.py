@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from vitctl.datasets import manifest as mf
+
 from ..config import RunConfig
 from .augment import recipe_of
 from .loader import Batch, EvalBatches, LoaderSpec, TrainBatches
@@ -29,6 +31,7 @@ class Data:
     plan: EpochPlan
     eval: Callable[[], Iterator[Batch | None]] | None
     num_classes: int | None  # from the manifest
+    digest: str | None = None  # the train samples' identity (manifest.split_digest), which checkpoints record
 
 
 def dali_installed() -> bool:
@@ -63,7 +66,8 @@ def build_data(config: RunConfig, dp_rank: int, dp_size: int, device: torch.devi
         train = DaliTrainBatches(table, spec, plan, threads=max(1, c.workers))
     else:
         train = TrainBatches(table, spec, plan)
-    return Data(source, train, plan, _eval_batches(folder, spec, batch, dp_rank, dp_size), len(classes))
+    return Data(source, train, plan, _eval_batches(folder, spec, batch, dp_rank, dp_size), len(classes),
+                mf.split_digest(classes, shards))
 
 
 def _eval_batches(folder: Path, spec: LoaderSpec, batch: int, dp_rank: int, dp_size: int) -> EvalBatches | None:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from vitctl.datasets.errors import DataError
 from vitctl.datasets.images import PIL_ERRORS
 from vitctl.datasets.index import index_path
+from vitctl.datasets.manifest import repair_advice
 
 from .augment import Recipe, TimmTransforms
 from .draws import draw_for_size, stack_draws
@@ -42,14 +43,11 @@ class LoaderSpec:
     branch: str  # config.LOADER_BRANCHES: where decode, crop and the recipe run (DataConfig.decode)
 
 
-_MEND = ("`vitctl data verify {folder}` checks the folder against its manifest and prints the command that writes "
-         "missing or damaged shards again; then --resume")
-
-
 def _cut_short(shard: Path, offset: int, size: int) -> DataError:
     """A shard truncated since the run started (its sample lies past the end): not an index of another shard."""
     return DataError(f"cut short since the run started: the file is {shard.stat().st_size} bytes, and the sample at "
-                     f"offset {offset} needs {offset + size}", str(shard), _MEND.format(folder=shard.parent))
+                     f"offset {offset} needs {offset + size}", str(shard),
+                     f"{repair_advice(shard.parent)}; then --resume")
 
 
 class ShardReader:
@@ -68,7 +66,7 @@ class ShardReader:
                 f = self.files[shard] = open(path, "rb")  # noqa: SIM115  (kept open for reuse)
             except FileNotFoundError:
                 raise DataError("the shard is gone: it was there when the run started", str(path),
-                                _MEND.format(folder=path.parent)) from None
+                                f"{repair_advice(path.parent)}; then --resume") from None
         f.seek(offset)
         data = f.read(size)
         if len(data) < size:

@@ -49,7 +49,7 @@ def split_shards(folder: Path, split: str) -> tuple[list[dict[str, Any]], list[s
                            f"--out {quoted} --split {split}` (ROOT: the --out of `vitctl data extract`) and `vitctl "
                            f"data index {quoted}`")
     # a split whose shard list was cut short would train on fewer samples without a word
-    if not info["complete"] or len(info["shards"]) != info["planned_shards"]:
+    if mf.unfinished(info):
         raise SplitIncomplete(f"data.path {folder}: the {split} split is incomplete ({len(info['shards'])} of "
                               f"{info['planned_shards']} shards recorded); finish it with "
                               f"`{shard_command(folder, split, info)} && vitctl data index {quoted}`")
@@ -64,10 +64,11 @@ def split_shards(folder: Path, split: str) -> tuple[list[dict[str, Any]], list[s
 
 
 def train_digest(folder: Path) -> str | None:
-    """The identity of the folder's train samples (manifest.split_digest), which a checkpoint records; None without a
+    """The identity of the folder's train samples (manifest.split_digest), as a checkpoint records it; None without a
     manifest or a train split."""
     manifest = mf.load(folder)
-    return mf.split_digest(manifest, "train") if manifest else None
+    train = manifest["splits"].get("train") if manifest else None
+    return mf.split_digest(manifest["classes"], train["shards"]) if train else None
 
 
 def _changed(folder: Path, entry: dict[str, Any]) -> str | None:
