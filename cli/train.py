@@ -101,8 +101,11 @@ def _request(o: dict) -> wf.LaunchRequest:
                             o["container_mounts"], o["max_requeues"])
 
 
-def _run(o: dict) -> None:
+def _run(o: dict, finetune: bool = False) -> None:
     config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]), o["resume"], FLAG_NAMES)
+    if finetune and not config.finetune.from_ckpt:
+        raise wf.ConfigError("vitctl finetune needs the weights to start from: pass --from-ckpt PATH (a run or "
+                             "checkpoint folder, a `vitctl export` file, a timm or official Swin checkpoint)")
     request = _request(o)
     outcome = wf.launch(config, request, o["resume"], o["dry_run"],
                         lambda text: err_console.print(text, markup=False, highlight=False, soft_wrap=True))
@@ -144,15 +147,16 @@ def train(**options) -> None:
 
 
 @click.command()
-@click.option("--from-ckpt", required=True, type=GivenPath(path_type=Path),
-              help="Our checkpoint, a timm or official Swin checkpoint, or a plain state_dict.")
+@click.option("--from-ckpt", type=GivenPath(path_type=Path),
+              help="Our checkpoint, a timm or official Swin checkpoint, or a plain state_dict (or --set "
+                   "finetune.from_ckpt=PATH, or a preset that sets it).")
 @click.option("--trust-checkpoint", is_flag=True,
               help="Unpickle --from-ckpt in full when it holds Python objects besides tensors (official Swin "
                    "checkpoints do). That can run code: only for files you trust.")
 @run_options
 def finetune(**options) -> None:
     """Finetune from a checkpoint: new head when classes differ, position tables resized to the new resolution."""
-    _run(options)
+    _run(options, finetune=True)
 
 
 @click.command()

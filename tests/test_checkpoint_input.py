@@ -308,6 +308,18 @@ def test_a_run_folder_whose_head_does_not_fit_is_refused_before_launch_and_the_f
        1, *SETS, "--set", "model.num_classes=4", "--set", "finetune.reset_head=true")
 
 
+def test_finetune_asks_for_weights_and_takes_them_from_set_as_from_flag(pretrained, tmp_path):
+    """Without weights finetune says how to give them; `--set finetune.from_ckpt=` gives them as --from-ckpt does."""
+    where = ["--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, "--steps", 1, *SETS]
+    result = vitctl("finetune", *where)
+    assert result.exit_code == 1 and "vitctl finetune needs the weights to start from: pass --from-ckpt PATH" \
+        in result.stderr, result.stderr
+    assert not (tmp_path / "ft").exists()
+    ok("finetune", *where, "--set", f"finetune.from_ckpt={pretrained}")
+    saved = ckpt.read_meta(ckpt.list_checkpoints(tmp_path / "ft")[-1])["config"]
+    assert saved["finetune"]["from_ckpt"] == str(pretrained.absolute())
+
+
 def test_weights_resized_to_the_model_with_a_new_head_pass_the_check_before_launch(pretrained, tmp_path):
     """The check reads names and shapes only (a safetensors header), and resizes position embeddings as the ranks do."""
     export = tmp_path / "w.safetensors"

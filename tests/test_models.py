@@ -1,11 +1,13 @@
 """Our model files against timm's: same state_dict names, same logits; official Swin and finetune loading."""
 
+import re
+
 import pytest
 import timm
 import torch
 
 from vitctl.trainer.config import ConfigError, ModelConfig
-from vitctl.trainer.models import build_model
+from vitctl.trainer.models import build_model, weights_of
 from vitctl.trainer.models.layers import patch_projection
 from vitctl.trainer.ops import resolve
 from vitctl.trainer.pretrained import load_pretrained
@@ -105,11 +107,33 @@ def test_swin_relative_tables_are_interpolated_for_a_new_window(tmp_path):
     assert target(torch.randn(1, 3, 96, 96)).shape == (1, 1000)
 
 
-def test_mismatched_architecture_names_the_keys(tmp_path):
+def test_mismatched_architecture_names_the_keys_and_the_model_the_file_holds(tmp_path):
     path = tmp_path / "vit.pt"
     torch.save(ours("vit_micro", img_size=32).state_dict(), path)
-    with pytest.raises(ConfigError, match=r"does not fit model swin_micro: missing \(\d+\): layers\.0\..*unexpected"):
+    with pytest.raises(ConfigError, match=r"does not fit model swin_micro: missing \(\d+\): layers\.0\..*unexpected.*; "
+                                          r"the file holds the weights of a vit_micro: finetune them with --model "
+                                          r"vit_micro, or use weights of a swin_micro$"):
         load_pretrained(ours("swin_micro", img_size=32, window_size=4), path, None, "swin_micro")
+
+
+def test_swin_weights_of_another_width_name_the_model_and_window_and_the_fix_loads_them(tmp_path):
+    path = tmp_path / "swin.pt"
+    torch.save(ours("swin_mini", img_size=32, window_size=4).state_dict(), path)
+    with pytest.raises(ConfigError, match=r"the file holds the weights of a swin_mini at window 4: finetune them with "
+                                          r"--model swin_mini,") as error:
+        load_pretrained(ours("swin_micro", img_size=32, window_size=4), path, None, "swin_micro")
+    named = re.search(r"--model (\w+)", str(error.value)).group(1)
+    assert load_pretrained(ours(named, img_size=64, window_size=8), path, None, named) == []  # the table resized
+
+
+@pytest.mark.parametrize(("timm_name", "held"), [("vit_base_patch16_224", ("vit_b16", None)),
+                                                 ("swin_tiny_patch4_window7_224", ("swin_t", 7)),
+                                                 ("swin_base_patch4_window12_384", ("swin_b", 12)),
+                                                 ("deit_tiny_patch16_224", None)])
+def test_timm_weights_are_named_by_the_model_they_fit(timm_name, held):
+    with torch.device("meta"):
+        state = timm.create_model(timm_name).state_dict()
+    assert weights_of(state) == held
 
 
 def test_bad_image_size_for_the_window_is_a_config_error():

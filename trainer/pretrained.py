@@ -29,6 +29,7 @@ from torch.serialization import MAGIC_NUMBER, get_unsafe_globals_in_checkpoint
 from .checkpoint import consolidated, read_meta, resolve_checkpoint, stored_tensors
 from .config import ConfigError
 from .integrity import nonfinite, tensors_sha256
+from .models import weights_of
 from .models.layers import copy_whole, init_module, packed_layout
 
 log = logging.getLogger("vitctl.finetune")
@@ -333,9 +334,19 @@ def fit(state: dict[str, torch.Tensor], path: Path, model: nn.Module, reset_head
             details.append("the checkpoint has no classifier head that fits this model: start a new one with "
                            "--set finetune.reset_head=true")
         else:  # a new head would leave the rest unfitted: these are weights of another architecture
-            details.append(f"use weights of a {model_name}, or --model set to the architecture they are of")
+            details.append(_other_architecture(state, model_name))
         raise ConfigError(f"finetune.from_ckpt {path} does not fit model {model_name}: " + "; ".join(details))
     return Pretrained(path, state, fresh)
+
+
+def _other_architecture(state: dict[str, torch.Tensor], model_name: str) -> str:
+    """How to fit weights of another architecture, naming it where a registered model matches."""
+    held = weights_of(state)
+    if held is None or held[0] == model_name:
+        return f"use weights of a {model_name}, or --model set to the architecture they are of"
+    name, window = held
+    of = name if window is None else f"{name} at window {window}"
+    return f"the file holds the weights of a {of}: finetune them with --model {name}, or use weights of a {model_name}"
 
 
 def load_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model_name: str, *, trust: bool = False,

@@ -1,9 +1,11 @@
 """Model registry: a name maps to a model family and its hyperparameters."""
 
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
 from ..config import ConfigError, ModelConfig
 from ..ops import Ops
@@ -126,3 +128,44 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     from .layers import CheckpointableBlock
 
     return [m for m in model.modules() if isinstance(m, CheckpointableBlock)]
+
+
+def weights_of(state: dict[str, Tensor]) -> tuple[str, int | None] | None:
+    """The registered model whose weights `state` (timm's names) holds, and a Swin's window; None when none fits."""
+    embed = state.get("patch_embed.proj.weight")
+    if embed is None or embed.ndim != 4:
+        return None
+    if "pos_embed" in state:
+        depth = _count(state, r"blocks\.(\d+)\.")
+        fc1 = state.get("blocks.0.mlp.fc1.weight")
+        found = {"family": VisionTransformer, "patch": embed.shape[-1], "dim": embed.shape[0], "depth": depth,
+                 "hidden": fc1.shape[0] if fc1 is not None else None}
+        window = None
+    else:
+        stages = _count(state, r"layers\.(\d+)\.")
+        depths = tuple(_count(state, rf"layers\.{i}\.blocks\.(\d+)\.") for i in range(stages))
+        tables = [state.get(f"layers.{i}.blocks.0.attn.relative_position_bias_table") for i in range(stages)]
+        if any(t is None or t.ndim != 2 for t in tables):
+            return None
+        found = {"family": SwinTransformer, "dim": embed.shape[0], "depths": depths,
+                 "heads": tuple(t.shape[1] for t in tables)}
+        window = (math.isqrt(tables[0].shape[0]) + 1) // 2
+    for name, spec in MODELS.items():
+        if _spec_fields(spec) == found:
+            return name, window
+    return None
+
+
+def _count(state: dict[str, Tensor], pattern: str) -> int:
+    """One more than the largest index `pattern` captures at the start of a key (0 when none does)."""
+    indices = [int(m.group(1)) for key in state if (m := re.match(pattern, key))]
+    return max(indices, default=-1) + 1
+
+
+def _spec_fields(spec: ModelSpec) -> dict:
+    """What `weights_of` reads off a state_dict, for a registered model."""
+    kw = spec.kwargs
+    if spec.family is SwinTransformer:
+        return {"family": SwinTransformer, "dim": kw["dim"], "depths": kw["depths"], "heads": kw["heads"]}
+    return {"family": VisionTransformer, "patch": kw["patch"], "dim": kw["dim"], "depth": kw["depth"],
+            "hidden": int(kw["dim"] * kw.get("mlp_ratio", 4.0))}
