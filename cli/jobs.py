@@ -168,22 +168,24 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
 @click.command()
 @click.argument("job")
 def cancel(job: str) -> None:
-    """Cancel a job: a running one's ranks checkpoint, then stop (scancel on Slurm; SIGTERM to a local job); a
-    pending one leaves the queue; a local one that a first cancel did not stop (a hung rank) is killed by a second."""
+    """Cancel a job: a running one's ranks checkpoint, then stop (SIGTERM to them); a pending one leaves the queue;
+    one that a first cancel did not stop (a hung rank) is ended at once by a second."""
     record = registry.find_record(job)
-    if record.executor == "local" and record.cancelled and status.kill(record):
-        click.echo(f"killed job {record.job_id} ({record.name}): the first cancel had not stopped it (a hung rank "
-                   "holds the others' stop); the steps since its last checkpoint are lost, and --resume goes on from "
-                   "that checkpoint")
+    if record.cancelled and status.kill(record):
+        how = "scancel: Slurm kills ranks that have not ended within its KillWait" if record.executor == "slurm" \
+            else "killed it"
+        click.echo(f"ended job {record.job_id} ({record.name}) at once ({how}): the first cancel had not stopped it "
+                   "(a hung rank holds the others' stop); the steps since its last checkpoint are lost, and --resume "
+                   "goes on from that checkpoint")
         return
     found, requested = status.cancel(record)
     if requested and found.state == "PENDING":
         click.echo(f"cancelled job {record.job_id} ({record.name}) while it was pending: it leaves the queue; no rank "
                    "is running, so there is nothing to checkpoint")
     elif requested:
-        again = "; if it does not stop, cancel again to kill it" if record.executor == "local" else ""
         click.echo(f"cancel requested for job {record.job_id} ({record.name}): its ranks checkpoint, then stop; "
-                   f"`vitctl status {record.job_id}` shows when it has ended{again}")
+                   f"`vitctl status {record.job_id}` shows when it has ended; if it does not stop, cancel again to "
+                   "end it at once")
     elif found.state == "SUBMITTING":
         raise LaunchError(f"the job into {record.run_dir} is still being submitted ({found.note}); run `vitctl "
                           "cancel` again once `vitctl jobs` shows its id")

@@ -219,11 +219,11 @@ def test_a_hung_rank_s_job_is_killed_by_a_second_cancel_and_resume_goes_on(tmp_p
         os.kill(_rank_pid(out, 1), signal.SIGSTOP)
         record = registry.find_record(str(out))
         first = ok("cancel", record.job_id).output
-        assert first.strip().endswith("; if it does not stop, cancel again to kill it"), first
+        assert first.strip().endswith("; if it does not stop, cancel again to end it at once"), first
         time.sleep(3)
         assert job.poll() is None  # the hung rank holds the stop
-        assert ok("cancel", record.job_id).output.startswith(f"killed job {record.job_id} (vit_micro-run): the first "
-                                                             "cancel had not stopped it")
+        assert ok("cancel", record.job_id).output.startswith(f"ended job {record.job_id} (vit_micro-run) at once "
+                                                             "(killed it): the first cancel had not stopped it")
         _, stderr = job.communicate(timeout=60)
         assert "killed by a second `vitctl cancel`: the steps since its last checkpoint are lost" in stderr, stderr
     finally:
@@ -323,16 +323,19 @@ def test_logs_follow_of_a_job_that_ends_before_its_rank_starts_says_so(tmp_path)
     """Before: the header of two log files that never came, and exit 0 (a job cancelled while pending)."""
     run = tmp_path / "run"
     (run / "submitit").mkdir(parents=True)
-    job = subprocess.Popen(["sleep", "3"])  # the job's controller, gone in 3 s without a rank having started
+    job = subprocess.Popen(["sleep", "600"])  # the job's controller, which ends without a rank having started
     record = registry.JobRecord(str(job.pid), "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0,
                                 time.time(), started=submit.start_time(job.pid))
     registry.add_record(record)
-    followed = subprocess.run([VITCTL, "logs", record.job_id, "--follow"], capture_output=True, text=True,
-                              timeout=60, env=os.environ)
+    follower = subprocess.Popen([VITCTL, "logs", record.job_id, "--follow"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=os.environ)
+    waiting = follower.stderr.readline()
+    job.kill()
     job.wait()
-    assert followed.returncode == 1 and followed.stdout == "", followed.stdout
-    assert followed.stderr.startswith(f"waiting for rank 0 of job {job.pid} to start (RUNNING)\nerror: job "
-                                      f"{job.pid} (FAILED) ended without a log for rank 0"), followed.stderr
+    stdout, stderr = follower.communicate(timeout=60)
+    assert waiting == f"waiting for rank 0 of job {job.pid} to start (RUNNING)\n", waiting + stderr
+    assert follower.returncode == 1 and stdout == "", stdout
+    assert stderr.startswith(f"error: job {job.pid} (FAILED) ended without a log for rank 0"), stderr
 
 
 def test_status_of_a_job_with_a_damaged_result_and_metrics_says_so_and_resume_drops_the_damage(tmp_path):

@@ -4,6 +4,7 @@ requeue from checkpoint, cancel, status. Marked slurm."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -147,12 +148,28 @@ def test_after_a_node_failure_status_says_why_the_job_waits(prepared_shards, tmp
     assert wait_for(job, status.TERMINAL) == "CANCELLED"
 
 
-def test_cancel_shows_cancelled(prepared_shards, tmp_path):
+def wait_for_steps(run_dir: Path, steps: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while logged_steps(run_dir) < steps and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert logged_steps(run_dir) >= steps
+
+
+def vitctl_state(job: str) -> status.JobState:
+    return status.state_of(registry.find_record(job))
+
+
+def test_cancel_signals_the_ranks_so_that_kill_wait_cannot_cut_their_checkpoint_short(prepared_shards, tmp_path):
+    """scancel gives the ranks KillWait (5 s on the dev cluster) to checkpoint before SIGKILL; the ranks are signalled
+    instead, and the job ends once they have checkpointed: to Slurm it completed, to vitctl it was cancelled."""
     job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
-    wait_for(job, {"RUNNING"})
+    wait_for_steps(tmp_path / "run", 2)
     assert "cancel requested" in ok("cancel", job).output
-    assert wait_for(job, status.TERMINAL) == "CANCELLED"
-    assert "has already ended (CANCELLED)" in ok("cancel", job).output
+    assert wait_for(job, status.TERMINAL) == "COMPLETED"  # Slurm never cancelled it
+    state = vitctl_state(job)
+    step = int(re.fullmatch(r"checkpointed at step (\d+) on a signal: --resume continues from there", state.note)[1])
+    assert state.state == "CANCELLED" and ckpt.list_checkpoints(tmp_path / "run")[-1].name == f"step-{step:08d}"
+    assert "has already ended (CANCELLED" in ok("cancel", job).output
     text = ok("status", job).output  # not a terminal: plain text
     assert f"{job}\tvit_micro-run\tCANCELLED\t2x2 CPU" in text
     console = Console(record=True, width=200)
@@ -230,7 +247,40 @@ def test_one_run_folder_takes_one_live_job(prepared_shards, tmp_path):
         assert f"cancel it (`vitctl cancel {job}`), or choose another --out" in refused.stderr
     assert [r.job_id for r in registry.load_records()] == [job]
     ok("cancel", job)
-    assert wait_for(job, status.TERMINAL) == "CANCELLED"
+    wait_for(job, status.TERMINAL)
+    assert vitctl_state(job).state == "CANCELLED"
+
+
+def slurm_rank_pid(job: str, rank: int) -> int:
+    """The PID of one rank of a job on the dev cluster (whose nodes are this machine)."""
+    wanted = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_PROCID={rank}".encode(), b"SLURM_STEP_ID=0"}
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and wanted <= set((proc / "environ").read_bytes().split(b"\0")) \
+                    and b"submitit" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            continue
+    assert found, f"no process of rank {rank} of job {job}"
+    return min(found)  # the rank, not a process it started
+
+
+def test_a_second_cancel_ends_a_job_whose_hung_rank_holds_the_others_stop(prepared_shards, tmp_path):
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
+    try:
+        wait_for_steps(tmp_path / "run", 2)
+        os.kill(slurm_rank_pid(job, 1), signal.SIGSTOP)  # as a rank stuck in a driver call
+        assert ok("cancel", job).output.strip().endswith("if it does not stop, cancel again to end it at once")
+        time.sleep(3)
+        state = vitctl_state(job)
+        assert state.state == "RUNNING" and state.note.endswith("cancel requested"), state
+        assert ok("cancel", job).output.startswith(f"ended job {job} (vit_micro-run) at once (scancel: Slurm kills "
+                                                   "ranks that have not ended within its KillWait)")
+        assert wait_for(job, status.TERMINAL) == "CANCELLED"
+        assert vitctl_state(job).state == "CANCELLED"
+    finally:
+        subprocess.run(["scancel", job], check=False)
 
 
 @pytest.mark.slow
@@ -283,10 +333,12 @@ def test_a_failing_scancel_is_a_clear_error(prepared_shards, tmp_path, monkeypat
         patch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
         result = vitctl("cancel", job)
     assert result.exit_code == 1 and "Traceback" not in result.stderr
-    assert (f"error: scancel {job} failed: scancel: error: Unable to contact slurm controller (connect failure); "
-            f"`squeue -j {job}` shows whether it is still queued") in result.stderr
+    assert re.search(rf"error: scancel (--signal=TERM )?{job} failed: scancel: error: Unable to contact slurm "
+                     rf"controller \(connect failure\); `squeue -j {job}` shows whether it still waits or runs",
+                     result.stderr), result.stderr
     ok("cancel", job)
-    assert wait_for(job, status.TERMINAL) == "CANCELLED"
+    wait_for(job, status.TERMINAL)
+    assert vitctl_state(job).state == "CANCELLED"
 
 
 @pytest.mark.slow

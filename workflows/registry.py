@@ -48,13 +48,13 @@ class JobRecord:
     tasks_per_node: int
     gpus_per_node: int
     submitted: float  # unix time
-    cancelled: bool = False  # local jobs only; Slurm keeps its own record
+    cancelled: bool = False  # `vitctl cancel` asked its ranks to stop
     command: list[str] = field(default_factory=list)
     started: int | None = None  # local jobs: their controller's (PID = job_id) start time, see process.start_time
     submitter: list[int] | None = None  # while job_id is "": [PID, start time] of the vitctl submitting it
     host: str | None = None  # local jobs: the host and PID namespace their PIDs are in (process.pid_space)
     pid_namespace: str | None = None
-    killed: bool = False  # local jobs: a second cancel killed its processes (the first had not stopped them)
+    killed: bool = False  # a second cancel killed its processes (the first had not stopped them)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # the registry's own id
 
     @property

@@ -227,14 +227,29 @@ def state_of(record: JobRecord, slurm: dict[str, JobState] | None = None) -> Job
     else:
         slurm = slurm_states([record.job_id]) if slurm is None else slurm
         state = slurm.get(record.job_id, JobState("UNKNOWN", None, "neither squeue nor sacct knows it"))
-        if state.state == "CANCELLED":  # scancel's SIGTERM: the ranks checkpoint before they end, as a local job's
-            stopped = _stop_note(_result(_result_path(record, 0)))
-            state = replace(state, note="; ".join(filter(None, [state.note, stopped])))
+        state = _slurm_cancel_state(record, state)
     if state.state in FAILED:
         out_of_time = _out_of_time(record)  # a job that ended on its time limit is no failure of a rank
         state = JobState("TIMEOUT" if out_of_time else state.state, state.elapsed_s,
                          "; ".join(filter(None, [state.note, out_of_time or failure(record)])))
     return state
+
+
+def _slurm_cancel_state(record: JobRecord, state: JobState) -> JobState:
+    """A Slurm job as its cancel left it: `vitctl cancel` signals the ranks, which checkpoint and end (COMPLETED to
+    Slurm); a second cancel, or scancel, cancels it (its ranks checkpoint too when they can within KillWait)."""
+    if state.state == "RUNNING" and record.cancelled:
+        return replace(state, note="; ".join(filter(None, [state.note, "cancel requested"])))
+    if state.state == "FAILED" and record.cancelled and not rank_failures(record):
+        # the signal came before a rank took it (Python starting): killed before it trained
+        return JobState("CANCELLED", state.elapsed_s, "cancelled as its ranks started, before they trained")
+    if state.state not in ("CANCELLED", "COMPLETED") or (state.state == "COMPLETED" and not record.cancelled):
+        return state
+    stopped = _stop_note(_result(_result_path(record, 0)))
+    if state.state == "COMPLETED" and not stopped:
+        return state  # it had finished training when the cancel came
+    killed = KILLED_NOTE if record.killed and not stopped else ""
+    return JobState("CANCELLED", state.elapsed_s, "; ".join(filter(None, [state.note, stopped, killed])))
 
 
 def _out_of_time(record: JobRecord) -> str | None:
@@ -420,7 +435,15 @@ def cancel(record: JobRecord) -> tuple[JobState, bool]:
         if current.state == "UNKNOWN":  # scancel would say nothing and succeed
             raise LaunchError(f"Slurm knows no job {record.job_id} (neither squeue nor sacct lists it), so there is "
                               "nothing to cancel; `squeue -u $USER` lists your jobs in the queue")
-        _scancel(record.job_id)
+        update_record(record.key, cancelled=True)  # first: whoever sees it end then knows why
+        # A cancelled job's ranks get SIGKILL KillWait seconds after its SIGTERM, maybe before their checkpoint is
+        # written: the ranks are signalled instead, and the job ends once they have checkpointed.
+        if current.state == "RUNNING" and _ranks_started(record.job_id):
+            with contextlib.suppress(OSError):  # a folder this machine cannot write: the signal still goes out
+                cancel_marker(record.folder, record.job_id).touch()
+            _scancel(record.job_id, "--signal=TERM")  # to its steps, not the job: Slurm does not cancel it
+        else:
+            _scancel(record.job_id)
         return current, True
     if (away := elsewhere(record)) and current.state == "UNKNOWN":
         raise LaunchError(f"cannot cancel job {record.job_id}: it is a local job that runs {away}, whose processes "
@@ -432,13 +455,25 @@ def cancel(record: JobRecord) -> tuple[JobState, bool]:
     return current, True
 
 
+def cancel_marker(folder: str | Path, job_id: str) -> Path:
+    """What `vitctl cancel` leaves in a Slurm job's folder: a rank that starts while (or after) its ranks are
+    signalled, when it could not yet take the signal, stops as if it had."""
+    return Path(folder) / f"{job_id}.cancel"
+
+
 KILLED_NOTE = ("killed by a second `vitctl cancel`: the steps since its last checkpoint are lost; --resume goes on "
                "from that checkpoint")
 
 
 def kill(record: JobRecord) -> bool:
-    """SIGKILL a local job's ranks and controller: for one that a cancel did not stop (a hung rank holds the others'
-    stop in a collective). Whether it was running."""
+    """End a job that a cancel did not stop (a hung rank holds the others' stop in a collective): SIGKILL a local
+    job's ranks and controller, scancel a Slurm job. Whether it was running."""
+    if record.executor == "slurm" and record.job_id:
+        if state_of(record).finished:
+            return False
+        update_record(record.key, killed=True)
+        _scancel(record.job_id)
+        return True
     if elsewhere(record) or not record.job_id or not is_running(int(record.job_id), record.started):
         return False
     update_record(record.key, killed=True)  # first: whoever sees it end then knows why
@@ -459,8 +494,16 @@ def slurm_command(args: list[str], fix: str) -> subprocess.CompletedProcess[str]
         raise LaunchError(f"cannot run {args[0]} ({e.strerror}): install the Slurm client commands, or {fix}") from None
 
 
-def _scancel(job_id: str) -> None:
-    done = slurm_command(["scancel", job_id], f"run `vitctl cancel {job_id}` again (from a machine with Slurm)")
+def _ranks_started(job_id: str) -> bool:
+    """Whether the job's srun step (its ranks) has started: before, the batch script alone runs."""
+    steps = slurm_command(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"],
+                          f"run `vitctl cancel {job_id}` again (from a machine with Slurm)").stdout.split()
+    return any(re.fullmatch(rf"{re.escape(job_id)}\.\d+", step) for step in steps)
+
+
+def _scancel(job_id: str, *options: str) -> None:
+    command = ["scancel", *options, job_id]
+    done = slurm_command(command, f"run `vitctl cancel {job_id}` again (from a machine with Slurm)")
     if done.returncode:
-        raise LaunchError(f"scancel {job_id} failed: {done.stderr.strip() or f'exit status {done.returncode}'}; "
-                          f"`squeue -j {job_id}` shows whether it is still queued")
+        raise LaunchError(f"{' '.join(command)} failed: {done.stderr.strip() or f'exit status {done.returncode}'}; "
+                          f"`squeue -j {job_id}` shows whether it still waits or runs")

@@ -205,6 +205,9 @@ class TrainTask(submitit.helpers.Checkpointable):
         rendezvous.export(set_cuda_visible_devices=False, overwrite=True)
         # Ours replace submitit's handlers: its USR2 one would requeue before we could checkpoint.
         stop = StopSignals(signal.SIGUSR2, signal.SIGTERM)
+        environment = submitit.JobEnvironment()
+        if status.cancel_marker(environment.paths.folder, environment.job_id).exists():
+            stop.received = signal.SIGTERM  # cancelled while this rank started, before it could take the signal
         result = train_rank(self.job, stop)
         if result.get("stopped") and stop.received == signal.SIGUSR2:
             try:
