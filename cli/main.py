@@ -31,30 +31,39 @@ def _quiet_interrupt() -> Iterator[None]:
 
 
 with _quiet_interrupt():
+    import importlib
     from importlib.metadata import version
 
     import click
     from rich.markup import escape
 
     from vitctl.datasets.errors import DataError
-    from vitctl.workflows.errors import Interrupted
+    from vitctl.trainer.config import ConfigError
+    from vitctl.workflows.errors import Interrupted, LaunchError
     from vitctl.workflows.registry import UnknownJobError
-    from vitctl.workflows.train import ConfigError, LaunchError
 
-    from .bench import bench, doctor
-    from .config import config
     from .console import err_console
-    from .data import data
-    from .export import export
-    from .image import image
-    from .jobs import cancel, jobs, logs, status_command
-    from .plan import plan
-    from .train import finetune, rank, train
+
+# Each command's module is imported when the command runs: `status`, `logs`, `cancel` and `jobs` need no torch,
+# whose import takes seconds.
+COMMANDS = {"data": "data", "config": "config", "train": "train", "finetune": "train", "bench": "bench",
+            "doctor": "bench", "plan": "plan", "image": "image", "export": "export", "status": "jobs",
+            "jobs": "jobs", "logs": "jobs", "cancel": "jobs", "rank": "train"}
+ATTRIBUTES = {"status": "status_command"}  # where a command's function is not named as the command
 
 
 class VitctlGroup(click.Group):
-    """Turns bad input (data, config, a failed rank) anywhere below into a one-screen message and exit status 1,
-    and Ctrl-C into one line and exit status 130."""
+    """Loads each command as it runs; turns bad input (data, config, a failed rank) anywhere below into a
+    one-screen message and exit status 1, and Ctrl-C into one line and exit status 130."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"vitctl.cli.{COMMANDS[name]}")
+        return getattr(module, ATTRIBUTES.get(name, name))
 
     def invoke(self, ctx: click.Context):
         try:
@@ -80,18 +89,6 @@ class VitctlGroup(click.Group):
 @click.version_option(version("vitctl"), prog_name="vitctl")
 def cli() -> None:
     """vitctl: prepare ImageNet, train Swin and ViT, launch on Slurm, watch the jobs."""
-
-
-cli.add_command(data)
-cli.add_command(config)
-cli.add_command(train)
-cli.add_command(finetune)
-cli.add_command(bench)
-cli.add_command(doctor)
-cli.add_command(plan)
-cli.add_command(image)
-for command in (export, status_command, jobs, logs, cancel, rank):
-    cli.add_command(command)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import vitctl
+from vitctl.workflows import registry
 
 COMMANDS = ["synth", "extract", "valprep", "shard", "index", "verify"]
 
@@ -87,15 +88,32 @@ def test_shard_and_synth_options_say_what_they_take():
         assert len(line.split()) > 3, line  # option, type, and words of help
 
 
-def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(prepared_root, tmp_path):
-    args = [str(Path(sys.executable).parent / "vitctl"), "data", "shard", str(prepared_root), "--out",
-            str(tmp_path / "s")]
+def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(tmp_path):
+    args = [str(Path(sys.executable).parent / "vitctl"), "train", "--config", "demo_vit", "--out", str(tmp_path / "r"),
+            "--executor", "local", "--gpus", "0", "--dry-run"]
     proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # Python is up; loading the commands (torch) takes seconds more
+    time.sleep(1.0)  # Python is up; loading the train command (torch) takes seconds more
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+
+
+def test_job_commands_load_no_torch(tmp_path, monkeypatch):
+    """`status`, `jobs`, `logs` and `cancel` answer at once: torch's import took 5 s of each."""
+    monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
+    run = tmp_path / "run"
+    (run / "checkpoints/step-00000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 2, "loss": 1.5, "images_per_s": 10.0, "time": 1}\n')
+    registry.add_record(registry.JobRecord("999999999", "local", "vit_micro-run", str(run), str(run / "submitit"), 1,
+                                           1, 0, 0.0))
+    commands = [["status"], ["status", "--json"], ["jobs"], ["logs", "999999999"], ["cancel", "999999999"]]
+    code = (f"import sys\nfrom vitctl.cli.main import cli\nfor args in {commands}:\n"
+            "    try:\n        cli(args)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=60)
+    assert done.stdout.splitlines()[-1] == "False", done.stdout + done.stderr
+    assert "vit_micro-run" in done.stdout and '"step": 2' in done.stdout  # the job, read from its run folder
 
 
 def test_bench_precision_is_a_choice():

@@ -34,35 +34,18 @@ from torch.distributed.tensor import DTensor
 from vitctl.datasets.atomic import fsync_dir, write_json_atomic
 from vitctl.datasets.oserrors import as_data_error
 
+from .checkpoint_files import META, NAME, checkpoint_dir, is_checkpoint, list_checkpoints
 from .config import ConfigError, as_set_value
 from .integrity import files_sha256
 from .runlock import LOCK
 
 log = logging.getLogger("vitctl.checkpoint")
 FORMAT = "vitctl-checkpoint/2"
-META = "meta.json"
-NAME = re.compile(r"step-(\d{8})")
 LEGACY_NAME = re.compile(r"step-(\d{8})\.pt")  # single-file checkpoints of vitctl 0.1's first releases
 # What meta.json must hold, and of which type: it is not checksummed itself (it holds the checksums).
 META_KEYS = {"step": int, "position": dict, "world_size": int, "mesh": dict, "config": dict, "config.model": dict}
 # DCP warns at every save and load in one process (also from an async save's thread): that is what a 1-rank run means.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def is_checkpoint(path: Path) -> bool:
-    return (path / META).is_file() and (path / ".metadata").is_file()
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (one being written has a hidden temporary name)."""
-    folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if NAME.fullmatch(p.name) and is_checkpoint(p))
 
 
 def legacy_checkpoints(run_dir: Path) -> list[Path]:

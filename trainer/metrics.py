@@ -5,11 +5,12 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vitctl.datasets.atomic import write_text_atomic
+
+if TYPE_CHECKING:  # `vitctl status` reads metrics without importing torch, which takes seconds
+    import torch
 
 log = logging.getLogger("vitctl.metrics")
 METRICS_FILE = "metrics.jsonl"
@@ -17,14 +18,16 @@ METRICS_FILE = "metrics.jsonl"
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: "torch.device") -> float | None:
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def mfu(train_flops_per_image: float, images_per_second: float, device: torch.device) -> float | None:
+def mfu(train_flops_per_image: float, images_per_second: float, device: "torch.device") -> float | None:
     peak = peak_flops(device)
     return None if peak is None else train_flops_per_image * images_per_second / peak
 

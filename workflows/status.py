@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vitctl.trainer.checkpoint import list_checkpoints
+from vitctl.trainer.checkpoint_files import list_checkpoints
 from vitctl.trainer.metrics import read_metrics
 
 from .errors import LaunchError
