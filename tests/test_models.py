@@ -126,10 +126,17 @@ def test_swin_weights_of_another_width_name_the_model_and_window_and_the_fix_loa
     assert load_pretrained(ours(named, img_size=64, window_size=8), path, None, named) == []  # the table resized
 
 
+def test_state_roots_are_the_models_own():
+    for name, extra in (("vit_micro", {"pre_logits": True}), ("swin_micro", {"window_size": 4})):
+        model = ours(name, img_size=32, **extra)
+        assert {key.split(".")[0] for key in model.state_dict()} == type(model).STATE_ROOTS
+
+
 @pytest.mark.parametrize(("timm_name", "held"), [("vit_base_patch16_224", ("vit_b16", None)),
                                                  ("swin_tiny_patch4_window7_224", ("swin_t", 7)),
                                                  ("swin_base_patch4_window12_384", ("swin_b", 12)),
-                                                 ("deit_tiny_patch16_224", None)])
+                                                 ("deit_tiny_patch16_224", None),
+                                                 ("deit_base_distilled_patch16_224", None)])
 def test_timm_weights_are_named_by_the_model_they_fit(timm_name, held):
     with torch.device("meta"):
         state = timm.create_model(timm_name).state_dict()

@@ -135,7 +135,10 @@ def weights_of(state: dict[str, Tensor]) -> tuple[str, int | None] | None:
     embed = state.get("patch_embed.proj.weight")
     if embed is None or embed.ndim != 4:
         return None
-    if "pos_embed" in state:
+    family = VisionTransformer if "pos_embed" in state else SwinTransformer
+    if not {key.split(".")[0] for key in state} <= family.STATE_ROOTS:
+        return None
+    if family is VisionTransformer:
         depth = _count(state, r"blocks\.(\d+)\.")
         fc1 = state.get("blocks.0.mlp.fc1.weight")
         found = {"family": VisionTransformer, "patch": embed.shape[-1], "dim": embed.shape[0], "depth": depth,

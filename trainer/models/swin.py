@@ -148,6 +148,8 @@ def _stride(depths: tuple[int, ...]) -> int:
 
 
 class SwinTransformer(nn.Module):
+    STATE_ROOTS = frozenset({"patch_embed", "layers", "norm", "head"})  # the first part of each state_dict key
+
     def __init__(self, ops: Ops, img_size: int = 224, dim: int = 96, depths: tuple[int, ...] = (2, 2, 6, 2),
                  heads: tuple[int, ...] = (3, 6, 12, 24), window: int = 7, num_classes: int = 1000,
                  drop_path: float = 0.0, seed: int = 0) -> None:

@@ -71,6 +71,9 @@ def geometry_error(img_size: int, patch: int) -> str | None:
 
 
 class VisionTransformer(nn.Module):
+    # The first part of each state_dict key (a timm file with more, e.g. DeiT's dist_token, is another architecture)
+    STATE_ROOTS = frozenset({"cls_token", "pos_embed", "patch_embed", "blocks", "norm", "pre_logits", "head"})
+
     def __init__(self, ops: Ops, img_size: int = 224, patch: int = 16, dim: int = 768, depth: int = 12,
                  heads: int = 12, mlp_ratio: float = 4.0, num_classes: int = 1000, drop_path: float = 0.0,
                  pre_logits: bool = False, seed: int = 0) -> None:
