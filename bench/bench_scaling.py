@@ -60,8 +60,8 @@ def _configurations(models: list[str], counts: list[int], timm: list[str], strat
                      dict(model=model, impl="vitctl", strategy="ZeRO-1", gpus=n, mode="reduce-overhead"),
                      dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead"),
                      dict(model=model, impl="vitctl", strategy="FSDP2", gpus=n, mode="default")]
-            runs += [dict(model=model, impl="vitctl", strategy="DDP", gpus=n, mode="reduce-overhead", env=setting)
-                     for setting in nccl]
+            runs += [dict(model=model, impl="vitctl", strategy=strategy, gpus=n, mode="reduce-overhead", env=setting)
+                     for setting in nccl for strategy in ("all-reduce after backward", "ZeRO-1", "DDP")]
         if model in timm:
             runs += [dict(model=model, impl="timm", strategy="1 GPU", gpus=1, mode="default", gpu=gpu)
                      for gpu in range(gpus)]
@@ -345,7 +345,8 @@ def main() -> None:
     parser.add_argument("--gpus", default="2", help="multi-GPU sizes (comma-separated); 1-GPU runs use max of them")
     parser.add_argument("--timm", default="swin_b", help="models to run timm + DDP for (comma-separated)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"of ours (comma-separated): {STRATEGIES}")
-    parser.add_argument("--nccl", default="", help="extra DDP rows, each with one NCCL setting (e.g. NCCL_MAX_CTAS=4)")
+    parser.add_argument("--nccl", default="",
+                        help="extra rows of each strategy but FSDP2, each with one NCCL setting (NCCL_MAX_CTAS=4)")
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=480, help="seconds per configuration")

@@ -1,5 +1,6 @@
-"""What ZeRO-1 would save within a node: an fp32 all-reduce of ViT-B's 86.6 M gradients against a reduce-scatter
-of them plus a bf16 all-gather of the weights, and torch's fused AdamW over all the weights against over half.
+"""What ZeRO-1 saves within a node: an fp32 all-reduce of ViT-B's 86.6 M gradients against a reduce-scatter of them
+(or the bf16 all-to-all `parallel.grad_reduce=zero1` sends) plus a bf16 all-gather of the weights, and torch's fused
+AdamW over all the weights against over half. NCCL settings go in the environment (NCCL_MIN_P2P_NCHANNELS=32 ...).
 
     torchrun --nproc-per-node 2 bench/probe_zero1.py
 
@@ -50,10 +51,12 @@ def main() -> None:
     grads, shard = torch.randn(n, device="cuda"), torch.empty(n // world, device="cuda")
     weights = torch.empty(n, device="cuda", dtype=torch.bfloat16)
     own = weights[rank * (n // world):(rank + 1) * (n // world)]
+    sent, received = torch.randn(n, device="cuda").bfloat16(), torch.empty(n, device="cuda", dtype=torch.bfloat16)
     results = {
         "fp32 all-reduce": median_ms(lambda: dist.all_reduce(grads)),
         "fp32 reduce-scatter": median_ms(lambda: dist.reduce_scatter_tensor(shard, grads)),
         "bf16 all-gather (in place)": median_ms(lambda: dist.all_gather_into_tensor(weights, own)),
+        "bf16 all-to-all (ZeRO-1's)": median_ms(lambda: dist.all_to_all_single(received, sent)),
         "fused AdamW, all weights": adamw_ms(1),
         "fused AdamW, half of each": adamw_ms(2),
     }
