@@ -52,7 +52,8 @@ import os, time
 def wrap_ctrl_c():
     os.write(1, f"{os.getpid()}\\n".encode())  # one write: print's two would interleave with the other worker's
     try:
-        time.sleep(60)
+        for _ in range(600):  # short sleeps: a Ctrl-C just before one sleep's system call waits only for its end
+            time.sleep(0.1)
     except KeyboardInterrupt as e:
         raise RuntimeError("a library's own error") from e
 """
