@@ -62,7 +62,8 @@ class VitctlGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        module = importlib.import_module(f"vitctl.cli.{COMMANDS[name]}")
+        with _quiet_interrupt():  # a Ctrl-C inside a half-done import (torch's, numpy's) leaves it broken: exit now
+            module = importlib.import_module(f"vitctl.cli.{COMMANDS[name]}")
         return getattr(module, ATTRIBUTES.get(name, name))
 
     def invoke(self, ctx: click.Context):
