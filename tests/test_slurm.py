@@ -336,7 +336,8 @@ def test_a_failing_scancel_is_a_clear_error(prepared_shards, tmp_path, monkeypat
     assert re.search(rf"error: scancel (--signal=TERM )?{job} failed: scancel: error: Unable to contact slurm "
                      rf"controller \(connect failure\); `squeue -j {job}` shows whether it still waits or runs",
                      result.stderr), result.stderr
-    ok("cancel", job)
+    assert not registry.find_record(job).cancelled  # the fix, cancel again, is a first cancel: the ranks checkpoint
+    assert re.match(rf"(cancel requested|cancelled job {job} .* while it was pending)", ok("cancel", job).output)
     wait_for(job, status.TERMINAL)
     assert vitctl_state(job).state == "CANCELLED"
 

@@ -436,14 +436,13 @@ def cancel(record: JobRecord) -> tuple[JobState, bool]:
             raise LaunchError(f"Slurm knows no job {record.job_id} (neither squeue nor sacct lists it), so there is "
                               "nothing to cancel; `squeue -u $USER` lists your jobs in the queue")
         update_record(record.key, cancelled=True)  # first: whoever sees it end then knows why
-        # A cancelled job's ranks get SIGKILL KillWait seconds after its SIGTERM, maybe before their checkpoint is
-        # written: the ranks are signalled instead, and the job ends once they have checkpointed.
-        if current.state == "RUNNING" and _ranks_started(record.job_id):
-            with contextlib.suppress(OSError):  # a folder this machine cannot write: the signal still goes out
-                cancel_marker(record.folder, record.job_id).touch()
-            _scancel(record.job_id, "--signal=TERM")  # to its steps, not the job: Slurm does not cancel it
-        else:
-            _scancel(record.job_id)
+        try:
+            _cancel_slurm_job(record, current)
+        except LaunchError:  # not asked after all: the next cancel is a first one again
+            update_record(record.key, cancelled=False)
+            with contextlib.suppress(OSError):
+                cancel_marker(record.folder, record.job_id).unlink(missing_ok=True)
+            raise
         return current, True
     if (away := elsewhere(record)) and current.state == "UNKNOWN":
         raise LaunchError(f"cannot cancel job {record.job_id}: it is a local job that runs {away}, whose processes "
@@ -453,6 +452,17 @@ def cancel(record: JobRecord) -> tuple[JobState, bool]:
     update_record(record.key, cancelled=True)  # first: whoever sees it end then knows why
     os.kill(int(record.job_id), signal.SIGTERM)
     return current, True
+
+
+def _cancel_slurm_job(record: JobRecord, current: JobState) -> None:
+    # A cancelled job's ranks get SIGKILL KillWait seconds after its SIGTERM, maybe before their checkpoint is
+    # written: the ranks are signalled instead, and the job ends once they have checkpointed.
+    if current.state == "RUNNING" and _ranks_started(record.job_id):
+        with contextlib.suppress(OSError):  # a folder this machine cannot write: the signal still goes out
+            cancel_marker(record.folder, record.job_id).touch()
+        _scancel(record.job_id, "--signal=TERM")  # to its steps, not the job: Slurm does not cancel it
+    else:
+        _scancel(record.job_id)
 
 
 def cancel_marker(folder: str | Path, job_id: str) -> Path:
