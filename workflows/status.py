@@ -238,12 +238,14 @@ def state_of(record: JobRecord, slurm: dict[str, JobState] | None = None) -> Job
 def _slurm_cancel_state(record: JobRecord, state: JobState) -> JobState:
     """A Slurm job as its cancel left it: `vitctl cancel` signals the ranks, which checkpoint and end (COMPLETED to
     Slurm); a second cancel, or scancel, cancels it (its ranks checkpoint too when they can within KillWait)."""
-    if state.state == "RUNNING" and record.cancelled:
+    if not record.cancelled and state.state != "CANCELLED":  # CANCELLED: scancel from outside vitctl
+        return state
+    if state.state == "RUNNING":
         return replace(state, note="; ".join(filter(None, [state.note, "cancel requested"])))
-    if state.state == "FAILED" and record.cancelled and not rank_failures(record):
+    if state.state == "FAILED" and not rank_failures(record):
         # the signal came before a rank took it (Python starting): killed before it trained
         return JobState("CANCELLED", state.elapsed_s, "cancelled as its ranks started, before they trained")
-    if state.state not in ("CANCELLED", "COMPLETED") or (state.state == "COMPLETED" and not record.cancelled):
+    if state.state not in ("CANCELLED", "COMPLETED"):
         return state
     stopped = _stop_note(_result(_result_path(record, 0)))
     if state.state == "COMPLETED" and not stopped:

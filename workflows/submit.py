@@ -200,12 +200,12 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.request = request  # its --time and --max-requeues, to name when they run out
 
     def __call__(self) -> dict[str, Any]:
+        environment = submitit.JobEnvironment()
         rendezvous = submitit.helpers.TorchDistributedEnvironment()
-        rendezvous.master_port = rendezvous_port(submitit.JobEnvironment().job_id)
+        rendezvous.master_port = rendezvous_port(environment.job_id)
         rendezvous.export(set_cuda_visible_devices=False, overwrite=True)
         # Ours replace submitit's handlers: its USR2 one would requeue before we could checkpoint.
         stop = StopSignals(signal.SIGUSR2, signal.SIGTERM)
-        environment = submitit.JobEnvironment()
         if status.cancel_marker(environment.paths.folder, environment.job_id).exists():
             stop.received = signal.SIGTERM  # cancelled while this rank started, before it could take the signal
         result = train_rank(self.job, stop)
