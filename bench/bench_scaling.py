@@ -6,6 +6,7 @@ real-size JPEGs.
     python bench/bench_scaling.py --models vit_b16 --gpus 2,4 --timm ""      # 1, 2 and 4 GPUs on a 4-GPU machine
     python bench/bench_scaling.py --strategies "1 GPU,DDP" --nccl NCCL_MAX_CTAS=4   # DDP rows with an NCCL setting
     python bench/bench_scaling.py --models swin_b --timm "" --data synthetic,dali   # each row on both
+    python bench/bench_scaling.py --strategies "1 GPU,ZeRO-1" --singles-after   # the 1-GPU runs again at the end
 
 Every configuration runs in fresh processes (torchrun): a 1-GPU one on every GPU at once, and multi-GPU ones side by
 side on disjoint GPUs where they fit (two 2-GPU runs on a 4-GPU machine), so that every GPU is busy in every wave and
@@ -16,10 +17,14 @@ attention). Each rank times `--steps` steps back to back after `--warmup` with C
 over the span from the first step's start to the last one's end, so that the GPU's waits for data count; ms/step is
 its median step. With `--data dali` each rank reads its data-parallel share of bench_loaders.py's generated JPEGs
 (500x375, ~110 KB) through the DALI path with the preset's full recipe, and each row's efficiency is against the
-1-GPU rows of the same data. Rows print as they finish.
+1-GPU rows of the same data. Rows print as they finish, each with the Python garbage collections during its timed
+steps and its steps over 1.1x the median; with `--profile` each rank of a multi-GPU row also prints its own kernel
+times, NCCL's by kernel (where it waits for the others).
 """
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 PRESET = {"swin_b": ("swin_b_pretrain", 128), "vit_b16": ("vit_b16_pretrain", 256)}
+TIMED = ("gc_ms_per_step", "gc_longest_ms", "gc_full", "slow_steps")
 PROFILED = ("allreduce_344MB_ms", "nccl_ms_per_step", "nccl_beside_ms_per_step", "kernels_ms_per_step",
             "idle_ms_per_step", "host_ms_per_step", "syncs_per_step")
 
@@ -94,6 +100,27 @@ def ours(run: dict, out_dir: str) -> tuple[Callable[[], float], str]:
     return (lambda: trainer.train_step(batches)[2]), trainer.ops.describe()
 
 
+class Pauses:
+    """Python's garbage collections while installed: (generation, ms) each."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+        self.started = 0.0
+        gc.callbacks.append(self.track)
+
+    def track(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.seen.append((info["generation"], (time.perf_counter() - self.started) * 1000))
+
+    def summary(self, steps: int) -> dict:
+        gc.callbacks.remove(self.track)
+        return {"gc_ms_per_step": sum(ms for _, ms in self.seen) / steps,
+                "gc_longest_ms": max((ms for _, ms in self.seen), default=0.0),
+                "gc_full": sum(generation == 2 for generation, _ in self.seen)}
+
+
 def timm_ddp(run: dict) -> tuple[Callable[[], None], str]:
     """timm's model and its strongest setting, the same recipe as our preset, DDP over the ranks."""
     import torch
@@ -131,8 +158,6 @@ def timm_ddp(run: dict) -> tuple[Callable[[], None], str]:
 
 
 def worker(run: dict, warmup: int, steps: int, result: str) -> None:
-    import contextlib
-
     import torch
 
     from vitctl.trainer.parallel import expandable_cuda_memory, own_stream, widen_cuda_queues
@@ -150,19 +175,24 @@ def worker(run: dict, warmup: int, steps: int, result: str) -> None:
             step()
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        launched, waited = time.perf_counter(), 0.0
+        pauses, launched, waited = Pauses(), time.perf_counter(), 0.0
         for start, end in events:
             start.record()
             waited += step() or 0.0  # ours returns its seconds waiting for data
             end.record()
         launched = time.perf_counter() - launched
+        collections = pauses.summary(steps)
         torch.cuda.synchronize()
         extra = {**profile(step), "host_ms_per_step": launched * 1000 / steps} if run["profile"] else {}
+    times = [start.elapsed_time(end) for start, end in events]
+    median = statistics.median(times)
+    if extra and "RANK" in os.environ:  # each rank's own, where it waits for the others
+        print(f"profile of rank {os.environ['RANK']}: {json.dumps(extra | {'ms': median})}", flush=True)
     if int(os.environ.get("RANK", 0)) == 0:
-        times = [start.elapsed_time(end) for start, end in events]
         batch = PRESET[run["model"]][1]
         span = events[0][0].elapsed_time(events[-1][1])
-        Path(result).write_text(json.dumps({**run, **extra, "setting": setting, "ms": statistics.median(times),
+        extra |= collections | {"slow_steps": sum(t > 1.1 * median for t in times)}
+        Path(result).write_text(json.dumps({**run, **extra, "setting": setting, "ms": median,
                                             "batch": batch, "images_per_s": run["gpus"] * batch * steps * 1000 / span,
                                             "longest_ms": max(times), "wait_ms": waited * 1000 / steps,
                                             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}))
@@ -207,14 +237,19 @@ def kernel_ms_per_step(step: Callable[[], None], steps: int = 5) -> dict:
             step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    nccl_kernels = [e for e in kernels if "nccl" in e.name.lower()]
+    nccl = [(e.time_range.start, e.time_range.end) for e in nccl_kernels]
+    by_kernel: dict[str, float] = {}  # the collectives apart: all-to-all (SendRecv), all-gather, all-reduce
+    for e in nccl_kernels:
+        by_kernel[e.name[:40]] = by_kernel.get(e.name[:40], 0.0) + e.time_range.end - e.time_range.start
     other = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
     busy = union(nccl + other)
     span = busy[-1][1] - busy[0][0] if busy else 0
     per_step = lambda us: us / steps / 1000  # noqa: E731
     return {"nccl_ms_per_step": per_step(length(nccl)), "kernels_ms_per_step": per_step(length(other)),
             "nccl_beside_ms_per_step": per_step(length(intersection(union(nccl), union(other)))),
-            "idle_ms_per_step": per_step(span - length(busy))}
+            "idle_ms_per_step": per_step(span - length(busy)),
+            "nccl_by_kernel": {name: round(per_step(us), 3) for name, us in by_kernel.items()}}
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -301,7 +336,8 @@ class Launched:
         # one by one past it run eager)
         warned = ("skipping cudagraphs", "hit config.recompile_limit")
         for line in output.splitlines():
-            if line.startswith("sync in the step") or (any(w in line for w in warned) and line not in seen):
+            passed = line.startswith(("sync in the step", "profile of rank"))
+            if passed or (any(w in line for w in warned) and line not in seen):
                 print(f"{self.run['model']} {self.run['strategy']}: {line}", flush=True)
                 seen.add(line)
         return json.loads(text)
@@ -323,10 +359,17 @@ def waves(runs: list[dict], gpus: int) -> list[list[dict]]:
 
 def print_row(row: dict, results: list[dict]) -> None:
     """Efficiency: the N-GPU images/s over the sum of its own GPUs' 1-GPU images/s (of the same compile mode, and
-    of the faster mode)."""
-    singles = [r for r in results if r["impl"] == row["impl"] and r["model"] == row["model"] and r["gpus"] == 1
-               and r["gpu"] in row["on"] and r["data"] == row["data"]]
-    modes = {r["mode"]: sum(s["images_per_s"] for s in singles if s["mode"] == r["mode"]) for r in singles}
+    of the faster mode), and over N times the slowest of them (same mode): a synchronous step runs at the slowest
+    GPU's pace, so the second leaves out how far apart the GPUs themselves are. A GPU's 1-GPU figure is the mean of
+    its runs (with --singles-after, those before and after the multi-GPU ones)."""
+    runs: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        if (r["impl"], r["model"], r["data"], r["gpus"]) == (row["impl"], row["model"], row["data"], 1) \
+                and r["gpu"] in row["on"]:
+            runs.setdefault((r["mode"], r["gpu"]), []).append(r["images_per_s"])
+    singles = {key: statistics.mean(figures) for key, figures in runs.items()}
+    modes = {mode: sum(v for (m, _), v in singles.items() if m == mode) for mode, _ in singles}
+    slowest = min((v for (mode, _), v in singles.items() if mode == row["mode"]), default=None)
 
     def scale(ideal: float | None) -> str:
         return f"{row['images_per_s'] / ideal:.3f}" if ideal and row["gpus"] > 1 else "-"
@@ -335,8 +378,9 @@ def print_row(row: dict, results: list[dict]) -> None:
     strategy += f" (GPU {row['gpu']})" if row["gpus"] == 1 else f" (GPUs {','.join(map(str, row['on']))})"
     print(f"| {row['model']} | {row['impl']} | {row['data']} | {strategy} | {row['mode']} | {row['gpus']} | "
           f"{row['images_per_s']:,.0f} | {row['ms']:.2f} | {row['longest_ms']:.1f} | {row['wait_ms']:.1f} | "
-          f"{scale(modes.get(row['mode']))} | {scale(max(modes.values(), default=None))} | {row['peak_gib']:.1f} |"
-          + "".join(f" {key}={row[key]:.2f}" for key in PROFILED if key in row), flush=True)
+          f"{scale(modes.get(row['mode']))} | {scale(max(modes.values(), default=None))} | "
+          f"{scale(slowest and row['gpus'] * slowest)} | {row['peak_gib']:.1f} |"
+          + "".join(f" {key}={row[key]:.2f}" for key in TIMED + PROFILED if key in row), flush=True)
 
 
 def main() -> None:
@@ -353,6 +397,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also, GPU ms per step: in NCCL kernels, of them beside other kernels, in all others, "
                         "with no kernel running; and an all-reduce probe")
+    parser.add_argument("--singles-after", action="store_true",
+                        help="run the 1-GPU configurations again after the multi-GPU ones, and print each multi-GPU "
+                        "row's efficiency against both (what the GPUs drift by in a call)")
     parser.add_argument("--data", default="synthetic", help="synthetic and/or dali (comma-separated)")
     parser.add_argument("--images", type=int, default=4000, help="generated JPEGs for --data dali")
     parser.add_argument("--workers", type=int, default=0,
@@ -370,15 +417,21 @@ def main() -> None:
         classes = next(source["classes"] for source in data.values() if "classes" in source)
         data = {name: dict(source, classes=classes) for name, source in data.items()}
     print("| model | impl | data | strategy | compile mode | GPUs | images/s | ms/step | longest ms | data wait ms | "
-          "efficiency, same setting | efficiency vs best 1 GPU | peak GiB |\n"
-          "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+          "efficiency, same setting | efficiency vs best 1 GPU | vs N x the slowest GPU | peak GiB |\n"
+          "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     results: list[dict] = []
     runs = configurations(args.models.split(","), counts, args.timm.split(",") if args.timm else [],
                           args.strategies.split(","), [s for s in args.nccl.split(",") if s], args.profile, data)
-    for wave in waves(runs, max(counts)):
+    planned = waves(runs, max(counts))
+    planned += [wave for wave in planned if args.singles_after and wave[0]["gpus"] == 1]
+    for wave in planned:
         launched = [Launched(run, args.warmup, args.steps) for run in wave]
         for row in filter(None, (job.finish(args.timeout) for job in launched)):
             results.append(row)
+            print_row(row, results)
+    if args.singles_after:
+        print("Against the 1-GPU runs before and after:", flush=True)
+        for row in (r for r in results if r["gpus"] > 1):
             print_row(row, results)
     against_synthetic(results)
     for row in results:
