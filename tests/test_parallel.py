@@ -303,9 +303,9 @@ GPU_RUN = ["--config", "demo_swin", "--set", f"model.num_classes={CLASSES}", "--
 @pytest.mark.gpu
 @TWO_GPUS
 def test_two_gpus_resume_under_cuda_graphs_and_reshard_into_fsdp(prepared_shards, tmp_path):
-    """bf16-pure DDP over NCCL, compiled with CUDA graphs, stopped and resumed, follows the uninterrupted run (not
-    bitwise on the GPU: the attention backward sums its bias gradient with atomics); FSDP2 (bf16 gathers, fp32
-    reduction) then continues from the DDP checkpoint."""
+    """bf16-pure replicated over NCCL (auto: ZeRO-1 on one node), compiled with CUDA graphs, stopped and resumed,
+    follows the uninterrupted run (not bitwise on the GPU: the attention backward sums its bias gradient with
+    atomics); FSDP2 (bf16 gathers, fp32 reduction) then continues from the replicated run's checkpoint."""
     ddp = [*GPU_RUN, "--data", prepared_shards, "--set", "train.compile_mode=reduce-overhead"]
     ok("train", "--out", tmp_path / "whole", "--steps", 8, *ddp)
     ok("train", "--out", tmp_path / "split", "--steps", 4, *ddp)

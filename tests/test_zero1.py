@@ -16,9 +16,13 @@ from torch import nn
 
 from conftest import TWO_GPUS, ok, spawn_ranks, vitctl
 from vitctl.trainer import checkpoint as ckpt
-from vitctl.trainer.config import ConfigError
+from vitctl.trainer.config import ConfigError, ModelConfig, TrainConfig
+from vitctl.trainer.models import build_model
+from vitctl.trainer.ops import resolve
+from vitctl.trainer.parallel import ParallelDims, build_mesh, parallelize
+from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
 from vitctl.trainer.parallel.zero import ALIGN, Zero1, partition
-from vitctl.trainer.precision import MasterWeights
+from vitctl.trainer.precision import MasterWeights, Precision
 
 
 def test_the_partition_balances_whole_tensors_and_aligns_them():
@@ -113,6 +117,29 @@ def test_each_rank_gets_the_fp32_mean_of_its_share_and_every_rank_the_stepped_we
                                                  nn.Linear(6, 6)).parameters()]
     for i, (master, start) in enumerate(zip(first[5], initial, strict=True)):
         assert torch.equal(master, start + (owners[i] + 1))
+
+
+def _auto_rank(rank: int, init: str, results: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    cpu, chosen = torch.device("cpu"), {}
+    for precision in ("bf16-pure", "bf16", "fp32"):
+        with torch.device("meta"):
+            model = build_model(ModelConfig(name="vit_micro", img_size=32, num_classes=10), resolve("none", cpu))
+        par = parallelize(model, build_mesh(ParallelDims(1, 2, 1, 1), cpu),
+                          Strategy(blocks=(BlockStrategy(),) * len(model.blocks)), Precision(precision, cpu),
+                          TrainConfig(compile=False), "auto", 1, cpu, lambda part: part.init_weights(0))
+        chosen[precision] = "zero1" if par.zero else "after_backward" if par.reducer else "ddp"
+    results[rank] = chosen
+    dist.destroy_process_group()
+
+
+def test_auto_steps_shares_where_there_are_masters_on_one_node(tmp_path):
+    """Within a node `auto` picks ZeRO-1 for fp32 masters (bf16-pure; it beat the all-reduce on two H200s), and the
+    all-reduce after the backward for the other precisions."""
+    results = mp.Manager().dict()
+    spawn_ranks(_auto_rank, 2, tmp_path, results)
+    assert results[0] == results[1] == {"bf16-pure": "zero1", "bf16": "after_backward", "fp32": "after_backward"}
 
 
 PURE = ["--set", "train.precision=bf16-pure", "--set", "train.ema_decay=0.9", "--set", "train.checkpoint_every=5",

@@ -131,10 +131,10 @@ class TrainConfig:
 class ParallelConfig:
     fsdp: bool = False  # shard parameters, gradients and optimizer state (FSDP2) instead of replicating them (DDP)
     dp_shard: int = -1  # with fsdp: ranks each parameter is sharded over (-1: all); the others replicate it (HSDP)
-    # Replicated weights: "after_backward" reduces all gradients at once (fastest within a node), "overlap" reduces
-    # DDP's buckets during the backward (across nodes, where the transfer is slow), "auto" picks by the ranks' nodes;
-    # "zero1" (bf16-pure, fp8): each rank receives the bf16 gradients of its share of the weights, steps that share
-    # and all-gathers the bf16 weights.
+    # Replicated weights: "after_backward" reduces all gradients at once, "overlap" reduces DDP's buckets during the
+    # backward (across nodes, where the transfer is slow); "zero1" (bf16-pure, fp8): each rank receives the bf16
+    # gradients of its share of the weights, steps that share and all-gathers the bf16 weights. "auto" picks by the
+    # ranks' nodes: within one, zero1 under bf16-pure (without tp or pp), else after_backward; across nodes, overlap.
     grad_reduce: str = "auto"
     tp: int = 1  # tensor-parallel degree: each block's heads and MLP split over this many ranks of a node
     pp: int = 1  # pipeline ranks, each running virtual_stages stages (one, but under interleaved_1f1b)

@@ -157,7 +157,7 @@ def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Prec
                grad_reduce: str, accum_steps: int) -> Parallelized:
     master = MasterWeights(model) if precision.pure else None
     ddp = reducer = zero = None
-    if mesh.dims.dp_size > 1 and grad_reduce == "zero1":  # preflight: bf16-pure or fp8, no tp, pp or fsdp
+    if mesh.dims.dp_size > 1 and _steps_shares(grad_reduce, mesh, strategy, precision, master):
         # in bf16 but where micro-batches were summed in fp32
         exchange = torch.bfloat16 if accum_steps == 1 else torch.float32
         zero = Zero1(master, mesh.dp_group, mesh.dp_rank, mesh.dp_size, exchange)
@@ -174,6 +174,17 @@ def _replicate(model: nn.Module, mesh: Mesh, strategy: Strategy, precision: Prec
         forward = wrapped
     return Parallelized(master.module if master else model, wrapped, forward, precision, master, ddp, reducer, zero,
                         [], None, accum_steps)
+
+
+def _steps_shares(grad_reduce: str, mesh: Mesh, strategy: Strategy, precision: Precision,
+                  master: MasterWeights | None) -> bool:
+    """ZeRO-1 where asked (preflight: bf16-pure or fp8, no tp, pp or fsdp), and under auto for bf16-pure on one node
+    with a weight for each rank: there it beat the all-reduce after the backward (docs/performance.md; fp8 was not
+    measured with it)."""
+    if grad_reduce == "zero1":
+        return True
+    return (grad_reduce == "auto" and precision.mode == "bf16-pure" and strategy.tp == strategy.pp == 1
+            and len(master.pairs) >= mesh.dims.dp_size and one_node(mesh.dp_group))
 
 
 def _reduce_after_backward(grad_reduce: str, mesh: Mesh, strategy: Strategy) -> bool:
