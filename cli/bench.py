@@ -10,6 +10,7 @@ from vitctl.trainer.ops import parse_fused
 from vitctl.workflows import doctor as checks
 from vitctl.workflows.bench import COMPILE_MODES, MODEL_NAMES, PRECISIONS, bench_train, op_report
 
+from .commands import summary
 from .console import console, err_console
 
 
@@ -36,7 +37,7 @@ def _check_model_and_ops(model_name: str, img_size: int, fused: str) -> None:
         raise ConfigError("; ".join(problems))
 
 
-@click.group()
+@click.group(short_help=summary("bench"))
 def bench() -> None:
     """Benchmarks (GPU)."""
 
@@ -84,7 +85,7 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
                       f"(our best: {ours.setting}; timm's best: {timm.setting})", highlight=False)
 
 
-@click.command()
+@click.command(short_help=summary("doctor"))
 @click.option("--expect-image/--no-expect-image", default=None,
               help="Also check all the container image promises (prebuilt CUDA ops, apex, DALI, submitit, webdataset) "
                    "and exit 1 if any is missing [default: on where VITCTL_PREBUILT_OPS=1, as in the image].")

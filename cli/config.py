@@ -4,8 +4,10 @@ import click
 
 from vitctl.workflows import train as wf
 
+from .commands import summary
 
-@click.group()
+
+@click.group(short_help=summary("config"))
 def config() -> None:
     """Inspect run configs."""
 

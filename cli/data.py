@@ -15,6 +15,7 @@ from vitctl.datasets.shard import ShardSpec, read_source, shard_split
 from vitctl.datasets.synth import SynthSpec, write_synthetic
 from vitctl.datasets.verify import verify as verify_folder
 
+from .commands import summary
 from .console import ByteSize, GivenPath, console, err_console, progress_bar
 
 FULL_IMAGENET = {"classes": 1000, "train": 1_281_167, "val": 50_000}
@@ -52,7 +53,7 @@ def some(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
-@click.group()
+@click.group(short_help=summary("data"))
 def data() -> None:
     """Prepare ImageNet-1k: synth, extract, valprep, shard, index, verify."""
 

@@ -6,10 +6,11 @@ import click
 
 from vitctl.workflows.export import export_weights
 
+from .commands import summary
 from .console import GivenPath, console
 
 
-@click.command()
+@click.command(short_help=summary("export"))
 @click.argument("run", type=GivenPath(exists=True, path_type=Path))
 @click.option("--out", required=True, type=GivenPath(path_type=Path), help="The .safetensors file to write.")
 @click.option("--step", type=click.IntRange(min=0), help="The checkpoint of this step [default: the last].")

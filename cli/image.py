@@ -8,10 +8,11 @@ import click
 from vitctl.workflows import image as wf
 from vitctl.workflows.provenance import vitctl_version
 
+from .commands import summary
 from .console import GivenPath, console, err_console
 
 
-@click.group()
+@click.group(short_help=summary("image"))
 def image() -> None:
     """The prebuilt container image (containers/)."""
 

@@ -12,6 +12,7 @@ from rich.table import Table
 from vitctl.workflows import registry, status
 from vitctl.workflows.errors import LaunchError
 
+from .commands import summary
 from .console import console, err_console
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -74,7 +75,7 @@ def _print_plain(statuses: list[status.JobStatus], as_json: bool, watch: bool) -
         click.echo("\t".join(row))
 
 
-@click.command(name="status")
+@click.command(name="status", short_help=summary("status"))
 @click.argument("job", required=False)
 @click.option("--watch", is_flag=True, help="Refresh while a job is queued or running (piped: a snapshot every "
               f"{WATCH_INTERVAL_S} s).")
@@ -99,7 +100,7 @@ def status_command(job: str | None, watch: bool, as_json: bool) -> None:
         console.print(status_table(statuses))
 
 
-@click.command()
+@click.command(short_help=summary("jobs"))
 def jobs() -> None:
     """The jobs this machine submitted (newest last)."""
     table = Table("job", "executor", "name", "run folder", "submitted", title=str(registry.registry_path()))
@@ -109,7 +110,7 @@ def jobs() -> None:
     console.print(table)
 
 
-@click.command()
+@click.command(short_help=summary("logs"))
 @click.argument("job")
 @click.option("--rank", default=0, show_default=True, help="Task (rank) whose log to show.")
 @click.option("--follow", is_flag=True, help="Keep printing until the job ends.")
@@ -165,7 +166,7 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
             f"`vitctl logs {record.job_id} --rank {rank} --follow` waits for it")
 
 
-@click.command()
+@click.command(short_help=summary("cancel"))
 @click.argument("job")
 def cancel(job: str) -> None:
     """Cancel a job: a running one's ranks checkpoint, then stop (SIGTERM to them); a pending one leaves the queue;

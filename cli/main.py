@@ -42,19 +42,14 @@ with _quiet_interrupt():
     from vitctl.workflows.errors import Interrupted, LaunchError
     from vitctl.workflows.registry import UnknownJobError
 
+    from .commands import COMMANDS
     from .console import err_console
-
-# Each command's module is imported when the command runs: `status`, `logs`, `cancel` and `jobs` need no torch,
-# whose import takes seconds.
-COMMANDS = {"data": "data", "config": "config", "train": "train", "finetune": "train", "bench": "bench",
-            "doctor": "bench", "plan": "plan", "image": "image", "export": "export", "status": "jobs",
-            "jobs": "jobs", "logs": "jobs", "cancel": "jobs", "rank": "train"}
-ATTRIBUTES = {"status": "status_command"}  # where a command's function is not named as the command
 
 
 class VitctlGroup(click.Group):
-    """Loads each command as it runs; turns bad input (data, config, a failed rank) anywhere below into a
-    one-screen message and exit status 1, and Ctrl-C into one line and exit status 130."""
+    """Loads each command as it runs (`status`, `logs`, `cancel` and `jobs` import no torch, which takes seconds, and
+    `--help` lists the commands from their table); turns bad input (data, config, a failed rank) anywhere below into
+    a one-screen message and exit status 1, and Ctrl-C into one line and exit status 130."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -62,9 +57,14 @@ class VitctlGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
+        command = COMMANDS[name]
         with _quiet_interrupt():  # a Ctrl-C inside a half-done import (torch's, numpy's) leaves it broken: exit now
-            module = importlib.import_module(f"vitctl.cli.{COMMANDS[name]}")
-        return getattr(module, ATTRIBUTES.get(name, name))
+            module = importlib.import_module(f"vitctl.cli.{command.module}")
+        return getattr(module, command.function or name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name].summary) for name in self.list_commands(ctx)])
 
     def invoke(self, ctx: click.Context):
         try:

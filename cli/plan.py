@@ -11,6 +11,7 @@ from vitctl.trainer.parallel.strategy import is_plan
 from vitctl.workflows import plan as wf
 from vitctl.workflows.bench import MODEL_NAMES
 
+from .commands import summary
 from .console import GivenPath, console, err_console
 
 
@@ -27,7 +28,7 @@ class GiB(click.FloatRange):
         return number
 
 
-@click.command()
+@click.command(short_help=summary("plan"))
 @click.option("--model", "model_name", type=click.Choice(MODEL_NAMES), required=True)
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus", type=click.IntRange(min=1),

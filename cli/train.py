@@ -8,6 +8,7 @@ from rich.table import Table
 from vitctl.workflows import train as wf
 from vitctl.workflows.bench import PRECISIONS
 
+from .commands import summary
 from .console import GivenPath, console, err_console
 
 PRECISION_CHOICE = click.Choice(PRECISIONS)
@@ -139,14 +140,14 @@ def print_summary(run_dir: Path) -> None:
         console.print(f"checkpoint: {last[-1]}")
 
 
-@click.command()
+@click.command(short_help=summary("train"))
 @run_options
 def train(**options) -> None:
     """Train a Swin or ViT from a preset, on this machine or on Slurm (`--nodes 2 --gpus 8`)."""
     _run(options)
 
 
-@click.command()
+@click.command(short_help=summary("finetune"))
 @click.option("--from-ckpt", type=GivenPath(path_type=Path),
               help="Our checkpoint, a timm or official Swin checkpoint, or a plain state_dict (or --set "
                    "finetune.from_ckpt=PATH, or a preset that sets it).")
@@ -159,7 +160,7 @@ def finetune(**options) -> None:
     _run(options, finetune=True)
 
 
-@click.command()
+@click.command(short_help=summary("rank"))
 @click.option("--config", "preset", help="Preset name or a YAML file.")
 @click.option("--data", type=GivenPath(path_type=Path), help="Shard folder.")
 @click.option("--out", type=GivenPath(path_type=Path), help="Run folder (shared by all ranks).")

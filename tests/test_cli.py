@@ -6,9 +6,12 @@ import sys
 import time
 from pathlib import Path
 
+import click
 import pytest
 
 from conftest import vitctl
+from vitctl.cli import commands
+from vitctl.cli.main import cli
 from vitctl.workflows import registry
 
 COMMANDS = ["synth", "extract", "valprep", "shard", "index", "verify"]
@@ -99,21 +102,30 @@ def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(tmp_path):
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
 
 
-def test_job_commands_load_no_torch(tmp_path, monkeypatch):
-    """`status`, `jobs`, `logs` and `cancel` answer at once: torch's import took 5 s of each."""
+def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
+    """`status`, `jobs`, `logs`, `cancel` and `vitctl --help` answer at once: torch's import took 5 s of each."""
     monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
     run = tmp_path / "run"
     (run / "checkpoints/step-00000002").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 2, "loss": 1.5, "images_per_s": 10.0, "time": 1}\n')
     registry.add_record(registry.JobRecord("999999999", "local", "vit_micro-run", str(run), str(run / "submitit"), 1,
                                            1, 0, 0.0))
-    commands = [["status"], ["status", "--json"], ["jobs"], ["logs", "999999999"], ["cancel", "999999999"]]
+    commands = [["status"], ["status", "--json"], ["jobs"], ["logs", "999999999"], ["cancel", "999999999"],
+                ["--help"]]
     code = (f"import sys\nfrom vitctl.cli.main import cli\nfor args in {commands}:\n"
             "    try:\n        cli(args)\n    except SystemExit:\n        pass\n"
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=60)
     assert done.stdout.splitlines()[-1] == "False", done.stdout + done.stderr
     assert "vit_micro-run" in done.stdout and '"step": 2' in done.stdout  # the job, read from its run folder
+    assert "  cancel    Cancel a job: its ranks checkpoint, then stop." in done.stdout  # the help's list
+
+
+def test_each_command_has_the_summary_that_the_help_lists():
+    """`vitctl --help` lists the commands from their table without loading them; each, loaded, says the same."""
+    context = click.Context(cli)
+    for name, command in commands.COMMANDS.items():
+        assert cli.get_command(context, name).get_short_help_str() == command.summary, name
 
 
 def test_bench_precision_is_a_choice():
