@@ -134,9 +134,9 @@ def _auto_rank(rank: int, init: str, results: dict) -> None:
     dist.destroy_process_group()
 
 
-def test_auto_steps_shares_where_there_are_masters_on_one_node(tmp_path):
-    """Within a node `auto` picks ZeRO-1 for fp32 masters (bf16-pure; it beat the all-reduce on two H200s), and the
-    all-reduce after the backward for the other precisions."""
+def test_auto_steps_shares_under_bf16_pure_on_one_node(tmp_path):
+    """Within a node `auto` picks ZeRO-1 under bf16-pure (it beat the all-reduce on two H200s), and the all-reduce
+    after the backward for the other precisions."""
     results = mp.Manager().dict()
     spawn_ranks(_auto_rank, 2, tmp_path, results)
     assert results[0] == results[1] == {"bf16-pure": "zero1", "bf16": "after_backward", "fp32": "after_backward"}
