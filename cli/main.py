@@ -40,6 +40,7 @@ with _quiet_interrupt():
     from vitctl.datasets.errors import DataError
     from vitctl.trainer.config import ConfigError
     from vitctl.workflows.errors import Interrupted, LaunchError
+    from vitctl.workflows.process import skip_final_collection
     from vitctl.workflows.registry import UnknownJobError
 
     from .commands import COMMANDS
@@ -93,6 +94,7 @@ def cli() -> None:
 
 
 def main() -> None:
+    skip_final_collection()
     try:
         cli()
     finally:  # the command has ended: a Ctrl-C now would only break the interpreter's shutdown with a traceback

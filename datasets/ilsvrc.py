@@ -2,6 +2,7 @@
 
 import csv
 import faulthandler
+import importlib
 import io
 import multiprocessing
 import re
@@ -13,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import scipy.io
-from scipy.io.matlab import MatReadError
 
 from .errors import DataError
 
@@ -89,6 +88,8 @@ def _is_solution_csv(path: Path) -> bool:
 
 
 def parse_meta(mat_bytes: bytes, where: str, member: str = META_MAT) -> list[Synset]:
+    # scipy loads here, not with this module, which every rank imports (0.5 s); here once, not in each child
+    importlib.import_module("scipy.io")
     verdict = _in_child(_read_synsets, mat_bytes)
     if verdict is None:
         raise DataError(f"member {member} is damaged (reading it crashed scipy's loadmat)", where, DEVKIT_AGAIN)
@@ -105,6 +106,9 @@ def parse_meta(mat_bytes: bytes, where: str, member: str = META_MAT) -> list[Syn
 
 def _read_synsets(mat_bytes: bytes) -> tuple[str, Any]:
     """loadmat's synsets as plain rows, or what is wrong: (kind, rows or message)."""
+    import scipy.io  # loaded by parse_meta before the fork
+    from scipy.io.matlab import MatReadError
+
     try:
         synsets = scipy.io.loadmat(io.BytesIO(mat_bytes), squeeze_me=True)["synsets"]
     # a meta.mat cut short raises OSError ("could not read bytes") or MatReadError, or IndexError at some lengths

@@ -36,7 +36,7 @@ from vitctl.trainer.config import ConfigError
 from . import registry, status
 from .errors import Interrupted, LaunchError, TimeLimitReached
 from .job import TrainJob
-from .process import children, pid_space, start_time, this_process
+from .process import children, pid_space, skip_final_collection, start_time, this_process
 from .registry import JobRecord
 from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
@@ -200,6 +200,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.request = request  # its --time and --max-requeues, to name when they run out
 
     def __call__(self) -> dict[str, Any]:
+        skip_final_collection()
         environment = submitit.JobEnvironment()
         rendezvous = submitit.helpers.TorchDistributedEnvironment()
         rendezvous.master_port = rendezvous_port(environment.job_id)
@@ -660,6 +661,7 @@ def run_rank(job: TrainJob) -> dict[str, Any]:
     On USR2 every rank checkpoints; rank 0 then requeues the Slurm job, which resumes from that checkpoint. On
     SIGTERM every rank checkpoints and ends: Slurm requeues or ends the job.
     """
+    skip_final_collection()
     if "SLURM_JOB_ID" in os.environ and "RANK" not in os.environ:
         os.environ.update(srun_torch_env(os.environ))
     stop = StopSignals(signal.SIGUSR2, signal.SIGTERM)
