@@ -88,7 +88,8 @@ def _is_solution_csv(path: Path) -> bool:
 
 
 def parse_meta(mat_bytes: bytes, where: str, member: str = META_MAT) -> list[Synset]:
-    # scipy loads here, not with this module, which every rank imports (0.5 s); here once, not in each child
+    # scipy (0.5 s to import) loads here, not with this module, which every rank imports; before the fork, so that
+    # each child has it
     importlib.import_module("scipy.io")
     verdict = _in_child(_read_synsets, mat_bytes)
     if verdict is None:

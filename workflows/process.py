@@ -1,5 +1,5 @@
-"""Which process a PID names now: a PID is reused once its process ends, so a recorded PID is checked against the
-start time recorded with it before anything is sent to it."""
+"""Processes: which one a PID names now (a PID is reused once its process ends, so a recorded PID is checked against
+the start time recorded with it before anything is sent to it), and how vitctl's own end."""
 
 import atexit
 import gc
