@@ -1,7 +1,17 @@
 """vitctl's commands: the module that defines each and its one-line summary, which `vitctl --help` lists without
-importing the modules (most import torch, which takes seconds)."""
+importing the modules; and the workflows those modules import only once a command runs (most import torch, which
+takes seconds), so that each command's `--help` answers at once."""
 
-from typing import NamedTuple
+import importlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, NamedTuple
+
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
 
 class Command(NamedTuple):
@@ -30,3 +40,41 @@ COMMANDS = {
 
 def summary(name: str) -> str:
     return COMMANDS[name].summary
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
+
+
+@contextmanager
+def quiet_interrupt() -> Iterator[None]:
+    """While modules load (torch takes seconds), Ctrl-C ends vitctl at once: a Ctrl-C inside a half-done import
+    (torch's, numpy's) would leave it broken, and the interpreter's shutdown would print tracebacks."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:  # SIGINT is ignored, or whoever imports this module handles it
+        yield
+        return
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class Deferred:
+    """A module imported at the first use of one of its names (under `quiet_interrupt`), not when the command that
+    uses it is defined."""
+
+    def __init__(self, name: str) -> None:
+        self._name, self._module = name, None
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._load(), attr)
+
+    def _load(self) -> ModuleType:
+        if self._module is None:
+            with quiet_interrupt():
+                self._module = importlib.import_module(self._name)
+        return self._module

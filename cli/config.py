@@ -2,9 +2,9 @@
 
 import click
 
-from vitctl.workflows import train as wf
+from .commands import Deferred, summary
 
-from .commands import summary
+wf = Deferred("vitctl.workflows.train")
 
 
 @click.group(short_help=summary("config"))

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import click
 
-from vitctl.workflows.export import export_weights
-
-from .commands import summary
+from .commands import Deferred, summary
 from .console import GivenPath, console
+
+wf = Deferred("vitctl.workflows.export")
 
 
 @click.command(short_help=summary("export"))
@@ -18,7 +18,7 @@ from .console import GivenPath, console
 def export(run: Path, out: Path, step: int | None, ema: bool) -> None:
     """Write RUN's weights (a run folder or one checkpoint folder) with timm's names: `finetune --from-ckpt` reads
     them, and timm through the `timm.create_model` call printed (with the model's class count and image size)."""
-    done = export_weights(run, out, step, ema)
+    done = wf.export_weights(run, out, step, ema)
     console.print(f"{done.out}: {done.model}, {done.tensors} tensors, {done.parameters:,} parameters "
                   f"({'EMA' if ema else 'weights'} of {done.checkpoint})\ntimm: {done.timm}", highlight=False,
                   soft_wrap=True)

@@ -1,36 +1,11 @@
 """Entry point of the `vitctl` command."""
 
 import errno
-import os
 import signal
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+from .commands import INTERRUPTED, quiet_interrupt
 
-
-def _exit_interrupted(signum: int, frame: object) -> None:
-    sys.stderr.write("interrupted\n")
-    sys.stderr.flush()
-    os._exit(INTERRUPTED)
-
-
-@contextmanager
-def _quiet_interrupt() -> Iterator[None]:
-    """While the commands load (torch takes seconds), Ctrl-C ends vitctl as it does during a command."""
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:  # SIGINT is ignored, or whoever imports this module handles it
-        yield
-        return
-    signal.signal(signal.SIGINT, _exit_interrupted)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-with _quiet_interrupt():
+with quiet_interrupt():
     import importlib
     from importlib.metadata import version
 
@@ -59,7 +34,7 @@ class VitctlGroup(click.Group):
         if name not in COMMANDS:
             return None
         command = COMMANDS[name]
-        with _quiet_interrupt():  # a Ctrl-C inside a half-done import (torch's, numpy's) leaves it broken: exit now
+        with quiet_interrupt():
             module = importlib.import_module(f"vitctl.cli.{command.module}")
         return getattr(module, command.function or name)
 

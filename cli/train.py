@@ -1,16 +1,18 @@
 """`vitctl train` and `vitctl finetune`: run a preset here or on Slurm (both through submitit)."""
 
+from __future__ import annotations  # the annotations name the deferred workflow's types
+
 from pathlib import Path
 
 import click
 from rich.table import Table
 
-from vitctl.workflows import train as wf
-from vitctl.workflows.bench import PRECISIONS
+from vitctl.trainer.config import PRECISIONS
 
-from .commands import summary
+from .commands import Deferred, summary
 from .console import GivenPath, console, err_console
 
+wf = Deferred("vitctl.workflows.train")
 PRECISION_CHOICE = click.Choice(PRECISIONS)
 
 

@@ -103,7 +103,8 @@ def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(tmp_path):
 
 
 def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
-    """`status`, `jobs`, `logs`, `cancel` and `vitctl --help` answer at once: torch's import took 5 s of each."""
+    """`status`, `jobs`, `logs`, `cancel`, `vitctl --help` and the help of the commands that run a job answer at
+    once: torch's import took 5 s of each."""
     monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
     run = tmp_path / "run"
     (run / "checkpoints/step-00000002").mkdir(parents=True)
@@ -111,7 +112,8 @@ def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
     registry.add_record(registry.JobRecord("999999999", "local", "vit_micro-run", str(run), str(run / "submitit"), 1,
                                            1, 0, 0.0))
     commands = [["status"], ["status", "--json"], ["jobs"], ["logs", "999999999"], ["cancel", "999999999"],
-                ["--help"]]
+                ["--help"], ["train", "--help"], ["finetune", "--help"], ["rank", "--help"], ["config", "show", "--help"],
+                ["export", "--help"]]
     code = (f"import sys\nfrom vitctl.cli.main import cli\nfor args in {commands}:\n"
             "    try:\n        cli(args)\n    except SystemExit:\n        pass\n"
             "print('torch' in sys.modules)")
@@ -119,6 +121,8 @@ def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
     assert done.stdout.splitlines()[-1] == "False", done.stdout + done.stderr
     assert "vit_micro-run" in done.stdout and '"step": 2' in done.stdout  # the job, read from its run folder
     assert "  cancel    Cancel a job: its ranks checkpoint, then stop." in done.stdout  # the help's list
+    for option in ("--max-requeues", "--from-ckpt", "--trust-checkpoint", "Override any config value", "--ema"):
+        assert option in done.stdout, option  # each command's own help (train, finetune, config show, export)
 
 
 def test_each_command_has_the_summary_that_the_help_lists():
