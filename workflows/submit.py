@@ -584,18 +584,19 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
     Ctrl-C, SIGTERM or a hangup stops the job as `vitctl cancel` does (its ranks checkpoint) and raises Interrupted
     once it has ended; a second one leaves it stopping on its own."""
     log, interrupted = LogTail([log_paths(record, 0)[1]]), False
-    # SIGTERM to this vitctl: as Ctrl-C, not a silent exit; a hangup: the ranks checkpoint rather than die unsaved
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt)}
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup the job runs on after a hangup, as asked
-        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, functools.partial(_hung_up, _terminals()))
+    stops = _stop_handlers()
+    previous = {signum: signal.signal(signum, functools.partial(_first_stop, handler))
+                for signum, handler in stops.items()}
     try:
         try:
             _follow(submitted, record, log, echo)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the stop signals are ignored from here until the job has been asked to stop
             interrupted = True
-            _cancel_undisturbed(record)
+            status.cancel(registry.reload(record))
             echo(f"stopping job {record.job_id}: its ranks checkpoint after the step they are in (interrupt again "
                  "to leave it stopping on its own)")
+            for signum, handler in stops.items():
+                signal.signal(signum, handler)
             try:
                 _follow(submitted, record, log, echo)
             except KeyboardInterrupt:
@@ -620,15 +621,24 @@ def _terminals() -> list[int]:
     return [stream.fileno() for stream in (sys.stdout, sys.stderr) if stream.isatty()]
 
 
-def _cancel_undisturbed(record: JobRecord) -> None:
-    """Cancel the job with Ctrl-C and SIGTERM ignored until it is asked to stop: a second Ctrl-C a few ms after the
-    first (`timeout -s INT` signals the process and its group) once cut the cancel short and left the job running."""
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (*TERMINAL_SIGNALS, signal.SIGTERM)}
-    try:
-        status.cancel(registry.reload(record))
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+def _stop_handlers() -> dict[int, Callable[[int, Any], None]]:
+    """What stops a followed local job: Ctrl-C (unless ignored); SIGTERM, as Ctrl-C rather than a silent exit; a
+    hangup (unless under nohup, where the job runs on after it, as asked), so that the ranks checkpoint rather than
+    die unsaved."""
+    handlers: dict[int, Callable[[int, Any], None]] = {signal.SIGTERM: _interrupt}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        handlers[signal.SIGINT] = _interrupt
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        handlers[signal.SIGHUP] = functools.partial(_hung_up, _terminals())
+    return handlers
+
+
+def _first_stop(handler: Callable[[int, Any], None], signum: int, frame: Any) -> None:
+    """The first stop signal ignores the next ones, then acts: `timeout -s INT` signals vitctl and then its group a
+    few ms apart, and a second signal that came before the cancel had begun left the job running on."""
+    for other in (*TERMINAL_SIGNALS, signal.SIGTERM):
+        signal.signal(other, signal.SIG_IGN)
+    handler(signum, frame)
 
 
 def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str], None]) -> None:
