@@ -456,32 +456,37 @@ def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):
 ONE_RANK = [*QUICK, "--set", "data.workers=0"]
 
 
-def _pretrained_and_finetuned(tmp_path: Path, source: str = "pretrain") -> tuple[Path, Path, Path]:
+def _pretrained_and_finetuned(tmp_path: Path, source: str = "pretrain", *finetune_options: str
+                              ) -> tuple[Path, Path, Path]:
     """A one-step pretraining run, copied to `source` where that is another folder, and a one-step finetune from
-    `source`: (pretraining run, source, finetune run)."""
+    `source` with `finetune_options`: (pretraining run, source, finetune run)."""
     pretrain, finetune = tmp_path / "pretrain", tmp_path / "finetune"
     ok("train", *ONE_RANK, "--steps", 1, "--out", pretrain)
     if source != pretrain.name:
         shutil.copytree(pretrain, tmp_path / source)
-    ok("finetune", *ONE_RANK, "--steps", 1, "--out", finetune, "--from-ckpt", tmp_path / source)
+    ok("finetune", *ONE_RANK, "--steps", 1, "--out", finetune, "--from-ckpt", tmp_path / source, *finetune_options)
     return pretrain, tmp_path / source, finetune
 
 
 @pytest.mark.slow
 def test_resume_across_pretraining_and_finetuning_is_refused_before_launch(tmp_path):
-    """Before, `finetune --resume` into a pretraining run's folder continued that run, --from-ckpt unread."""
-    pretrain, _, finetune = _pretrained_and_finetuned(tmp_path)
-    result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, "--resume")
+    """Before, `finetune --resume` into a pretraining run's folder continued that run, --from-ckpt unread; and the
+    finetune at another resolution, resumed by `train`, was refused first for its model settings, then (with them)
+    for being a finetune."""
+    pretrain, _, finetune = _pretrained_and_finetuned(tmp_path, "pretrain", "--set", "model.img_size=48")
+    result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, "--resume",
+                    "--set", "model.img_size=48")
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: {pretrain} holds the checkpoints of a pretraining run (`vitctl train`): --resume would continue that "
         f"run and ignore --from-ckpt {finetune}; choose another --out to finetune, or continue that run with "
-        f"`vitctl train --resume`")
+        f"`vitctl train --resume --set model.img_size=32`")
     result = vitctl("train", *ONE_RANK, "--steps", 2, "--out", finetune, "--resume")
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: {finetune} holds the checkpoints of a finetune from {pretrain}: continue it with `vitctl finetune "
-        f"--from-ckpt {pretrain} --resume`, or choose another --out to pretrain")
-    ok("finetune", *ONE_RANK, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")  # the fixes
-    ok("train", *ONE_RANK, "--steps", 2, "--out", pretrain, "--resume")
+        f"--from-ckpt {pretrain} --resume --set model.img_size=48`, or choose another --out to pretrain")
+    ok("finetune", *ONE_RANK, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume", "--set",
+       "model.img_size=48")  # the fixes
+    ok("train", *ONE_RANK, "--steps", 2, "--out", pretrain, "--resume", "--set", "model.img_size=32")
     assert (finetune / "checkpoints/step-00000002").is_dir() and (pretrain / "checkpoints/step-00000002").is_dir()
 
 

@@ -121,19 +121,29 @@ def _meta_problems(meta: dict[str, Any]) -> list[str]:
 def model_change(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     """None if the checkpoint's model config is this run's; else the keys set otherwise, and the two ways on: resume
     with the model as it was saved, or finetune a new run from its weights (which fits a new head, a resolution)."""
-    keys = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    keys = _changed_keys(saved, now)
     if not keys:
         return None
-
-    def sets(model: dict[str, Any]) -> str:  # JSON's null, true, false and numbers are YAML's too
-        return " ".join(f"--set model.{k}={json.dumps(model.get(k))}" for k in keys)
-
-    way = f"rerun with {sets(saved)} to go on with the model it saved"
+    way = f"rerun with {_sets(saved, keys)} to go on with the model it saved"
     if "name" not in keys:
-        way += (f", or start a new run from its weights: `vitctl finetune --from-ckpt {path} --out NEW {sets(now)}` "
-                "(with the other options of this command)")
+        way += (f", or start a new run from its weights: `vitctl finetune --from-ckpt {path} --out NEW "
+                f"{_sets(now, keys)}` (with the other options of this command)")
     differ = ", ".join(f"model.{k}={as_set_value(saved.get(k))} (now {as_set_value(now.get(k))})" for k in keys)
     return f"{path} was trained with model settings other than this run's: {differ}; --resume cannot change them: {way}"
+
+
+def saved_model_sets(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """The `--set model.KEY=VALUE` options (each after a space) that give this run the model a checkpoint saved."""
+    keys = _changed_keys(saved, now)
+    return f" {_sets(saved, keys)}" if keys else ""
+
+
+def _changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+
+
+def _sets(model: dict[str, Any], keys: list[str]) -> str:
+    return " ".join(f"--set model.{k}={json.dumps(model.get(k))}" for k in keys)  # JSON's values are YAML's too
 
 
 # What a resumed run is expected to change: how long it trains, where its data and folder are.

@@ -247,10 +247,6 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
     if not checkpoints:
         return
     saved = checkpoint.read_meta(checkpoints[-1])["config"]
-    if other_data := _other_data(checkpoints[-1], saved, config):
-        raise ConfigError(other_data)
-    if changed := checkpoint.model_change(checkpoints[-1], saved["model"], config.to_dict()["model"]):
-        raise ConfigError(changed)
     source = saved.get("finetune", {}).get("from_ckpt")
     wanted = config.finetune.from_ckpt
     run_dir = checkpoints[-1].parent.parent
@@ -258,14 +254,18 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
         raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: --resume would continue it "
                           f"and ignore --from-ckpt {wanted}; continue it with --from-ckpt {source}, or choose another "
                           f"--out to finetune from {wanted}")
-    if bool(source) == bool(wanted):
-        return
-    if wanted:
+    sets = checkpoint.saved_model_sets(saved["model"], config.to_dict()["model"])
+    if wanted and not source:
         raise ConfigError(f"{run_dir} holds the checkpoints of a pretraining run (`vitctl train`): --resume would "
                           f"continue that run and ignore --from-ckpt {wanted}; choose another --out to finetune, or "
-                          f"continue that run with `vitctl train --resume`")
-    raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: continue it with `vitctl finetune "
-                      f"--from-ckpt {source} --resume`, or choose another --out to pretrain")
+                          f"continue that run with `vitctl train --resume{sets}`")
+    if source and not wanted:
+        raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: continue it with `vitctl "
+                          f"finetune --from-ckpt {source} --resume{sets}`, or choose another --out to pretrain")
+    if other_data := _other_data(checkpoints[-1], saved, config):
+        raise ConfigError(other_data)
+    if changed := checkpoint.model_change(checkpoints[-1], saved["model"], config.to_dict()["model"]):
+        raise ConfigError(changed)
 
 
 def run_one_rank(config: RunConfig) -> dict[str, Any]:
