@@ -100,6 +100,21 @@ def test_a_last_checkpoint_that_lost_a_file_is_named_not_skipped(run_copy, tmp_p
     assert [e["checkpoint"] for e in events(run_copy) if e.get("event") == "resume"] == ["step-00000002"]
 
 
+def test_an_only_checkpoint_that_lost_a_file_is_named_damaged(run_copy, tmp_path):
+    """Before, export and --from-ckpt of its run folder said it was neither a checkpoint nor a run with checkpoints."""
+    shutil.rmtree(run_copy / "checkpoints/step-00000002")
+    last = run_copy / "checkpoints/step-00000003"
+    (last / "meta.json").unlink()
+    expected = (f"error: checkpoint {last} is damaged: meta.json is missing. Its run folder holds no earlier "
+                f"checkpoint: move it aside (mv {last} {last}.damaged)")
+    for result in (vitctl("export", run_copy, "--out", tmp_path / "w.safetensors"),
+                   vitctl("export", run_copy, "--step", 3, "--out", tmp_path / "w.safetensors"),
+                   vitctl("finetune", *SETS, "--out", tmp_path / "ft", "--from-ckpt", run_copy, "--executor", "local",
+                          "--gpus", 0, "--dry-run")):
+        assert result.exit_code == 1 and expected in result.stderr, result.stderr
+        no_traceback(result)
+
+
 @pytest.mark.parametrize(("meta", "what"), [
     ([], "meta.json holds list, not an object"),
     ({"format": ckpt.FORMAT}, "meta.json: step is missing, position is missing, world_size is missing, mesh is "

@@ -132,6 +132,10 @@ def test_a_checkpoint_folder_with_another_step_is_refused_and_its_run_folder_tak
             f"its run folder {micro_run} with --step 2") in result.stderr, result.stderr
     assert "step-00000002" in ok("export", micro_run, "--step", 2, "--out", out).output
     assert "step-00000003" in ok("export", folder, "--step", 3, "--out", out).output
+    result = vitctl("export", folder, "--step", 7, "--out", out)  # a step the run lacks: only drop --step helps
+    assert result.exit_code == 1 and (f"{folder} is the checkpoint of step 3, not of --step 7: drop --step to take "
+                                      f"this one; its run {micro_run} has no checkpoint of step 7 either (it has "
+                                      "steps ") in result.stderr, result.stderr
 
 
 def test_out_under_a_file_is_refused_and_moving_the_file_away_lets_it_export(micro_run, tmp_path):

@@ -468,10 +468,11 @@ def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
     if NAME.fullmatch(path.name) and path.is_dir():
         raise ConfigError(_damaged(path, _lacks(path)))
     found = list_checkpoints(path)
+    if step is None or not found:
+        _refuse_incomplete(path, found)
     if not found:
         raise ConfigError(_no_checkpoint(path))
     if step is None:
-        _refuse_incomplete(path, found)
         return found[-1]
     match = [p for p in found if int(NAME.fullmatch(p.name).group(1)) == step]
     if not match:
@@ -502,9 +503,14 @@ WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
 
 def _not_of_step(path: Path, saved: int, step: int) -> str:
-    """A checkpoint folder given with the step of another: drop --step, or let its run folder pick the step."""
-    run = path.parent.parent
-    within = f", or give its run folder {run} with --step {step}" if path in list_checkpoints(run) else ""
+    """A checkpoint folder given with the step of another: drop --step, or let its run folder pick the step where
+    it has one of that step."""
+    run, within = path.parent.parent, ""
+    if path in (found := list_checkpoints(run)):
+        steps = [int(NAME.fullmatch(p.name).group(1)) for p in found]
+        within = (f", or give its run folder {run} with --step {step}" if step in steps else
+                  f"; its run {run} has no checkpoint of step {step} either (it has steps "
+                  f"{', '.join(map(str, steps))})")
     return f"{path} is the checkpoint of step {saved}, not of --step {step}: drop --step to take this one{within}"
 
 
