@@ -20,6 +20,9 @@ def show(preset: str | None, overrides: tuple[str, ...]) -> None:
     """Print the config PRESET (a preset name or a YAML file, as --config takes; none: the built-in defaults that
     train runs without --config) resolves to; the output loads back as a preset file. Exits 1 after printing it if
     `vitctl train` would refuse it whatever the data, ranks and devices (train checks those at launch)."""
+    if preset is not None and not preset.strip():  # an unset shell variable: the defaults would print unseen
+        raise click.BadParameter("is empty (an unset shell variable?); give a preset name or a YAML file",
+                                 param_hint="'PRESET'")
     text, problems = wf.resolved_yaml(preset, list(overrides))
     click.echo(text, nl=False)
     if problems:

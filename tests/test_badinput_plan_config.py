@@ -260,6 +260,9 @@ def test_an_empty_config_or_out_is_refused_not_taken_as_the_defaults_or_the_curr
     config_at = DRY_RUN.index("--config") + 1
     _refused(vitctl(*DRY_RUN[:config_at], "", *DRY_RUN[config_at + 1:], "--out", "run"),
              "--config is empty; pass a preset name or a YAML file")
+    result = vitctl("config", "show", "")
+    assert result.exit_code == 2 and "Invalid value for 'PRESET': is empty (an unset shell variable?); give a preset " \
+        "name or a YAML file" in result.stderr, result.stderr
     for command in ([*DRY_RUN, "--out", ""], ["data", "shard", tmp_path, "--out", ""]):
         result = vitctl(*command)
         assert result.exit_code == 2 and "Invalid value for '--out': is empty (an unset shell variable?); give a " \
