@@ -37,13 +37,20 @@ class GivenPath(click.Path):
 
 
 class ByteSize(click.ParamType):
-    """Sizes such as 1GB, 500MB, 64KiB or a plain number of bytes."""
+    """Sizes such as 1GB, 500MB, 64KiB or a plain number of bytes; `at_least` (a size itself) the smallest taken."""
 
     name = "size"
 
+    def __init__(self, at_least: str = "0") -> None:
+        self.at_least = at_least
+
     def convert(self, value, param, ctx) -> int:
-        if isinstance(value, int):
-            return value
+        size = value if isinstance(value, int) else self._bytes(value, param, ctx)
+        if size < self._bytes(self.at_least, param, ctx):
+            self.fail(f"{value!r} is {size:,} bytes; give at least {self.at_least}", param, ctx)
+        return size
+
+    def _bytes(self, value, param, ctx) -> int:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
         unit = match.group(2).upper() if match else None
         if unit not in _UNITS:

@@ -61,8 +61,10 @@ def data() -> None:
 @data.command(short_help="Write a small dataset in the ILSVRC2012 archive formats.")
 @click.argument("out", type=GivenPath(file_okay=False, path_type=Path))
 @click.option("--classes", default=10, show_default=True, help="Number of classes (3 to 36 real WNIDs).")
-@click.option("--train-per-class", default=20, show_default=True, help="Train images per class.")
-@click.option("--val-per-class", default=5, show_default=True, help="Validation images per class.")
+@click.option("--train-per-class", type=click.IntRange(min=1), metavar="N", default=20, show_default=True,
+              help="Train images per class.")
+@click.option("--val-per-class", type=click.IntRange(min=1), metavar="N", default=5, show_default=True,
+              help="Validation images per class.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the images and of the val labels.")
 def synth(out: Path, classes: int, train_per_class: int, val_per_class: int, seed: int) -> None:
@@ -120,7 +122,7 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
               help="Shard folder (created; a rerun into it resumes).")
 @click.option("--split", type=click.Choice(["train", "val", "both"]), default="both", show_default=True,
               help="The split(s) to shard.")
-@click.option("--maxsize", type=ByteSize(), default="1GB", show_default=True,
+@click.option("--maxsize", type=ByteSize(at_least="10KB"), default="1GB", show_default=True,
               help="Target bytes per shard: a number of bytes, or with a unit KB, MB, GB, TB (powers of 1000) or "
                    "KiB, MiB, GiB, TiB (powers of 1024); at least 10KB.")
 @click.option("--maxcount", type=click.IntRange(min=1), default=10_000, show_default=True, help="Samples per shard.")

@@ -91,6 +91,17 @@ def test_shard_and_synth_options_say_what_they_take():
         assert len(line.split()) > 3, line  # option, type, and words of help
 
 
+def test_too_small_a_shard_size_or_image_count_is_a_usage_error_that_names_the_bound(tmp_path):
+    """`shard --maxsize 5KB` and `synth --train-per-class 0` said `error: ... must be at least ...` with no fix."""
+    for args, said in ((["data", "shard", tmp_path, "--out", tmp_path / "s", "--maxsize", "5KB"],
+                        "Invalid value for '--maxsize': '5KB' is 5,000 bytes; give at least 10KB"),
+                       (["data", "synth", tmp_path / "x", "--val-per-class", "0"],
+                        "Invalid value for '--val-per-class': 0 is not in the range x>=1")):
+        result = vitctl(*args)
+        assert result.exit_code == 2 and said in result.stderr, result.stderr
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(tmp_path):
     args = [str(Path(sys.executable).parent / "vitctl"), "train", "--config", "demo_vit", "--out", str(tmp_path / "r"),
             "--executor", "local", "--gpus", "0", "--dry-run"]
@@ -112,8 +123,8 @@ def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
     registry.add_record(registry.JobRecord("999999999", "local", "vit_micro-run", str(run), str(run / "submitit"), 1,
                                            1, 0, 0.0))
     commands = [["status"], ["status", "--json"], ["jobs"], ["logs", "999999999"], ["cancel", "999999999"],
-                ["--help"], ["train", "--help"], ["finetune", "--help"], ["rank", "--help"], ["config", "show", "--help"],
-                ["export", "--help"]]
+                ["--help"], ["train", "--help"], ["finetune", "--help"], ["rank", "--help"],
+                ["config", "show", "--help"], ["export", "--help"]]
     code = (f"import sys\nfrom vitctl.cli.main import cli\nfor args in {commands}:\n"
             "    try:\n        cli(args)\n    except SystemExit:\n        pass\n"
             "print('torch' in sys.modules)")
