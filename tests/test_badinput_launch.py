@@ -265,3 +265,22 @@ def test_an_unlimited_time_says_a_limit_is_needed():
     result = vitctl("train", *SLURM, "--time", "UNLIMITED", "--dry-run")
     assert result.exit_code == 1 and "--time UNLIMITED: vitctl needs a time limit, to checkpoint before it and " \
         "requeue; give the partition's longest" in result.stderr, result.stderr
+
+
+def test_a_run_folder_entry_of_the_wrong_kind_is_refused_before_launch_and_status_reads_around_it(tmp_path):
+    """`checkpoints` a file: the run trained, then failed at its first checkpoint; `metrics.jsonl` a folder: the rank
+    failed with IsADirectoryError, and from then on `vitctl status` of every job ended in a traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("")
+    (run / "metrics.jsonl").mkdir()
+    result = vitctl("train", *LOCAL, "--out", run, "--dry-run")
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: run folder {run}: {run / 'checkpoints'} is a file, where vitctl writes a folder; "
+        f"{run / 'metrics.jsonl'} is a folder, where vitctl writes a file: move it away, or choose another --out")
+    registry.add_record(registry.JobRecord("999999999", "local", "vit_micro-run", str(run), str(run / "submitit"), 1,
+                                           1, 0, time.time()))
+    assert "vit_micro-run" in ok("status").output
+    (run / "checkpoints").unlink()
+    (run / "metrics.jsonl").rmdir()
+    assert "srun" in ok("train", *LOCAL, "--out", run, "--dry-run").output  # the fix it names

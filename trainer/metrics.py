@@ -86,11 +86,12 @@ def _step_of(line: str) -> int | None:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records; a line that does not parse (being written now, cut short by a crash, damaged) is left out."""
-    path = run_dir / METRICS_FILE
-    if not path.exists():
+    try:
+        text = (run_dir / METRICS_FILE).read_text(errors="replace")
+    except OSError:  # none yet, or not a file that can be read: no records (a launch says why)
         return []
     records = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
-    return records
+    return [r for r in records if isinstance(r, dict)]

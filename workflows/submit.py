@@ -32,6 +32,7 @@ import yaml
 
 from vitctl.trainer import checkpoint, runlock
 from vitctl.trainer.config import ConfigError
+from vitctl.trainer.metrics import METRICS_FILE
 
 from . import registry, status
 from .errors import Interrupted, LaunchError, TimeLimitReached
@@ -46,6 +47,7 @@ SIGNAL_DELAY_S = 90
 MIN_TIME_MINUTES = 3
 # torch.distributed's rendezvous port, from the job id: below Linux's ephemeral ports (32768-60999), which any
 # outgoing connection on the node may already hold.
+SUBMITIT_FOLDER = "submitit"  # in the run folder: the jobs' scripts, logs and results
 RENDEZVOUS_PORTS = range(20000, 32768)
 # srun ends every task once one exits with an error: the others would wait for it in the rendezvous or a collective,
 # the job RUNNING and holding its nodes, until torch.distributed's timeout (30 minutes). A local job: _follow.
@@ -374,6 +376,17 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
     return checkpoint.checkpoints_to_resume(run_dir, resume)
 
 
+def refuse_entries_of_another_kind(run_dir: Path) -> None:
+    """ConfigError where the run folder holds a file under a name vitctl writes a folder under, or the reverse: the
+    run would fail at its first write there (its first checkpoint, after training)."""
+    folders = [checkpoint.checkpoint_dir(run_dir), run_dir / SUBMITIT_FOLDER]
+    files = [run_dir / METRICS_FILE, run_dir / runlock.LOCK]
+    in_the_way = ([f"{p} is a file, where vitctl writes a folder" for p in folders if p.exists() and not p.is_dir()]
+                  + [f"{p} is a folder, where vitctl writes a file" for p in files if p.is_dir()])
+    if in_the_way:
+        raise ConfigError(f"run folder {run_dir}: {'; '.join(in_the_way)}: move it away, or choose another --out")
+
+
 def container_mounts(config: dict[str, Any], request: LaunchRequest) -> str:
     """pyxis's --container-mounts: the user's, then each folder the ranks read or write, at the same path inside the
     image (the run folder, the shards, the checkpoint to finetune from, the plan) unless the user mounted it."""
@@ -474,7 +487,7 @@ def claim_run_dir(record: JobRecord) -> None:
 
 def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str]) -> tuple[JobRecord, Any]:
     """Submit the job, recorded in the registry before it is submitted (so that no crash leaves it untracked)."""
-    folder = job.run_dir / "submitit"
+    folder = job.run_dir / SUBMITIT_FOLDER
     host, pid_namespace = pid_space() if request.executor == "local" else (None, None)
     record = JobRecord("", request.executor, name, str(job.run_dir), str(folder), request.nodes, request.tasks,
                        request.gpus_per_node, time.time(), command=command, submitter=list(this_process()),

@@ -27,6 +27,7 @@ from .submit import (
     cpus_warning,
     default_executor,
     refuse_busy_run_dir,
+    refuse_entries_of_another_kind,
     resolve_container_image,
     run_rank,
     sbatch_script,
@@ -154,6 +155,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
                           f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
                           f"{request.tasks}")
     existed = run_dir.exists()
+    refuse_entries_of_another_kind(run_dir)
     if dry_run:
         found = checkpoint.checkpoints_to_resume(run_dir, resume)
     else:
