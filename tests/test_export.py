@@ -187,3 +187,28 @@ def test_export_refuses_non_finite_weights_and_the_checkpoint_it_names_exports(m
     fix = re.search(r"\(vitctl (export [^)]*)\)", result.stderr).group(1).split()
     assert "step-00000003" in ok(*fix).output
     assert all(torch.isfinite(t).all() for t in load_file(out).values())
+
+
+def test_a_checkpoint_removed_while_export_reads_it_gives_way_to_the_runs_last(micro_run, tmp_path, monkeypatch):
+    """A run still training removes checkpoints past its last train.keep_checkpoints: export of its run folder ended
+    in a FileNotFoundError traceback (meta.json, a .distcp file) when it read one being removed."""
+    from vitctl.workflows import export
+
+    run, read, removed = tmp_path / "run", export.consolidated, []
+    shutil.copytree(micro_run, run)
+    earlier, latest = ckpt.list_checkpoints(run)[-2:]
+
+    def removed_the_first_time(source, part):
+        if not removed:
+            removed.append(source.name)
+            shutil.rmtree(source)
+        return read(source, part)
+
+    monkeypatch.setattr(export, "consolidated", removed_the_first_time)
+    assert export.export_weights(run, tmp_path / "w.safetensors").checkpoint.name == earlier.name
+    assert removed == [latest.name]
+    removed.clear()
+    with pytest.raises(ConfigError, match=f"checkpoint {re.escape(str(earlier))} was removed while it was read: its "
+                                          "run is still training, .* run the same command again without --step, or "
+                                          "with the step of a checkpoint it keeps"):
+        export.export_weights(run, tmp_path / "w.safetensors", step=int(earlier.name[5:]))

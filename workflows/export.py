@@ -51,10 +51,8 @@ def timm_call(model: dict, out: Path) -> str:
 def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = False) -> Export:
     """The weights (or their EMA) of a run's last checkpoint, or of `step`'s, written atomically to `out`."""
     _check_out(out)
-    source = resolve_checkpoint(run, step)
-    meta = read_meta(source)
     part = "ema" if ema else "model"
-    weights = consolidated(source, part)
+    source, meta, weights = _read(run, step, part)
     if bad := nonfinite(weights):
         raise ConfigError(_nonfinite(source, part, bad, out))
     tensors = {name: tensor.contiguous() for name, tensor in timm_layout(weights).items()}
@@ -64,6 +62,28 @@ def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = Fa
                           EXPORT_SHA256: tensors_sha256(tensors)})
     return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"],
                   timm_call(model, out))
+
+
+READ_ATTEMPTS = 3  # a run that saves every few seconds and keeps one checkpoint may remove each one export takes
+
+
+def _read(run: Path, step: int | None, part: str) -> tuple[Path, dict, dict[str, torch.Tensor]]:
+    """The checkpoint `run` and `step` resolve to, its meta.json and its `part` weights. A run still training removes
+    its checkpoints past the last train.keep_checkpoints: one removed while read gives way to the run's last."""
+    attempts = 0
+    while True:
+        source = resolve_checkpoint(run, step)
+        try:
+            return source, read_meta(source), consolidated(source, part)
+        except (OSError, ConfigError):
+            attempts += 1
+            if source.exists():  # not removed while read: the error says what is wrong with it
+                raise
+            if step is not None or attempts == READ_ATTEMPTS:
+                again = "" if step is None else " without --step, or with the step of a checkpoint it keeps"
+                raise ConfigError(f"checkpoint {source} was removed while it was read: its run is still training, "
+                                  f"and keeps only its last train.keep_checkpoints; run the same command "
+                                  f"again{again}") from None
 
 
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
