@@ -227,3 +227,14 @@ def test_a_full_file_system_under_the_registry_is_named_with_the_fix_that_fits(h
         f"cannot keep the job registry in VITCTL_HOME={home}: No space left on device ({home / 'jobs.json'}); free "
         f"space on the file system of {home} (or raise your quota there), or point VITCTL_HOME at a folder on another "
         "one")
+
+
+def test_an_empty_vitctl_home_is_the_default_not_the_current_folder(tmp_path, monkeypatch):
+    """An unset shell variable (`VITCTL_HOME=`) kept the registry in the folder each command ran from."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.setenv("VITCTL_HOME", "")
+    registry.add_record(JobRecord("999999999", "local", "vit_micro-run", str(tmp_path / "run"),
+                                  str(tmp_path / "run/submitit"), 1, 1, 0, time.time()))
+    assert (tmp_path / "user/.vitctl/jobs.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["user"]
+    assert "vit_micro-run" in ok("jobs").output

@@ -63,7 +63,8 @@ class JobRecord:
 
 
 def home() -> Path:
-    return Path(os.environ.get("VITCTL_HOME", Path.home() / ".vitctl"))
+    """$VITCTL_HOME; where it is unset or empty (an unset shell variable), ~/.vitctl rather than the current folder."""
+    return Path(os.environ.get("VITCTL_HOME") or Path.home() / ".vitctl")
 
 
 def registry_path() -> Path:
@@ -216,7 +217,7 @@ def _home_errors() -> Iterator[None]:
         what = f"{e.strerror} ({e.filename})" if e.filename else e.strerror
         if blocker := file_in_the_way(folder):
             what = f"{what_it_is(blocker)}, not a folder"
-        where = f"VITCTL_HOME={folder}" if "VITCTL_HOME" in os.environ else f"{folder} (VITCTL_HOME is not set)"
+        where = f"VITCTL_HOME={folder}" if os.environ.get("VITCTL_HOME") else f"{folder} (VITCTL_HOME is not set)"
         fix = "point VITCTL_HOME at a folder this user can write, e.g. `export VITCTL_HOME=$HOME/.vitctl`"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the folder is writable: its file system is full
             fix = (f"free space on the file system of {folder} (or raise your quota there), or point VITCTL_HOME "
