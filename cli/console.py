@@ -28,11 +28,19 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 class GivenPath(click.Path):
-    """click.Path that refuses an empty value: "" (an unset shell variable) would otherwise mean the current folder."""
+    """click.Path that refuses an empty value: "" (an unset shell variable) would otherwise mean the current folder;
+    and, where it names a file (`dir_okay=False`, or `file_name` for one that is written), a trailing slash, which
+    Path drops."""
+
+    def __init__(self, *args, file_name: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.file_name = file_name
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("is empty (an unset shell variable?); give a path", param, ctx)
+        if isinstance(value, str) and value.endswith("/") and (self.file_name or not self.dir_okay):
+            self.fail(f"{value!r} ends with a slash, which names a folder; give a file's name", param, ctx)
         return super().convert(value, param, ctx)
 
 

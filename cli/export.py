@@ -12,7 +12,8 @@ wf = Deferred("vitctl.workflows.export")
 
 @click.command(short_help=summary("export"))
 @click.argument("run", type=GivenPath(exists=True, path_type=Path))
-@click.option("--out", required=True, type=GivenPath(path_type=Path), help="The .safetensors file to write.")
+@click.option("--out", required=True, type=GivenPath(file_name=True, path_type=Path),
+              help="The .safetensors file to write.")
 @click.option("--step", type=click.IntRange(min=0), help="The checkpoint of this step [default: the last].")
 @click.option("--ema", is_flag=True, help="Export the EMA weights (runs with train.ema_decay) instead.")
 def export(run: Path, out: Path, step: int | None, ema: bool) -> None:

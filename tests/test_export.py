@@ -212,3 +212,11 @@ def test_a_checkpoint_removed_while_export_reads_it_gives_way_to_the_runs_last(m
                                           "run is still training, .* run the same command again without --step, or "
                                           "with the step of a checkpoint it keeps"):
         export.export_weights(run, tmp_path / "w.safetensors", step=int(earlier.name[5:]))
+
+
+def test_an_out_ending_with_a_slash_is_refused_not_written_as_a_file(micro_run, tmp_path):
+    """`--out exp/` wrote the export as a file named exp: Path drops the slash."""
+    result = vitctl("export", micro_run, "--out", f"{tmp_path / 'exp'}/")
+    assert result.exit_code == 2 and f"Invalid value for '--out': '{tmp_path / 'exp'}/' ends with a slash, which " \
+        "names a folder; give a file's name" in result.stderr, result.stderr
+    assert not (tmp_path / "exp").exists()
