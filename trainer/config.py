@@ -213,8 +213,9 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         if kind is int and isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value):
             got += ", not a whole number"
         elif kind in (int, float) and isinstance(value, str) and (number := _as_number(value)) is not None \
-                and math.isfinite(number):
-            got += f"; a number in quotes is a string: write {value} without them"
+                and math.isfinite(number):  # Python reads other scripts' digits (full-width ５), YAML does not
+            got += (f"; a number in quotes is a string: write {value} without them" if value.isascii() else
+                    f"; write it in ASCII digits: {number:g}")
         if kind is str and isinstance(value, int | float | datetime.date):  # 2024-01-01, 001, yes, 12:30 in YAML
             got += f"; YAML reads the value as a {type(value).__name__}: put it in quotes"
         raise ConfigError(f"{key}: expected {kind.__name__}, got {got}")
