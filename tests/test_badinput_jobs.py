@@ -589,3 +589,16 @@ def test_a_job_that_could_not_report_for_a_full_or_read_only_disk_is_said_so(tmp
     assert status.failure(record) == (f"no rank could report an error: {why}; make room or write access, then "
                                       f"--resume goes on from its last checkpoint (the log, maybe cut short: "
                                       f"{folder}/1_0_log.err)")
+
+
+def test_a_job_killed_before_its_first_checkpoint_is_not_said_to_resume_from_one(tmp_path):
+    """A second cancel of a job whose run had saved nothing said that --resume went on from its last checkpoint."""
+    run = tmp_path / "run"
+    record = registry.JobRecord("1", "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0, time.time())
+    assert status.killed_note(record) == ("killed by a second `vitctl cancel`: its run had saved no checkpoint, so "
+                                          "nothing of it was kept: run the same command again to start afresh")
+    saved = run / "checkpoints/step-00000004"
+    saved.mkdir(parents=True)
+    (saved / "meta.json").write_text("{}")
+    (saved / ".metadata").write_text("")
+    assert status.killed_note(record).endswith("--resume goes on from that checkpoint (step-00000004)")

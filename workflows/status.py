@@ -184,7 +184,7 @@ def local_state(record: JobRecord) -> JobState:
         return JobState("UNKNOWN", None, f"a local job that runs {away}, whose processes this machine cannot see; "
                                          f"`vitctl status {record.job_id}` there shows it")
     if record.cancelled:
-        return JobState("CANCELLED", None, KILLED_NOTE if record.killed else "")
+        return JobState("CANCELLED", None, killed_note(record) if record.killed else "")
     if not Path(record.folder).is_dir():
         return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
     if (path := _result_path(record, 0)).exists():
@@ -250,7 +250,7 @@ def _slurm_cancel_state(record: JobRecord, state: JobState) -> JobState:
     stopped = _stop_note(_result(_result_path(record, 0)))
     if state.state == "COMPLETED" and not stopped:
         return state  # it had finished training when the cancel came
-    killed = KILLED_NOTE if record.killed and not stopped else ""
+    killed = killed_note(record) if record.killed and not stopped else ""
     return JobState("CANCELLED", state.elapsed_s, "; ".join(filter(None, [state.note, stopped, killed])))
 
 
@@ -473,8 +473,16 @@ def cancel_marker(folder: str | Path, job_id: str) -> Path:
     return Path(folder) / f"{job_id}.cancel"
 
 
-KILLED_NOTE = ("killed by a second `vitctl cancel`: the steps since its last checkpoint are lost; --resume goes on "
-               "from that checkpoint")
+def killed_note(record: JobRecord) -> str:
+    return f"killed by a second `vitctl cancel`: {what_a_kill_lost(record)}"
+
+
+def what_a_kill_lost(record: JobRecord) -> str:
+    """What ending a job at once cost, and where --resume goes on from (its run's checkpoints as they are now)."""
+    if found := list_checkpoints(Path(record.run_dir)):
+        return (f"the steps since its last checkpoint are lost, and --resume goes on from that checkpoint "
+                f"({found[-1].name})")
+    return "its run had saved no checkpoint, so nothing of it was kept: run the same command again to start afresh"
 
 
 def kill(record: JobRecord) -> bool:
