@@ -329,6 +329,13 @@ def test_a_run_folder_in_the_shard_folder_is_refused(prepared_shards, tmp_path, 
     where = "" if not inside else "inside "
     _refused(vitctl(*train, "--out", out), f"run folder {out} (--out) is {where}the shard folder {shards} (--data); "
                                            "choose a run folder outside it")
+    other = shutil.copytree(prepared_shards, tmp_path / "other")  # another dataset's shards: not --data
+    _refused(vitctl(*train, "--out", other / inside), f"run folder {other / inside} (--out) is {where}the shard "
+                                                      f"folder {other} (it holds the manifest.json of `vitctl data "
+                                                      "shard`); choose a run folder outside it")
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web/manifest.json").write_text('{"name": "a web app"}')  # another tool's file of that name
+    ok(*train, "--out", tmp_path / "web/run")
     ok(*train, "--out", tmp_path / "run")
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import torch
 
+from vitctl.datasets import manifest
+from vitctl.datasets.errors import DataError
 from vitctl.datasets.index import index_path
+from vitctl.datasets.manifest import MANIFEST
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
 from .checkpoint import checkpoint_dir, is_checkpoint, read_meta, resolve_checkpoint
@@ -215,15 +218,25 @@ def _out_dir_error(out_dir: str) -> str | None:
 
 
 def _out_in_data_error(config: RunConfig) -> str | None:
-    """A run folder in the shard folder: its checkpoints and logs would mix with the shards, and a later `vitctl data
-    shard` into that folder refuses the files it did not write."""
-    if config.data.source == "synthetic" or config.data.path is None:
+    """A run folder in a shard folder (--data's, or another's): its checkpoints and logs would mix with the shards,
+    and a later `vitctl data shard` into that folder refuses the files it did not write."""
+    out = Path(config.train.out_dir).resolve()
+    data = None if config.data.source == "synthetic" or config.data.path is None else Path(config.data.path).resolve()
+    shards = next((f for f in (out, *out.parents) if f == data or _is_shard_folder(f)), None)
+    if shards is None:
         return None
-    out, data = Path(config.train.out_dir).resolve(), Path(config.data.path).resolve()
-    if out != data and data not in out.parents:
-        return None
-    return f"run folder {config.train.out_dir} (--out) is {'' if out == data else 'inside '}the shard folder " \
-           f"{config.data.path} (--data); choose a run folder outside it"
+    which = f"the shard folder {config.data.path} (--data)" if shards == data else \
+        f"the shard folder {shards} (it holds the {MANIFEST} of `vitctl data shard`)"
+    return f"run folder {config.train.out_dir} (--out) is {'' if out == shards else 'inside '}{which}; choose a " \
+           "run folder outside it"
+
+
+def _is_shard_folder(folder: Path) -> bool:
+    """Whether `folder` holds a manifest.json `vitctl data shard` wrote (another tool's file of that name is not)."""
+    try:
+        return (folder / MANIFEST).is_file() and manifest.load(folder) is not None
+    except (DataError, OSError):
+        return False
 
 
 def _mixup_error(config: RunConfig) -> str | None:
