@@ -45,9 +45,9 @@ SIGNAL_DELAY_S = 90
 # The shortest --time that trains before that signal: Slurm may send it up to a minute earlier than asked (the
 # resolution of its events), so 3 minutes leave at least 30 s; a shorter limit signals every attempt as it starts.
 MIN_TIME_MINUTES = 3
+SUBMITIT_FOLDER = "submitit"  # in the run folder: the jobs' scripts, logs and results
 # torch.distributed's rendezvous port, from the job id: below Linux's ephemeral ports (32768-60999), which any
 # outgoing connection on the node may already hold.
-SUBMITIT_FOLDER = "submitit"  # in the run folder: the jobs' scripts, logs and results
 RENDEZVOUS_PORTS = range(20000, 32768)
 # srun ends every task once one exits with an error: the others would wait for it in the rendezvous or a collective,
 # the job RUNNING and holding its nodes, until torch.distributed's timeout (30 minutes). A local job: _follow.
