@@ -70,7 +70,8 @@ def test_overrides_win_over_presets_and_read_yaml_values():
     ("train.epochs='1'", "train.epochs: expected float, got '1'; a number in quotes is a string: write 1 without"),
     ("optim.lr='0.5'", "optim.lr: expected float, got '0.5'; a number in quotes is a string"),
     ("optim.lr=５", "optim.lr: expected float, got '５'; write it in ASCII digits: 5"),  # was: the quotes hint
-    ("data.batch_size=１６", "data.batch_size: expected int, got '１６'; write it in ASCII digits: 16"),
+    ("data.train_samples=１２８１１６７",
+     "data.train_samples: expected int, got '１２８１１６７'; write it in ASCII digits: 1281167"),  # not 1.28117e+06
     ("optim.betas=[0.9]", "expected a list of 2 values"),
     ("model.drop_path=1.5", "model.drop_path must be in"),
     ("nonsense", "not of the form section.key=value"),

@@ -9,6 +9,7 @@ import os
 import re
 import types
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,7 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         elif kind in (int, float) and isinstance(value, str) and (number := _as_number(value)) is not None \
                 and math.isfinite(number):  # Python reads other scripts' digits (full-width ５), YAML does not
             got += (f"; a number in quotes is a string: write {value} without them" if value.isascii() else
-                    f"; write it in ASCII digits: {number:g}")
+                    f"; write it in ASCII digits: {''.join(str(unicodedata.decimal(c, c)) for c in value)}")
         if kind is str and isinstance(value, int | float | datetime.date):  # 2024-01-01, 001, yes, 12:30 in YAML
             got += f"; YAML reads the value as a {type(value).__name__}: put it in quotes"
         raise ConfigError(f"{key}: expected {kind.__name__}, got {got}")
