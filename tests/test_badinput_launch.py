@@ -283,4 +283,10 @@ def test_a_run_folder_entry_of_the_wrong_kind_is_refused_before_launch_and_statu
     assert "vit_micro-run" in ok("status").output
     (run / "checkpoints").unlink()
     (run / "metrics.jsonl").rmdir()
+    (run / "submitit").write_text("")  # where the job's logs go: `submission failed: [Errno 17] File exists` before
+    result = vitctl("train", *LOCAL, "--out", run, "--dry-run")
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: run folder {run}: {run / 'submitit'} is a file, where vitctl writes a folder: move it away, or choose "
+        "another --out")
+    (run / "submitit").unlink()
     assert "srun" in ok("train", *LOCAL, "--out", run, "--dry-run").output  # the fix it names

@@ -210,11 +210,20 @@ def _out_dir_error(out_dir: str) -> str | None:
             and any(is_checkpoint(p) for p in run.iterdir()):
         return f"run folder {out_dir} (--out) is the checkpoints folder of the run {run.absolute().parent}; to go " \
                f"on with that run, pass its folder: --out {run.absolute().parent} --resume; else choose another --out"
+    if in_the_way := _of_another_kind(folders=[checkpoint_dir(run)], files=[run / METRICS_FILE, run / LOCK]):
+        return f"run folder {out_dir}: {in_the_way}: move it away, or choose another --out"
     parts = [run, checkpoint_dir(run), run / METRICS_FILE, run / LOCK]
     if locked := [p for p in parts if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))]:
         return f"run folder {out_dir} (--out): this user cannot write {', '.join(map(str, locked))} (its " \
                "permissions, or read-only or immutable); give this user write access there, or choose another --out"
     return None
+
+
+def _of_another_kind(folders: list[Path], files: list[Path]) -> str:
+    """Which of the run folder's `folders` are files and `files` folders, where vitctl writes them (the run would
+    fail at its first write there: a checkpoint, after training); '' where none."""
+    return "; ".join([f"{p} is a file, where vitctl writes a folder" for p in folders if p.exists() and not p.is_dir()]
+                     + [f"{p} is a folder, where vitctl writes a file" for p in files if p.is_dir()])
 
 
 def _out_in_data_error(config: RunConfig) -> str | None:
@@ -234,7 +243,7 @@ def _out_in_data_error(config: RunConfig) -> str | None:
 def _is_shard_folder(folder: Path) -> bool:
     """Whether `folder` holds a manifest.json `vitctl data shard` wrote (another tool's file of that name is not)."""
     try:
-        return (folder / MANIFEST).is_file() and manifest.load(folder) is not None
+        return manifest.load(folder) is not None
     except (DataError, OSError):
         return False
 

@@ -32,7 +32,6 @@ import yaml
 
 from vitctl.trainer import checkpoint, runlock
 from vitctl.trainer.config import ConfigError
-from vitctl.trainer.metrics import METRICS_FILE
 
 from . import registry, status
 from .errors import Interrupted, LaunchError, TimeLimitReached
@@ -377,14 +376,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
 
 
 def refuse_entries_of_another_kind(run_dir: Path) -> None:
-    """ConfigError where the run folder holds a file under a name vitctl writes a folder under, or the reverse: the
-    run would fail at its first write there (its first checkpoint, after training)."""
-    folders = [checkpoint.checkpoint_dir(run_dir), run_dir / SUBMITIT_FOLDER]
-    files = [run_dir / METRICS_FILE, run_dir / runlock.LOCK]
-    in_the_way = ([f"{p} is a file, where vitctl writes a folder" for p in folders if p.exists() and not p.is_dir()]
-                  + [f"{p} is a folder, where vitctl writes a file" for p in files if p.is_dir()])
-    if in_the_way:
-        raise ConfigError(f"run folder {run_dir}: {'; '.join(in_the_way)}: move it away, or choose another --out")
+    """ConfigError where the run folder holds a file under the name of the folder submitit writes the job's logs in
+    (preflight checks the trainer's own entries)."""
+    if (folder := run_dir / SUBMITIT_FOLDER).exists() and not folder.is_dir():
+        raise ConfigError(f"run folder {run_dir}: {folder} is a file, where vitctl writes a folder: move it away, or "
+                          "choose another --out")
 
 
 def container_mounts(config: dict[str, Any], request: LaunchRequest) -> str:
