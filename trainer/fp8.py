@@ -39,6 +39,10 @@ def torchao_float8() -> ModuleType:
     return torchao.float8
 
 
+def has_float8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FLOAT8_CAPABILITY
+
+
 def fp8_problems(config: RunConfig, device: torch.device) -> list[str]:
     """Why train.precision=fp8 cannot run here: torchao (for its recipes), the device, the batch."""
     problems = []

@@ -21,7 +21,7 @@ from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.images import gpu_decode_available
 from .data.shards import SplitMissing, split_shards
-from .fp8 import fp8_problems
+from .fp8 import fp8_problems, has_float8
 from .metrics import METRICS_FILE
 from .models import block_widths, build_model, model_error, model_shape
 from .ops import parse_fused, resolve, unavailable_asked
@@ -35,7 +35,7 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
     """Raises one ConfigError listing every problem; returns the parallel strategy. `device` None: the ranks' device
     is not known here (a Slurm job's nodes), so its checks wait for the ranks. `resuming`: the weights come from the
     run's own checkpoint, not from finetune.from_ckpt."""
-    problems, strategy = _config_checks(config, resuming)
+    problems, strategy = _config_checks(config, resuming, device)
     dims = None
     if strategy is not None:
         found = strategy_problems(strategy, model_shape(config.model), world_size, config.data.batch_size,
@@ -69,12 +69,15 @@ def config_problems(config: RunConfig) -> list[str]:
     return problems
 
 
-def _config_checks(config: RunConfig, resuming: bool) -> tuple[list[str], Strategy | None]:
-    """The config's own problems, and its parallel strategy where the model and plan allow one."""
+def _config_checks(config: RunConfig, resuming: bool, device: torch.device | None = None
+                   ) -> tuple[list[str], Strategy | None]:
+    """The config's own problems, and its parallel strategy where the model and plan allow one. On a `device`
+    without float8 the float8 layers' width is moot: the device's check says fp8 cannot run there at all."""
     model = model_error(config.model)
     source = None if resuming else _source_error(config, fits=model is None)
+    fp8_moot = model is not None or device is not None and not has_float8(device)
     problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
-                            None if model else _fp8_width_error(config), _out_dir_error(config.train.out_dir),
+                            None if fp8_moot else _fp8_width_error(config), _out_dir_error(config.train.out_dir),
                             _out_in_data_error(config)) if p]
     strategy = None
     if model is None:
