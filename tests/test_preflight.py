@@ -7,7 +7,7 @@ from conftest import CLASSES, ok, vitctl
 from vitctl.trainer import preflight as preflight_module
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.loop import train
-from vitctl.trainer.preflight import preflight
+from vitctl.trainer.preflight import Schedule, preflight, steps_warning
 
 TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
 
@@ -140,3 +140,13 @@ def test_an_out_at_a_run_s_checkpoints_is_refused_naming_the_run_to_resume(tmp_p
     resumed = ok(*args, "--steps", 2, "--out", run, "--resume")  # the fix
     assert "starts at step 0" not in resumed.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+@pytest.mark.parametrize(("steps", "accum", "epochs"), [(10**23, 1, 8333333333333333333334), (10, 3, 3), (97, 1, 9)])
+def test_the_epochs_named_for_steps_past_the_end_reach_them(steps, accum, epochs):
+    """Worked in integers: a float rounded 10**23 steps' epochs to 8333333333333332983808."""
+    config = load_config("demo_vit", [f"train.max_steps={steps}", f"optim.accum_steps={accum}", "train.epochs=2"])
+    batches = 12  # 400 samples at a global batch of 32
+    warning = steps_warning(config, Schedule(400, 32, batches / accum, -(-2 * batches // accum)))
+    assert warning.endswith(f"add --epochs {epochs} to train {steps} steps"), warning
+    assert -(-epochs * batches // accum) >= steps > -(-(epochs - 1) * batches // accum)  # the fewest that reach them

@@ -312,10 +312,12 @@ def steps_warning(config: RunConfig, plan: Schedule | None) -> str | None:
     steps = config.train.max_steps
     if not steps or plan is None or steps <= plan.epochs_end:
         return None
+    batches = plan.samples // plan.global_batch
+    epochs = -(-steps * config.optim.accum_steps // batches)  # in integers: a float rounds a big --steps' epochs
     return (f"train.max_steps={steps} (--steps) is past the end of train.epochs={config.train.epochs:g}: "
             f"{plan.samples} train samples make {plan.epoch_steps:g} steps an epoch at a global batch of "
             f"{plan.global_batch}, so the run stops at step {plan.epochs_end}; add --epochs "
-            f"{math.ceil(steps / plan.epoch_steps)} to train {steps} steps")
+            f"{epochs} to train {steps} steps")
 
 
 def finished_note(config: RunConfig, plan: Schedule | None, step: int) -> str | None:
