@@ -4,14 +4,14 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from vitctl.trainer.config import ConfigError, ModelConfig
-from vitctl.trainer.models import model_error
-from vitctl.trainer.ops import parse_fused
-from vitctl.workflows import doctor as checks
-from vitctl.workflows.bench import COMPILE_MODES, MODEL_NAMES, PRECISIONS, bench_train, op_report
+from vitctl.trainer.config import COMPILE_MODES, PRECISIONS
+from vitctl.trainer.registry import MODELS
 
-from .commands import summary
+from .commands import Deferred, summary
 from .console import console, err_console
+
+wf = Deferred("vitctl.workflows.bench")
+checks = Deferred("vitctl.workflows.doctor")
 
 
 def _precision_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -25,25 +25,13 @@ def _precision_list(ctx: click.Context, param: click.Parameter, value: str | Non
     return chosen
 
 
-def _check_model_and_ops(model_name: str, img_size: int, fused: str) -> None:
-    """Before the GPU is looked for: on one, an unknown op ended in a traceback, and a size the model cannot take
-    after the GPU was set up."""
-    problems = [model_error(ModelConfig(name=model_name, img_size=img_size))]
-    try:
-        parse_fused(fused)
-    except ValueError as e:
-        problems.append(str(e))
-    if problems := [p for p in problems if p]:
-        raise ConfigError("; ".join(problems))
-
-
 @click.group(short_help=summary("bench"))
 def bench() -> None:
     """Benchmarks (GPU)."""
 
 
 @bench.command(name="train")
-@click.option("--model", "model_name", type=click.Choice(MODEL_NAMES), default="vit_b16", show_default=True)
+@click.option("--model", "model_name", type=click.Choice(list(MODELS)), default="vit_b16", show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
 @click.option("--precisions", callback=_precision_list, metavar="P1,P2,...",
@@ -64,8 +52,8 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
     """Images/s, ms/step, peak memory and MFU of a training step."""
     if compile_mode != "default" and not compile_:
         raise click.UsageError(f"--compile-mode {compile_mode} needs --compile")
-    _check_model_and_ops(model_name, img_size, fused)
-    results = bench_train(model_name, batch, precisions or [precision], compile_, fused, compare, timm_setting,
+    wf.check_request(model_name, img_size, fused)
+    results = wf.bench_train(model_name, batch, precisions or [precision], compile_, fused, compare, timm_setting,
                           img_size, steps, warmup, compile_mode)
     table = Table("model", "setting", "images/s (median step)", "ms/step (median)", "peak GiB", "MFU", "vs first",
                   title=f"{model_name}, batch {batch}, {img_size} px, {steps} timed steps after {warmup}")
@@ -92,7 +80,7 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
 def doctor(expect_image: bool | None) -> None:
     """Which op implementations (reference, sdpa, apex, torch-fused, cuda) can run here and why not; how the CUDA ops
     were built; in the image, its self-test."""
-    device, rows = op_report()
+    device, rows = wf.op_report()
     table = Table("op", "implementation", "available", title=f"vitctl ops on {device} ({checks.this_vitctl()})")
     for seam, name, reason in rows:
         table.add_row(seam, name, "[green]yes[/]" if reason is None else f"[red]no[/]: {reason}")

@@ -1,5 +1,7 @@
 """`vitctl plan`: the layerwise parallel strategy for a job under a per-GPU memory budget, from a saved profile."""
 
+from __future__ import annotations  # the annotations name the deferred workflow's types
+
 import math
 from pathlib import Path
 
@@ -7,12 +9,12 @@ import click
 from rich.columns import Columns
 from rich.table import Table
 
-from vitctl.trainer.parallel.strategy import is_plan
-from vitctl.workflows import plan as wf
-from vitctl.workflows.bench import MODEL_NAMES
+from vitctl.trainer.registry import MODELS
 
-from .commands import summary
+from .commands import Deferred, summary
 from .console import GivenPath, console, err_console
+
+wf = Deferred("vitctl.workflows.plan")
 
 
 class GiB(click.FloatRange):
@@ -29,7 +31,7 @@ class GiB(click.FloatRange):
 
 
 @click.command(short_help=summary("plan"))
-@click.option("--model", "model_name", type=click.Choice(MODEL_NAMES), required=True)
+@click.option("--model", "model_name", type=click.Choice(list(MODELS)), required=True)
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--gpus", type=click.IntRange(min=1),
               help="GPUs per node [default: all visible]. With --profile-only: the local ranks to measure "
@@ -61,7 +63,6 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     gpus = gpus or wf.visible_gpus()
     if not gpus:
         raise click.UsageError("this machine has no GPU: give --gpus, the GPUs per node of the job to plan")
-    _refuse_overwriting(out)
     wf.check_out(out)
     request = wf.PlanRequest(model_name, img_size, nodes, gpus, memory_gib, batch, profile)
     outcome = wf.plan(request, lambda text: err_console.print(text, highlight=False, soft_wrap=True))
@@ -78,13 +79,6 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     wf.write_plan(outcome, out)
     console.print(f"plan: {out}  (train with --plan {out} --batch "
                   f"{wf.per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
-
-
-def _refuse_overwriting(out: Path) -> None:
-    """An --out that holds something other than a plan (the profile, notes) would be lost to the plan."""
-    if out.exists() and not is_plan(out):
-        raise wf.ConfigError(f"--out {out} already holds a file that is not a plan; choose another --out, or move "
-                             f"{out} away first")
 
 
 def _indivisible_batch(outcome: wf.PlanOutcome) -> str:

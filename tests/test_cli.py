@@ -61,8 +61,8 @@ def test_bench_compile_mode_needs_compile():
 
 
 def test_bench_says_which_optimizer_each_row_ran(monkeypatch):
-    from vitctl.cli import bench
     from vitctl.trainer.bench import BenchResult
+    from vitctl.workflows import bench
 
     ours = BenchResult("vitctl swin_b", "bf16-pure", 3000.0, 42.0, 10.0, 0.3, ops="mlp=cuda",
                        optimizer="one vitctl kernel")
@@ -115,7 +115,7 @@ def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(tmp_path):
 
 def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
     """`status`, `jobs`, `logs`, `cancel`, `vitctl --help` and the help of the commands that run a job answer at
-    once: torch's import took 5 s of each."""
+    once: torch's import took 5 s of each. plan's and bench's list the models from their registry."""
     monkeypatch.setenv("VITCTL_HOME", str(tmp_path / "home"))
     run = tmp_path / "run"
     (run / "checkpoints/step-00000002").mkdir(parents=True)
@@ -124,7 +124,8 @@ def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
                                            1, 0, 0.0))
     commands = [["status"], ["status", "--json"], ["jobs"], ["logs", "999999999"], ["cancel", "999999999"],
                 ["--help"], ["train", "--help"], ["finetune", "--help"], ["rank", "--help"],
-                ["config", "show", "--help"], ["export", "--help"]]
+                ["config", "show", "--help"], ["export", "--help"], ["plan", "--help"], ["bench", "train", "--help"],
+                ["doctor", "--help"]]
     code = (f"import sys\nfrom vitctl.cli.main import cli\nfor args in {commands}:\n"
             "    try:\n        cli(args)\n    except SystemExit:\n        pass\n"
             "print('torch' in sys.modules)")
@@ -132,7 +133,8 @@ def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
     assert done.stdout.splitlines()[-1] == "False", done.stdout + done.stderr
     assert "vit_micro-run" in done.stdout and '"step": 2' in done.stdout  # the job, read from its run folder
     assert "  cancel    Cancel a job: its ranks checkpoint, then stop." in done.stdout  # the help's list
-    for option in ("--max-requeues", "--from-ckpt", "--trust-checkpoint", "Override any config value", "--ema"):
+    for option in ("--max-requeues", "--from-ckpt", "--trust-checkpoint", "Override any config value", "--ema",
+                   "--profile-only", "--timm-setting", "--expect-image", "swin_micro"):
         assert option in done.stdout, option  # each command's own help (train, finetune, config show, export)
 
 

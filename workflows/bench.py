@@ -3,11 +3,21 @@
 import torch
 
 from vitctl.trainer.bench import BenchResult, bench_train
-from vitctl.trainer.config import COMPILE_MODES, PRECISIONS
-from vitctl.trainer.models import MODELS
-from vitctl.trainer.ops import report
+from vitctl.trainer.config import ConfigError, ModelConfig
+from vitctl.trainer.models import model_error
+from vitctl.trainer.ops import parse_fused, report
 
-MODEL_NAMES = list(MODELS)
+
+def check_request(model_name: str, img_size: int, fused: str) -> None:
+    """ConfigError before the GPU is looked for: on one, an unknown op ended in a traceback, and a size the model
+    cannot take after the GPU was set up."""
+    problems = [model_error(ModelConfig(name=model_name, img_size=img_size))]
+    try:
+        parse_fused(fused)
+    except ValueError as e:
+        problems.append(str(e))
+    if problems := [p for p in problems if p]:
+        raise ConfigError("; ".join(problems))
 
 
 def op_report() -> tuple[str, list[tuple[str, str, str | None]]]:
@@ -16,4 +26,4 @@ def op_report() -> tuple[str, list[tuple[str, str, str | None]]]:
     return str(device), report(device)
 
 
-__all__ = ["COMPILE_MODES", "MODEL_NAMES", "PRECISIONS", "BenchResult", "bench_train", "op_report"]
+__all__ = ["BenchResult", "bench_train", "check_request", "op_report"]

@@ -13,7 +13,7 @@ from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is
 from vitctl.trainer.checkpoint import consolidated, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
-from vitctl.trainer.models import MODELS, SwinTransformer, default_window
+from vitctl.trainer.models import MODELS, default_window
 from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import EXPORT_SHA256
 
@@ -43,7 +43,7 @@ def timm_call(model: dict, out: Path) -> str:
     if size != 224:
         overlay["input_size"] = (3, size, size)
         extra += f", img_size={size}"
-    if spec.family is SwinTransformer and (window := model.get("window_size") or default_window(size)) != 7:
+    if spec.family == "swin" and (window := model.get("window_size") or default_window(size)) != 7:
         extra += f", window_size={window}"
     return f"timm.create_model({spec.timm_name!r}, pretrained=True, pretrained_cfg_overlay={overlay!r}{extra})"
 

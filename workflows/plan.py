@@ -16,6 +16,7 @@ from vitctl.datasets.atomic import partial_open, publish
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.parallel.env import init_distributed
+from vitctl.trainer.parallel.strategy import is_plan
 from vitctl.trainer.planner.cost import ALLOCATOR_ROOM, Cluster
 from vitctl.trainer.planner.profile import (
     SHIPPED,
@@ -103,7 +104,11 @@ def per_rank_batch(outcome: PlanOutcome) -> int:
 
 
 def check_out(out: Path) -> None:
-    """Refuse an --out that cannot be written before the search, whose profile may first take minutes to measure."""
+    """Refuse an --out that cannot be written before the search, whose profile may first take minutes to measure, or
+    that holds something other than a plan (the profile, notes), which the plan would replace."""
+    if out.exists() and not is_plan(out):
+        raise ConfigError(f"--out {out} already holds a file that is not a plan; choose another --out, or move {out} "
+                          "away first")
     if blocker := file_in_the_way(out.absolute().parent):
         raise ConfigError(_file_in_the_way(out, blocker, "choose another --out"))
     existing = next(p for p in out.absolute().parents if p.exists())

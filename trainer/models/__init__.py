@@ -1,53 +1,19 @@
-"""Model registry: a name maps to a model family and its hyperparameters."""
+"""The registered models (registry.py) built by name, and what their registry entry tells without building them."""
 
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from ..config import ConfigError, ModelConfig
 from ..ops import Ops
+from ..registry import MODELS, ModelSpec
 from . import swin, vit
 from .swin import SwinTransformer
 from .vit import VisionTransformer
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    family: Callable[..., nn.Module]
-    kwargs: dict = field(default_factory=dict)
-    timm_name: str | None = None  # the same architecture in timm (224 px), for weight loading and benchmarks
-
-
-def _vit(patch: int, dim: int, depth: int, heads: int, timm_name: str | None, mlp_ratio: float = 4.0) -> ModelSpec:
-    return ModelSpec(VisionTransformer, dict(patch=patch, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio),
-                     timm_name)
-
-
-def _swin(dim: int, depths: tuple, heads: tuple, timm_name: str | None) -> ModelSpec:
-    return ModelSpec(SwinTransformer, dict(dim=dim, depths=depths, heads=heads), timm_name)
-
-
-MODELS: dict[str, ModelSpec] = {
-    "vit_s16": _vit(16, 384, 12, 6, "vit_small_patch16_224"),
-    "vit_b16": _vit(16, 768, 12, 12, "vit_base_patch16_224"),
-    "vit_l16": _vit(16, 1024, 24, 16, "vit_large_patch16_224"),
-    "vit_h14": _vit(14, 1280, 32, 16, "vit_huge_patch14_224"),
-    "vit_g14": _vit(14, 1408, 40, 16, "vit_giant_patch14_224", mlp_ratio=48 / 11),
-    "swin_t": _swin(96, (2, 2, 6, 2), (3, 6, 12, 24), "swin_tiny_patch4_window7_224"),
-    "swin_s": _swin(96, (2, 2, 18, 2), (3, 6, 12, 24), "swin_small_patch4_window7_224"),
-    "swin_b": _swin(128, (2, 2, 18, 2), (4, 8, 16, 32), "swin_base_patch4_window7_224"),
-    "swin_l": _swin(192, (2, 2, 18, 2), (6, 12, 24, 48), "swin_large_patch4_window7_224"),
-    "swin_h": _swin(320, (2, 2, 42, 2), (8, 16, 32, 64), None),
-    # Small models for CPU tests and the demo.
-    "vit_micro": _vit(8, 96, 4, 3, None),
-    "swin_micro": _swin(32, (1, 1, 2, 1), (1, 2, 4, 8), None),
-    # Small models whose heads split over 2 or 4 tensor-parallel ranks, for CPU parallelism tests.
-    "vit_mini": _vit(8, 128, 4, 4, None),
-    "swin_mini": _swin(64, (1, 1, 2, 1), (4, 4, 8, 16), None),
-}
+FAMILIES: dict[str, type[nn.Module]] = {"vit": VisionTransformer, "swin": SwinTransformer}
 
 
 @dataclass(frozen=True)
@@ -72,7 +38,7 @@ def model_error(config: ModelConfig) -> str | None:
     spec = MODELS.get(config.name)
     if spec is None:
         return f"model.name {config.name!r} is unknown; models: {', '.join(MODELS)}"
-    if spec.family is SwinTransformer:
+    if spec.family == "swin":
         error = swin.geometry_error(config.img_size, config.window_size or default_window(config.img_size),
                                     spec.kwargs["depths"])
     else:
@@ -83,7 +49,7 @@ def model_error(config: ModelConfig) -> str | None:
 def model_shape(config: ModelConfig) -> ModelShape:
     """Each block's heads and MLP width, as parallel strategies are checked against them (no model is built)."""
     spec = MODELS[config.name]
-    if spec.family is SwinTransformer:
+    if spec.family == "swin":
         heads = tuple(h for depth, h in zip(spec.kwargs["depths"], spec.kwargs["heads"], strict=True)
                       for _ in range(depth))
     else:
@@ -95,7 +61,7 @@ def model_shape(config: ModelConfig) -> ModelShape:
 def block_widths(config: ModelConfig) -> tuple[int, ...]:
     """Each block's embedding width (its qkv's, proj's and fc1's input), in order (no model is built)."""
     spec = MODELS[config.name]
-    if spec.family is SwinTransformer:
+    if spec.family == "swin":
         return tuple(spec.kwargs["dim"] * 2**i for i, depth in enumerate(spec.kwargs["depths"]) for _ in range(depth))
     return (spec.kwargs["dim"],) * spec.kwargs["depth"]
 
@@ -108,11 +74,11 @@ def build_model(config: ModelConfig, ops: Ops, seed: int = 0) -> nn.Module:
     spec = MODELS[config.name]
     kwargs = dict(spec.kwargs, img_size=config.img_size, num_classes=config.num_classes, drop_path=config.drop_path,
                   seed=seed)
-    if spec.family is SwinTransformer:
+    if spec.family == "swin":
         kwargs["window"] = config.window_size or default_window(config.img_size)
     elif config.pre_logits:
         kwargs["pre_logits"] = True
-    return spec.family(ops, **kwargs)
+    return FAMILIES[spec.family](ops, **kwargs)
 
 
 def stream_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -135,13 +101,13 @@ def weights_of(state: dict[str, Tensor]) -> tuple[str, int | None] | None:
     embed = state.get("patch_embed.proj.weight")
     if embed is None or embed.ndim != 4:
         return None
-    family = VisionTransformer if "pos_embed" in state else SwinTransformer
-    if not {key.split(".")[0] for key in state} <= family.STATE_ROOTS:
+    family = "vit" if "pos_embed" in state else "swin"
+    if not {key.split(".")[0] for key in state} <= FAMILIES[family].STATE_ROOTS:
         return None
-    if family is VisionTransformer:
+    if family == "vit":
         depth = _count(state, r"blocks\.(\d+)\.")
         fc1 = state.get("blocks.0.mlp.fc1.weight")
-        found = {"family": VisionTransformer, "patch": embed.shape[-1], "dim": embed.shape[0], "depth": depth,
+        found = {"family": "vit", "patch": embed.shape[-1], "dim": embed.shape[0], "depth": depth,
                  "hidden": fc1.shape[0] if fc1 is not None else None}
         window = None
     else:
@@ -150,7 +116,7 @@ def weights_of(state: dict[str, Tensor]) -> tuple[str, int | None] | None:
         tables = [state.get(f"layers.{i}.blocks.0.attn.relative_position_bias_table") for i in range(stages)]
         if any(t is None or t.ndim != 2 for t in tables):
             return None
-        found = {"family": SwinTransformer, "dim": embed.shape[0], "depths": depths,
+        found = {"family": "swin", "dim": embed.shape[0], "depths": depths,
                  "heads": tuple(t.shape[1] for t in tables)}
         window = (math.isqrt(tables[0].shape[0]) + 1) // 2
     for name, spec in MODELS.items():
@@ -168,7 +134,7 @@ def _count(state: dict[str, Tensor], pattern: str) -> int:
 def _spec_fields(spec: ModelSpec) -> dict:
     """What `weights_of` reads off a state_dict, for a registered model."""
     kw = spec.kwargs
-    if spec.family is SwinTransformer:
-        return {"family": SwinTransformer, "dim": kw["dim"], "depths": kw["depths"], "heads": kw["heads"]}
-    return {"family": VisionTransformer, "patch": kw["patch"], "dim": kw["dim"], "depth": kw["depth"],
+    if spec.family == "swin":
+        return {"family": "swin", "dim": kw["dim"], "depths": kw["depths"], "heads": kw["heads"]}
+    return {"family": "vit", "patch": kw["patch"], "dim": kw["dim"], "depth": kw["depth"],
             "hidden": int(kw["dim"] * kw.get("mlp_ratio", 4.0))}

@@ -90,7 +90,7 @@ def model_layout(model_name: str, img_size: int) -> ModelLayout:
     kw = spec.kwargs
     blocks: list[BlockShape] = []
     parts = [Part("embed", 0)]
-    if spec.family is SwinTransformer:
+    if spec.family == "swin":
         for i, (depth, heads) in enumerate(zip(kw["depths"], kw["heads"], strict=True)):
             dim, side = kw["dim"] * 2**i, img_size // 4 // 2**i
             if i:
