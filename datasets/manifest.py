@@ -116,6 +116,10 @@ def _shape_problem(manifest: dict[str, Any]) -> str | None:
                           for i, e in enumerate(info["shards"]))), None)
         if problem:
             return problem
+        names = [e["name"] for e in info["shards"]]
+        if twice := next((i for i, name in enumerate(names) if name in names[:i]), None):
+            # a trainer would read that shard's samples twice an epoch, and count them twice
+            return f"{where}.shards[{twice}].name {names[twice]!r} is that of shards[{names.index(names[twice])}] too"
     return None
 
 

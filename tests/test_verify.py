@@ -229,6 +229,8 @@ SHAPE = "not a manifest `vitctl data shard` wrote: "
      SHAPE + 'splits.train.shards[1].samples is "16", not an integer'),
     (lambda m: m["splits"]["train"]["shards"][0].update(name="../../elsewhere.tar"),
      SHAPE + "splits.train.shards[0].name '../../elsewhere.tar' is not the name of a train shard"),
+    (lambda m: m["splits"]["train"]["shards"].__setitem__(1, m["splits"]["train"]["shards"][0]),
+     SHAPE + "splits.train.shards[1].name 'imagenet-train-000000.tar' is that of shards[0] too"),
 ])
 @pytest.mark.parametrize("command", ["index", "verify", "shard"])
 def test_a_manifest_of_the_wrong_shape_is_a_clear_error_and_its_fix_works(prepared_root, shards_copy, tmp_path,
