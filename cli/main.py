@@ -1,7 +1,10 @@
 """Entry point of the `vitctl` command."""
 
+import contextlib
 import errno
+import os
 import signal
+import sys
 
 from .commands import INTERRUPTED, quiet_interrupt
 
@@ -13,6 +16,7 @@ with quiet_interrupt():
     from rich.markup import escape
 
     from vitctl.datasets.errors import DataError
+    from vitctl.datasets.parallel import hangup_as_interrupt
     from vitctl.trainer.config import ConfigError
     from vitctl.workflows.errors import Interrupted, LaunchError
     from vitctl.workflows.process import skip_final_collection
@@ -52,14 +56,35 @@ class VitctlGroup(click.Group):
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
         except KeyboardInterrupt:
-            err_console.print("interrupted", highlight=False)
+            with contextlib.suppress(OSError):  # a terminal that hung up takes no more output
+                err_console.print("interrupted", highlight=False)
             ctx.exit(INTERRUPTED)
-        except OSError as e:  # a path given anywhere (--out, --data, a config file) that no file system takes
-            if e.errno != errno.ENAMETOOLONG:
+        except OSError as e:
+            if _output_lost(e):
+                _say_output_lost(e)
+                ctx.exit(1)
+            if e.errno != errno.ENAMETOOLONG:  # a path (--out, --data, a config file) that no file system takes
                 raise
             err_console.print(f"[bold red]error:[/] a name in {escape(str(e.filename))} is longer than the file "
                               "system allows (255 bytes a name): shorten it", highlight=False, soft_wrap=True)
             ctx.exit(1)
+
+
+def _output_lost(e: OSError) -> bool:
+    """A write to stdout or stderr failed: a closed terminal (EIO), a full disk, a reader gone (EPIPE). Errors of the
+    files a command works on name their file, or reach here as DataError."""
+    return e.filename is None and e.errno in (errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EPIPE)
+
+
+def _say_output_lost(e: OSError) -> None:
+    """One line on stderr where it can still be written (not for EPIPE: a reader such as `head` left on purpose)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # or the interpreter's exit flushes stdout into the same error again
+    if e.errno == errno.EPIPE:
+        return
+    with contextlib.suppress(OSError):
+        err_console.print(f"[bold red]error:[/] the output could not be written ({escape(e.strerror or str(e))}); "
+                          "what the command did before is done", highlight=False, soft_wrap=True)
 
 
 @click.group(cls=VitctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -70,6 +95,7 @@ def cli() -> None:
 
 def main() -> None:
     skip_final_collection()
+    hangup_as_interrupt()
     try:
         cli()
     finally:  # the command has ended: a Ctrl-C now would only break the interpreter's shutdown with a traceback

@@ -32,10 +32,22 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def hangup_as_interrupt() -> None:
+    """From now on a hangup (a closed terminal, a dropped SSH link) interrupts this process as Ctrl-C does, so that
+    it stops as cleanly; unless hangups are ignored (nohup)."""
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _interrupt_self)
+
+
+def _interrupt_self(signum: int, frame: object) -> None:
+    os.kill(os.getpid(), signal.SIGINT)  # whatever SIGINT's handler is now: deferred, ignored, KeyboardInterrupt
+
+
 def _start_worker(stopping: Any, parent: int) -> None:
     global _stopping
     _stopping = stopping
     _die_with_parent(parent)
+    hangup_as_interrupt()
     # Ctrl-C reaches the whole process group. A worker interrupted while it waits for work prints a traceback,
     # and can die holding the task queue's lock, which hangs the pool's shutdown: so only tasks are interrupted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -172,3 +172,18 @@ def test_the_summary_of_a_run_resumed_without_its_ema_shows_both_evals(tmp_path,
     print_summary(tmp_path)
     out = capsys.readouterr().out
     assert "EMA top-1" in out and "9.50" in out and "12.00" in out and "52.00" in out
+
+
+def test_output_that_cannot_be_written_ends_in_one_line_not_a_traceback(prepared_shards):
+    """Before: verify into a full disk (or a terminal closed while it ran) checked every shard, then printed a
+    traceback from rich."""
+    command = [str(Path(sys.executable).parent / "vitctl"), "data", "verify", str(prepared_shards)]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == ("error: the output could not be written (No space left on device); what "
+                                            "the command did before is done")
+    reader = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reader.stdout.close()  # a reader that left (`| head`): nothing to say, and no traceback
+    said = reader.stderr.read()
+    assert reader.wait(timeout=120) == 1 and "Traceback" not in said and "error" not in said, said

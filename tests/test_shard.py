@@ -152,14 +152,17 @@ def test_rerun_redoes_only_missing_or_partial_shards(prepared_shards, shards_cop
     assert not (shards_copy / "imagenet-train-000002.idx").exists()  # its index was stale, so removed
 
 
-def test_ctrl_c_halfway_leaves_only_complete_shards_and_a_rerun_finishes(prepared_root, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP])
+def test_ctrl_c_halfway_leaves_only_complete_shards_and_a_rerun_finishes(prepared_root, tmp_path, stop):
+    """SIGHUP (a closed terminal) as Ctrl-C: before, it killed vitctl and its workers at once (exit 129, no word,
+    their temporary files left)."""
     out = tmp_path / "s"
     args = [VITCTL, "data", "shard", str(prepared_root), "--out", str(out), "--maxcount", "1", "--workers", "2"]
     proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not list(out.glob("imagenet-train-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    os.killpg(proc.pid, stop)  # what Ctrl-C in a terminal, or its hangup, does: the whole process group
     err = proc.communicate(timeout=60)[1].decode()
     written = sorted(out.glob("imagenet-*.tar"))
     total = CLASSES * (TRAIN_PER_CLASS + VAL_PER_CLASS)
