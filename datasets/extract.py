@@ -33,6 +33,7 @@ ARCHIVE_NAMES = {"train": "ILSVRC2012_img_train.tar", "val": "ILSVRC2012_img_val
 IDENTITY_BYTES = 1 << 20  # hashed at each end of an archive: tells copies apart in milliseconds, even at 140 GB
 COPY_CHUNK = 16 << 20
 VAL_FILES_PER_TASK = 500  # small tasks keep the progress bar moving and read the archive in order
+TRAIN_IMAGE_CLASS = re.compile(r"(n\d{8})_")  # a train image is named <wnid>_<number>.JPEG
 CLASS_PARTIAL = re.compile(rf"\.n\d{{8}}{re.escape(PARTIAL_SUFFIX)}")
 Progress = Callable[[int], None]  # advance by n bytes
 
@@ -160,16 +161,30 @@ def _copy_members(archive: Path, members: list[TarMember], folder: Path) -> int:
 def extract_class(archive: Path, inner: TarMember, dest: Path) -> tuple[str, int, int]:
     """Write one inner per-class tar, read in place from the outer archive, durably into its `.partial` folder."""
     wnid = inner.name.removesuffix(".tar")
-    where = f"{archive} member {inner.name}"
+    where, fix = f"{archive} member {inner.name}", _train_damaged(dest)
     with open(archive, "rb", buffering=0) as f:
-        members = list(scan(_Window(f, inner.offset), inner.size, where))
-    _check_file_names(members, where, _train_damaged(dest))
+        try:
+            members = list(scan(_Window(f, inner.offset), inner.size, where))
+        except DataError as e:  # its own fix (decompress it, download it again) names a file the user cannot pass
+            raise DataError(e.what, where, fix) from None
+    _check_file_names(members, where, fix)
+    _check_class_images(members, wnid, where, fix)
     partial = partial_path(dest / wnid)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     _copy_members(archive, [m._replace(offset=inner.offset + m.offset) for m in members], partial)
     sync_filesystem(partial)  # the class's files and names, at once: an fsync per image costs minutes on ImageNet
     return wnid, len(members), inner.size
+
+
+def _check_class_images(members: list[TarMember], wnid: str, where: str, fix: str) -> None:
+    """A class tar of no images (extracted, its class would train on nothing, and shard's fix, to move the empty
+    folder away, would then be refused as a lost class), or holding another class's images (named <wnid>_N.JPEG)."""
+    if not members:
+        raise DataError("holds no images: an empty class tar", where, fix)
+    if stray := next((m.name for m in members if (named := TRAIN_IMAGE_CLASS.match(m.name)) and named[1] != wnid),
+                     None):
+        raise DataError(f"member {stray!r} is an image of another class than {wnid}", where, fix)
 
 
 class _Window:

@@ -260,6 +260,12 @@ def _damaged_train(small_archives: Path, tmp_path: Path, fault: str) -> Path:
     images = _members(inner)
     if fault == "duplicate class tar":
         classes.append(classes[-1])
+    elif fault == "empty class tar":
+        classes[-1] = (name, _tar([]))
+    elif fault == "gzipped class tar":
+        classes[-1] = (name, gzip.compress(inner))
+    elif fault == "another class's images":
+        classes[-1] = (name, classes[0][1])
     else:
         odd = {"member '.'": (".", b"x"), "empty name": ("", b"x"), "duplicate image": images[0]}[fault]
         classes[-1] = (name, _tar([*images, odd]))
@@ -272,13 +278,16 @@ def _damaged_train(small_archives: Path, tmp_path: Path, fault: str) -> Path:
 @pytest.mark.parametrize("fault, says", [("member '.'", "member '.' is not a file name"),
                                          ("empty name", "member '' is not a file name"),
                                          ("duplicate image", "appears twice"),
-                                         ("duplicate class tar", "member 'n02110185.tar' appears twice")])
+                                         ("duplicate class tar", "member 'n02110185.tar' appears twice"),
+                                         ("empty class tar", "holds no images: an empty class tar"),
+                                         ("gzipped class tar", "the file is gzip-compressed"),
+                                         ("another class's images", "is an image of another class than n02110185")])
 def test_odd_train_members_are_named_and_following_the_fix_works(small_archives, small_extracted, tmp_path,
                                                                 fault, says):
     bad, out = _damaged_train(small_archives, tmp_path, fault), tmp_path / "r"
     result = vitctl("data", "extract", "--train-tar", bad, "--out", out, "--workers", 1)
     assert result.exit_code == 1 and str(bad) in result.stderr and says in result.stderr
-    assert "download ILSVRC2012_img_train.tar" in result.stderr
+    assert "download ILSVRC2012_img_train.tar" in result.stderr and "gunzip" not in result.stderr
     if fault != "duplicate class tar":
         assert "member n02110185.tar" in result.stderr  # the inner tar that holds the odd member
     assert _leftovers(out) == []
