@@ -88,6 +88,8 @@ def to_rgb_jpeg(data: bytes, source: str) -> tuple[bytes, str | None]:
 
     Raises DataError for an image that cannot be read (corrupt or truncated).
     """
+    if not data:
+        raise DataError("empty file (0 bytes)", source)
     frame = jpeg_frame(data)
     # a JPEG Pillow would refuse to open goes the slow way, to be refused here rather than where it is trained on
     if frame is not None and frame[0] == 3 and not _pillow_refuses(*frame[1:]):

@@ -433,6 +433,25 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
         raise
     for future in finished:
         future.result()
+    if split == "train":
+        _check_every_class_kept(root, out, info, classes)
     info["complete"] = True
     record()
     return SplitResult(info, sorted(set(recorded) - intact))
+
+
+def _check_every_class_kept(root: Path, out: Path, info: dict[str, Any], classes: list[str]) -> None:
+    """Refuse a train split in which every image of a class was skipped as unreadable: its label would train on
+    nothing, as that of an empty class folder would (refused before sharding). The split stays unfinished."""
+    if any("labels" not in entry for entry in info["shards"]):  # a shard kept from a version that did not list them
+        return
+    kept = {label for entry in info["shards"] for label in mf.decode_labels(entry["labels"])}
+    lost = [wnid for label, wnid in enumerate(classes) if label not in kept]
+    if not lost:
+        return
+    skipped = [s for e in info["shards"] for s in e["skipped"] if s["source"].split("/")[1] == lost[0]]
+    more = f" (and {len(lost) - 1} more classes)" if len(lost) > 1 else ""
+    raise DataError(f"every train image of class {lost[0]}{more} is unreadable, so its label would train on nothing: "
+                    f"{_some(skipped)}", str(root),
+                    "replace them with readable images, then shard into a new --out folder (the plan changes with "
+                    "the images)")
