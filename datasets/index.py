@@ -95,9 +95,13 @@ def index_path(shard: Path) -> Path:
     return shard.with_name(mf.index_name(shard.name))
 
 
-def build_index(shard: Path) -> tuple[str, int]:
-    """Write `<shard stem>.idx` beside the shard; returns (shard name, samples)."""
+def build_index(shard: Path, recorded: int | None = None) -> tuple[str, int]:
+    """Write `<shard stem>.idx` beside the shard; returns (shard name, samples). `recorded`: the samples its manifest
+    entry lists, which the shard must hold (the labels a trainer reads are the manifest's, in tar order)."""
     samples = shard_samples(shard)
+    if recorded is not None and len(samples) != recorded:
+        raise DataError(f"holds {len(samples)} samples, and the manifest records {recorded}: changed since `vitctl "
+                        "data shard` wrote it", str(shard))
     if not samples:
         raise DataError("the shard holds no samples, and DALI refuses an index of none", str(shard),
                         "replace or delete the images skipped for it (manifest.json lists them) and shard into a "
@@ -123,16 +127,25 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
         if manifest is None:
             raise DataError("no manifest.json: this folder was not written by `vitctl data shard`", str(folder),
                             "pass the folder given to `vitctl data shard --out`")
-        paths = [folder / entry["name"] for _, entry in mf.all_shards(manifest)]
+        entries = [entry for _, entry in mf.all_shards(manifest)]
+        paths = [folder / entry["name"] for entry in entries]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
             raise DataError(f"{len(missing)} shards in the manifest are missing, e.g. {missing[0]}", str(folder),
                             "rerun the `vitctl data shard` command that wrote this folder (`vitctl data verify` "
                             "prints it)")
+        resized = [(p, e["bytes"]) for p, e in zip(paths, entries, strict=True) if p.stat().st_size != e["bytes"]]
+        if resized:
+            path, recorded = resized[0]
+            more = f" (and {len(resized) - 1} more)" if len(resized) > 1 else ""
+            raise DataError(f"{path.name}{more} is {path.stat().st_size:,} bytes, and the manifest records "
+                            f"{recorded:,}: changed since `vitctl data shard` wrote it", str(folder),
+                            mf.repair_advice(folder))
         on_total(len(paths))
         samples = 0
+        tasks = [(p, e["samples"]) for p, e in zip(paths, entries, strict=True)]
         try:
-            with closing(run_tasks(build_index, [(p,) for p in paths], workers)) as built:
+            with closing(run_tasks(build_index, tasks, workers)) as built:
                 for _, count in built:
                     samples += count
                     progress(1)

@@ -106,24 +106,38 @@ def test_index_without_manifest_is_a_clear_error(tmp_path):
     assert result.exit_code == 1 and "no manifest.json" in result.stderr
 
 
-@pytest.mark.parametrize("damage", ["truncated", "a header byte changed"])
-def test_a_damaged_shard_names_verify_which_prints_the_command_that_mends_it(shards_copy, damage):
+@pytest.mark.parametrize("damage, says", [
+    ("truncated", "imagenet-val-000001.tar is "),
+    ("a header byte changed", "not a tar archive or corrupt header"),
+    ("grown by 1 KiB", "bytes, and the manifest records"),  # a whole tar still: index passed it
+    ("another sample count recorded", "samples, and the manifest records"),  # as where another shard was copied
+])
+def test_a_damaged_shard_names_verify_which_prints_the_command_that_mends_it(shards_copy, damage, says):
     """Index said 'copy or download it again' or 'check that this is the right file': shards written here have
     nothing to download; verify knows the `vitctl data shard` command that writes them again."""
     shard = shards_copy / "imagenet-val-000001.tar"
     raw = bytearray(shard.read_bytes())
     if damage == "truncated":
         raw = raw[:40960 if len(raw) > 40960 else len(raw) // 2]
-    else:
+    elif damage == "a header byte changed":
         raw[10] ^= 0x20
+    elif damage == "grown by 1 KiB":
+        raw += bytes(1024)
+    else:
+        manifest = json.loads((shards_copy / "manifest.json").read_text())
+        entry = next(e for e in manifest["splits"]["val"]["shards"] if e["name"] == shard.name)
+        entry["samples"] -= 1
+        (shards_copy / "manifest.json").write_text(json.dumps(manifest))
     shard.write_bytes(bytes(raw))
     result = vitctl("data", "index", shards_copy)
-    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert result.exit_code == 1 and "Traceback" not in result.stderr and says in result.stderr, result.stderr
     assert result.stderr.strip().endswith(f"fix: `vitctl data verify {shards_copy}` checks every shard against "
                                           "manifest.json and prints the command that writes the damaged or missing "
                                           "ones again")
     verified = vitctl("data", "verify", shards_copy)
-    assert verified.exit_code == 1 and "imagenet-val-000001.tar" in verified.output and " run:\n" in verified.output
+    assert verified.exit_code == 1 and "imagenet-val-000001.tar" in verified.output
+    # the command that writes the shard again; for an edited manifest, verify says to restore it instead
+    assert (" run:\n" if "count" not in damage else "describes the shard (it was edited after") in verified.output
 
 
 def test_members_webdataset_leaves_out_are_not_indexed(tmp_path):
