@@ -603,3 +603,33 @@ def test_a_job_killed_before_its_first_checkpoint_is_not_said_to_resume_from_one
     (saved / "meta.json").write_text("{}")
     (saved / ".metadata").write_text("")
     assert status.killed_note(record).endswith("--resume goes on from that checkpoint (step-00000004)")
+
+
+def test_status_names_requeued_attempts_that_ended_before_their_checkpoint(tmp_path):
+    """Before: a requeue whose ranks Slurm killed at the end of its KillWait (5 s on the dev cluster), before they
+    had checkpointed, showed only 'requeued'; and `restarts` counted the resume a `--resume` job starts with."""
+    run = tmp_path / "run"
+    record = _ended_local_job(run)
+    for step in (10, 15):
+        saved = ckpt.checkpoint_dir(run) / f"step-{step:08d}"
+        saved.mkdir(parents=True)
+        (saved / "meta.json").write_text("{}")
+        (saved / ".metadata").write_bytes(b"")
+
+    def steps(first: int, last: int) -> list[dict]:
+        return [{"step": s, "loss": 1.0, "images_per_s": 1.0, "step_time_s": 1.0, "total_steps": 30}
+                for s in range(first, last + 1)]
+
+    marks = [{"step": 5, "event": "resume"}, *steps(6, 10),  # the job began with --resume from step 5
+             # an attempt trained steps 11-13 and was killed before its checkpoint: the next one dropped their records
+             {"step": 10, "event": "resume"}, *steps(11, 15), {"step": 15, "event": "stopped"},  # one checkpointed
+             {"step": 15, "event": "resume"}, *steps(16, 18)]  # the last: requeued now, or running
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**m, "time": record.submitted + 1}) + "\n" for m in marks))
+    done = status.progress(record)
+    assert done["restarts"] == 2
+    killed = ("1 requeued attempt ended before its checkpoint (Slurm killed the ranks at the end of its KillWait): "
+              "the steps past the last checkpoint were trained again")
+    assert status._unsaved_note(done["unsaved"], requeued_now=False) == killed
+    assert status._unsaved_note(done["unsaved"], requeued_now=True) == (
+        f"{killed}; the requeued attempt ended before its checkpoint (Slurm killed the ranks at the end of its "
+        "KillWait): steps 16-18 are trained again")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vitctl.trainer.checkpoint_files import list_checkpoints
+from vitctl.trainer.checkpoint_files import NAME, list_checkpoints
 from vitctl.trainer.metrics import read_metrics
 
 from .errors import LaunchError
@@ -324,9 +324,39 @@ def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
     return {"step": last.get("step"), "total_steps": last.get("total_steps"), "loss": last.get("loss"),
             "images_per_s": [m["images_per_s"] for m in steps[-RATE_HISTORY:]], "eta_s": eta,
             "last_checkpoint": checkpoints[-1].name if checkpoints else None,
-            "restarts": sum(1 for m in metrics if m.get("event") == "resume"),
+            "restarts": len(restarts := _restarts(metrics)),
+            "unsaved": _unsaved(restarts, metrics, checkpoints),
             "parallel": next((m["layout"] for m in reversed(metrics) if "layout" in m), None),
             "quiet": _quiet_note(record, steps)}
+
+
+def _restarts(metrics: list[dict[str, Any]]) -> list[bool]:
+    """For each restart of the job after an attempt of its own (a requeue; not the resume it may start with), whether
+    that attempt checkpointed on its signal: its ranks log `stopped` then, unless they are killed first."""
+    marks = [m for m in metrics if "loss" in m or m.get("event") in ("stopped", "resume")]
+    return [i > 0 and marks[i - 1].get("event") == "stopped" for i, m in enumerate(marks)
+            if m.get("event") == "resume" and any("loss" in earlier for earlier in marks[:i])]
+
+
+def _unsaved(restarts: list[bool], metrics: list[dict[str, Any]], checkpoints: list[Path]) -> dict[str, Any]:
+    """The requeued attempts that ended before their checkpoint (Slurm kills the ranks when its KillWait, and for a
+    pre-emption the partition's GraceTime, runs out); and the steps the last attempt trained past its last checkpoint
+    without a signal's checkpoint after them: trained again if that attempt was requeued."""
+    marks = [m for m in metrics if "loss" in m or m.get("event") in ("stopped", "resume")]
+    saved = int(NAME.fullmatch(checkpoints[-1].name)[1]) if checkpoints else 0
+    past = marks[-1]["step"] if marks and "loss" in marks[-1] and marks[-1]["step"] > saved else None
+    return {"killed": restarts.count(False), "since": saved, "until": past}
+
+
+def _unsaved_note(unsaved: dict[str, Any], requeued_now: bool) -> str:
+    killed, since, until = unsaved["killed"], unsaved["since"], unsaved["until"]
+    notes = [f"{killed} requeued attempt{'s' if killed > 1 else ''} ended before {'their' if killed > 1 else 'its'} "
+             "checkpoint (Slurm killed the ranks at the end of its KillWait): the steps past the last checkpoint "
+             "were trained again"] if killed else []
+    if requeued_now and until is not None:
+        notes.append(f"the requeued attempt ended before its checkpoint (Slurm killed the ranks at the end of its "
+                     f"KillWait): steps {since + 1}-{until} are trained again")
+    return "; ".join(notes)
 
 
 def _quiet_note(record: JobRecord, steps: list[dict[str, Any]]) -> str:
@@ -360,9 +390,11 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
         done = progress(r, later.get((str(Path(r.run_dir).resolve()), r.submitted)))
         if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
             done["eta_s"] = None
-        parallel, quiet = done.pop("parallel"), done.pop("quiet")
+        parallel, quiet, unsaved = done.pop("parallel"), done.pop("quiet"), done.pop("unsaved")
         layout = f"{r.nodes}x{unit}" + (f" {parallel}" if parallel and parallel != "1 rank" else "")
-        note = "; ".join(filter(None, [state.note, quiet if state.state == "RUNNING" else "", _run_dir_gone(r)]))
+        requeued_now = state.state == "PENDING" and state.note.startswith("requeued")  # not yet resumed
+        note = "; ".join(filter(None, [state.note, _unsaved_note(unsaved, requeued_now),
+                                       quiet if state.state == "RUNNING" else "", _run_dir_gone(r)]))
         statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, layout,
                                   _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=note))
     return statuses
