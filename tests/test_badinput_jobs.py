@@ -633,3 +633,14 @@ def test_status_names_requeued_attempts_that_ended_before_their_checkpoint(tmp_p
     assert status._unsaved_note(done["unsaved"], requeued_now=True) == (
         f"{killed}; the requeued attempt ended before its checkpoint (Slurm killed the ranks at the end of its "
         "KillWait): steps 16-18 are trained again")
+
+
+@pytest.mark.parametrize("said", ["srun: unrecognized option '--container-image=nvcr.io#nvidia/pytorch:25.10-py3'",
+                                  "slurmstepd: error: Detected 1 oom_kill event in StepId=7.0. Some of the step "
+                                  "tasks have been OOM Killed."])
+def test_a_job_that_slurm_ended_before_any_rank_reported_quotes_slurm(tmp_path, said):
+    """Before: 'no rank reported an error (killed, or out of memory?)', where srun's or slurmstepd's line said why."""
+    record = _ended_local_job(tmp_path / "run")
+    log = tmp_path / "run/submitit/1_0_log.err"
+    log.write_text(f"2026-11-30 06:10:00,000 [rank 0] submitit: Starting\n{said}\nsrun: error: n1: task 0: Exited\n")
+    assert status.failure(record) == f"no rank reported an error, and Slurm logged: {said}; see {log}"

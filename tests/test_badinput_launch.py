@@ -67,6 +67,19 @@ def test_a_time_limit_within_slurms_warning_is_refused_before_submission(tmp_pat
     assert "#SBATCH --time=3\n" in script and "#SBATCH --signal=USR2@90\n" in script
 
 
+@pytest.mark.slurm
+def test_a_container_image_on_a_cluster_without_pyxis_is_refused_before_submission(tmp_path, cluster):
+    """Before: submitted; every rank failed at srun's usage error, and status guessed 'killed, or out of memory?'."""
+    image = "nvcr.io#nvidia/pytorch:25.10-py3"
+    for dry_run in ((), ("--dry-run",)):
+        said = refused(*SLURM, "--time", 10, "--out", tmp_path / "run", "--container-image", image, *dry_run)
+        assert said == (f"error: --container-image {image} runs each rank in the image through pyxis, an srun plugin "
+                        "this cluster lacks (`srun --help` lists no --container-image): drop --container-image to run "
+                        "in this environment, or use a cluster with pyxis and enroot\n"), said
+    assert registry.load_records() == [] and not (tmp_path / "run").exists()
+    ok("train", *SLURM, "--time", 10, "--out", tmp_path / "run", "--dry-run")  # the fix, followed
+
+
 def test_a_local_time_limit_within_the_warning_is_refused(tmp_path):
     """The local executor never signalled a limit of 90 s or less: at the limit it killed the ranks, no checkpoint
     kept, and `vitctl train` blamed 'killed, or out of memory?'."""

@@ -289,7 +289,26 @@ def failure(record: JobRecord) -> str:
     if unwritable := _unwritable(Path(record.folder)):  # the ranks write their results and logs there
         return (f"no rank could report an error: {unwritable}; make room or write access, then --resume goes on "
                 f"from its last checkpoint (the log, maybe cut short: {log_paths(record, 0)[1]})")
-    return f"no rank reported an error (killed, or out of memory?); see {log_paths(record, 0)[1]}"
+    log = log_paths(record, 0)[1]
+    if said := _slurm_said(log):
+        return f"no rank reported an error, and Slurm logged: {said}; see {log}"
+    return f"no rank reported an error (killed, or out of memory?); see {log}"
+
+
+SLURM_ERROR = re.compile(r"^(?:srun|slurmstepd): (?:error: |unrecognized option).*", re.MULTILINE)
+
+
+def _slurm_said(log: Path) -> str | None:
+    """The first error srun or slurmstepd wrote into the end of the job's log (an option it does not take, an
+    out-of-memory kill; what follows it, such as `task 0: Exited`, is its consequence), or None."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = SLURM_ERROR.findall(tail)
+    return found[0].strip() if found else None
 
 
 FULL_BYTES = 64 * 2**20  # less room than this, and a rank's metrics, log or result may not fit

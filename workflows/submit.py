@@ -300,9 +300,19 @@ def validate_slurm(request: LaunchRequest) -> tuple[str, int]:
         problems.append(f"--time {request.time} exceeds partition {name}'s limit of {part['limit']} minutes")
     if mem := _mem_problem(request.mem, name):
         problems.append(mem)
+    if request.container_image and not _srun_takes_images():
+        problems.append(f"--container-image {request.container_image} runs each rank in the image through pyxis, "
+                        "an srun plugin this cluster lacks (`srun --help` lists no --container-image): drop "
+                        "--container-image to run in this environment, or use a cluster with pyxis and enroot")
     if problems:
         raise ConfigError("; ".join(problems))
     return name, part["cpus"]
+
+
+def _srun_takes_images() -> bool:
+    """Whether srun has pyxis's --container-image (without it, every rank fails at start with srun's usage error)."""
+    done = status.slurm_command(["srun", "--help"], "or drop --container-image")
+    return "--container-image" in done.stdout + done.stderr
 
 
 def with_cpus_per_task(request: LaunchRequest, node_cpus: int | None, loader_workers: int) -> LaunchRequest:
