@@ -29,8 +29,20 @@ def describe(holder: dict[str, Any]) -> str:
     return f"{job} (pid {holder['pid']} on {holder['host']}, since {since})"
 
 
-def in_use(run_dir: Path, who: str, job: str | None) -> ConfigError:
-    cancel = f"cancel it (`vitctl cancel {job}`)" if job else "cancel it"
+def in_use(run_dir: Path, who: str, job: str | None, registered: bool | None = None) -> ConfigError:
+    """`registered`: whether this machine's `vitctl cancel` knows the job (not one of plain sbatch, or of another
+    machine's vitctl); None where that is not known (a rank)."""
+    scancel = f"`scancel --signal=TERM {job}` has its ranks checkpoint, then stop"
+    if not job:
+        cancel = "cancel it"
+    elif registered:
+        cancel = f"cancel it (`vitctl cancel {job}`)"
+    elif registered is None:
+        cancel = f"cancel it (`vitctl cancel {job}` where it was launched; for a Slurm job vitctl did not launch, " \
+                 f"{scancel})"
+    else:
+        cancel = f"stop it where it was launched: it is not among this machine's vitctl jobs (if Slurm runs it, " \
+                 f"{scancel})"
     return ConfigError(f"run folder {run_dir} is in use by {who}; wait for it to end, {cancel}, or choose another "
                        "--out")
 

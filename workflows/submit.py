@@ -477,10 +477,11 @@ def refuse_busy_run_dir(run_dir: Path, records: list[JobRecord]) -> None:
         if state.live:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(other.submitted))
             raise runlock.in_use(run_dir, f"job {other.job_id or '(being submitted)'} ({other.name}, {state.state}, "
-                                 f"submitted {when})", other.job_id)
+                                 f"submitted {when})", other.job_id, registered=True)
     holder = runlock.holder(run_dir)  # a job this registry does not know (another machine, plain sbatch)
     if holder:
-        raise runlock.in_use(run_dir, runlock.describe(holder), holder.get("job"))
+        job = holder.get("job")
+        raise runlock.in_use(run_dir, runlock.describe(holder), job, any(r.job_id == job for r in records))
 
 
 def claim_run_dir(record: JobRecord) -> None:
