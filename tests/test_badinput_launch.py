@@ -203,6 +203,15 @@ def test_status_and_cancel_say_slurm_is_unreachable_not_that_the_job_is_unknown(
                                          "controller (connect failure); check `scontrol ping`, then try again")
         cancelled = vitctl("cancel", "999999")
         assert cancelled.exit_code == 1 and cancelled.stderr == f"error: cannot cancel job 999999: {listed['note']}\n"
+    accounting = [line for line in conf if not line.startswith("AccountingStoragePort=")]
+    (tmp_path / "slurm.conf").write_text("\n".join([*accounting, "AccountingStoragePort=9"]) + "\n")
+    with monkeypatch.context() as patch:  # slurmdbd alone: `scontrol ping`, which the note named, says UP
+        patch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+        listed = json.loads(ok("status", "999999", "--json").output)[0]
+        assert listed["note"] == ("Slurm's accounting (slurmdbd), where sacct reads the states of ended jobs, does not "
+                                  "answer: sacct: error: Problem talking to the database: Connection refused; check "
+                                  "that slurmdbd runs (`scontrol show config | grep AccountingStorageHost` names its "
+                                  "host), then try again"), listed["note"]
     listed = json.loads(ok("status", "999999", "--json").output)[0]  # the fix: once Slurm answers, it says
     assert (listed["state"], listed["note"].split(";")[0]) == ("UNKNOWN", "neither squeue nor sacct knows it")
 

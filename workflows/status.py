@@ -145,17 +145,29 @@ def slurm_states(ids: list[str]) -> dict[str, JobState]:
         rows = attempts.get(job_id, [])
         if job_id not in queued and not rows:
             if errors:  # not "neither knows it": they could not say
-                states[job_id] = JobState("UNKNOWN", None, f"Slurm is unreachable: {'; '.join(errors)}; check "
-                                          "`scontrol ping`, then try again", unreachable=True)
+                states[job_id] = JobState("UNKNOWN", None, _unreachable(errors), unreachable=True)
             continue
         state, restarts, reason = queued.get(job_id, (rows[-1][0] if rows else "", 0, ""))
         earlier = [ended for ended, _ in rows[:-1]]
         notes = [_requeues(earlier, max(restarts, len(earlier)))] if earlier or restarts else []
+        if job_id in unfinished and job_id not in queued and errors:  # squeue failed: sacct's word may be stale
+            notes.append(f"as accounting last recorded it: {_unreachable(errors)}")
         if state == "PENDING" and reason not in ("", "None"):
             name = reason.split(",")[0]
             notes.append(f"{PENDING_REASONS[name]} ({reason})" if name in PENDING_REASONS else reason)
         states[job_id] = JobState(state, sum(e for _, e in rows), "; ".join(notes))
     return states
+
+
+def _unreachable(errors: list[str]) -> str:
+    """Which part of Slurm did not answer, and how to check it: sacct reads slurmdbd (accounting), which `scontrol
+    ping` does not test; squeue and scancel ask slurmctld."""
+    said = "; ".join(errors)
+    if all(e.startswith("sacct") for e in errors):
+        return (f"Slurm's accounting (slurmdbd), where sacct reads the states of ended jobs, does not answer: {said}; "
+                "check that slurmdbd runs (`scontrol show config | grep AccountingStorageHost` names its host), then "
+                "try again")
+    return f"Slurm is unreachable: {said}; check `scontrol ping`, then try again"
 
 
 def _requeues(earlier: list[str], times: int) -> str:
@@ -576,5 +588,8 @@ def _scancel(job_id: str, *options: str) -> None:
     command = ["scancel", *options, job_id]
     done = slurm_command(command, f"run `vitctl cancel {job_id}` again (from a machine with Slurm)")
     if done.returncode:
-        raise LaunchError(f"{' '.join(command)} failed: {done.stderr.strip() or f'exit status {done.returncode}'}; "
-                          f"`squeue -j {job_id}` shows whether it still waits or runs")
+        said = done.stderr.strip() or f"exit status {done.returncode}"
+        check = "slurmctld does not answer: check `scontrol ping`, then run `vitctl cancel " + job_id + "` again" \
+            if "Unable to contact slurm controller" in said else \
+            f"`squeue -j {job_id}` shows whether it still waits or runs"
+        raise LaunchError(f"{' '.join(command)} failed: {said}; {check}")
