@@ -176,7 +176,8 @@ def cancel(job: str) -> None:
         how = "scancel: Slurm kills ranks that have not ended within its KillWait" if record.executor == "slurm" \
             else "killed it"
         click.echo(f"ended job {record.job_id} ({record.name}) at once ({how}): the first cancel had not stopped it "
-                   f"(a hung rank holds the others' stop); {status.what_a_kill_lost(record)}")
+                   f"yet (its ranks stop after their step and checkpoint, unless a hung rank holds them); "
+                   f"{status.what_a_kill_lost(record)}")
         return
     found, requested = status.cancel(record)
     if requested and found.state == "PENDING":

@@ -254,6 +254,10 @@ def test_a_run_folder_held_by_a_running_job_is_refused(prepared_shards, tmp_path
             "stop it where it was launched: it is not among this machine's vitctl jobs (if Slurm runs it, `scancel "
             "--signal=TERM 777` has its ranks checkpoint, then stop), or choose another --out"), result.stderr), \
             result.stderr
+        script = vitctl("train", "--out", run, "--data", prepared_shards, "--executor", "local", "--gpus", 0,
+                        "--dry-run", *sum((["--set", s] for s in TINY), []))  # before: printed without a word
+        assert script.exit_code == 0 and re.search(refusal, script.stderr) and script.stderr.rstrip().endswith(
+            "submitted now, the script's job would be refused by its rank 0"), script.stderr
     finally:
         holder.kill()
         holder.wait()

@@ -158,6 +158,10 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     refuse_entries_of_another_kind(run_dir)
     if dry_run:
         found = checkpoint.checkpoints_to_resume(run_dir, resume)
+        try:  # the script is still printed: it may be meant for later, once that job has ended
+            refuse_busy_run_dir(run_dir, registry.load_records())
+        except ConfigError as e:
+            echo(f"warning: {e}; submitted now, the script's job would be refused by its rank 0")
     else:
         refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
         found = check_run_dir(run_dir, resume)
