@@ -44,6 +44,18 @@ class GivenPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+class GivenText(click.ParamType):
+    """A string that must not be empty: "" (an unset shell variable) would reach sbatch or srun as a value they refuse
+    in words of their own (`invalid partition specified: (null)`)."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx) -> str:
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty (an unset shell variable?); give a value, or leave the option out", param, ctx)
+        return value
+
+
 class ByteSize(click.ParamType):
     """Sizes such as 1GB, 500MB, 64KiB or a plain number of bytes; `at_least` (a size itself) the smallest taken."""
 

@@ -10,7 +10,7 @@ from rich.table import Table
 from vitctl.trainer.config import PRECISIONS
 
 from .commands import Deferred, summary
-from .console import GivenPath, console, err_console
+from .console import GivenPath, GivenText, console, err_console
 
 wf = Deferred("vitctl.workflows.train")
 PRECISION_CHOICE = click.Choice(PRECISIONS)
@@ -45,13 +45,15 @@ def run_options(command):
                      help="GPUs per node, one task each; 0 for CPU ranks [local default: all visible]."),
         click.option("--tasks-per-node", type=click.IntRange(min=1),
                      help="CPU ranks (gloo) per node when --gpus 0 [default: 1]."),
-        click.option("--partition"), click.option("--account"), click.option("--qos"),
+        click.option("--partition", type=GivenText()), click.option("--account", type=GivenText()),
+        click.option("--qos", type=GivenText()),
         click.option("--time", default="24:00:00", show_default=True, help="Slurm time limit."),
         click.option("--cpus-per-gpu", type=click.IntRange(min=1),
                      help="CPUs per task (data loading) [default: data.workers + 1, at most a node's share]."),
-        click.option("--mem", help="Memory per node, e.g. 400G."),
-        click.option("--container-image", help="pyxis/enroot image, e.g. nvcr.io#nvidia/pytorch:25.10-py3."),
-        click.option("--container-mounts", help="pyxis mounts, e.g. /data:/data."),
+        click.option("--mem", type=GivenText(), help="Memory per node, e.g. 400G."),
+        click.option("--container-image", type=GivenText(),
+                     help="pyxis/enroot image, e.g. nvcr.io#nvidia/pytorch:25.10-py3."),
+        click.option("--container-mounts", type=GivenText(), help="pyxis mounts, e.g. /data:/data."),
         click.option("--max-requeues", type=click.IntRange(min=0), default=3, show_default=True,
                      help="Times a timed-out job is requeued from its checkpoint."),
         click.option("--dry-run", is_flag=True,

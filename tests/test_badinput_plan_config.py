@@ -270,6 +270,15 @@ def test_an_empty_config_or_out_is_refused_not_taken_as_the_defaults_or_the_curr
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("option", ["--partition", "--account", "--qos", "--mem", "--container-image",
+                                    "--container-mounts"])
+def test_an_empty_slurm_setting_is_a_usage_error(tmp_path, option):
+    """Before: `--partition ""` reached sbatch, which said `invalid partition specified: (null)`."""
+    result = vitctl(*DRY_RUN, "--out", tmp_path / "run", option, "")
+    assert result.exit_code == 2 and f"Invalid value for '{option}': is empty (an unset shell variable?); give a " \
+        "value, or leave the option out" in result.stderr, result.stderr
+
+
 @pytest.fixture
 def immutable():
     """chattr +i (root ignores permission bits, not this flag); undone at the end, or pytest could not clean up."""
