@@ -20,7 +20,7 @@ from typing import Any
 from .atomic import PARTIAL_SUFFIX, fsync_dir, partial_path, sync_filesystem, write_json_atomic
 from .errors import DataError, listed
 from .ilsvrc import DEVKIT_DIR, DEVKIT_NAME, TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
-from .lock import writing_in
+from .lock import check_no_writer, writing_in
 from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
 from .tarscan import TarMember, check_safe, scan, scan_path
@@ -401,6 +401,7 @@ def check_finished(root: Path, splits: Sequence[str]) -> None:
     ledger = _load_ledger(root)
     unfinished = _unfinished(ledger, [s for s in ("train", "val") if s == "train" or s in splits])
     if unfinished:
+        check_no_writer(root, "vitctl data shard")  # still extracting: not stopped
         archives = " and ".join(_progress_of(ledger, s) for s in unfinished)
         raise DataError(f"`vitctl data extract` stopped before the end of {archives}: sharding it would leave out "
                         "the rest", str(root),

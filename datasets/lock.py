@@ -51,7 +51,8 @@ def writing_in(folder: Path) -> Iterator[None]:
 
 
 def check_no_writer(folder: Path, command: str) -> None:
-    """Refuse to read `folder` while a data command writes there: half-written shards would read as damage.
+    """Refuse to read `folder` while a data command writes there: half-written shards (or an extraction under way)
+    would read as damage. `command`: what to run once it has ended.
 
     The lock is only probed (shared, without waiting) and let go at once, so a writer starting now is not refused.
     """

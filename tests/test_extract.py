@@ -1,4 +1,5 @@
 import errno
+import fcntl
 import gzip
 import io
 import itertools
@@ -486,6 +487,15 @@ def test_shard_refuses_a_root_whose_extraction_was_interrupted(small_archives, t
     with monkeypatch.context() as patch:
         patch.setattr(extract_module, "extract_class", ctrl_c_at_the_third_class)
         assert vitctl("data", *_extract_args(small_archives, root), "--workers", 1).exit_code == 130
+    fd = os.open(root, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what an extract still running holds
+    try:  # before: "stopped before the end", and its fix, an extract, was then refused for the running one
+        result = vitctl("data", "shard", root, "--out", tmp_path / "s")
+        assert result.exit_code == 1 and result.stderr.endswith(
+            f"error: {root}: another vitctl command is writing in this folder right now\nfix: run `vitctl data "
+            "shard` once it has ended\n"), result.stderr
+    finally:
+        os.close(fd)
     _shard_refuses_then_the_named_rerun_lets_it_shard(small_archives, root, tmp_path,
                                                       "ILSVRC2012_img_train.tar (2 classes extracted)", "train")
 
