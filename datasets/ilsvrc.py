@@ -48,6 +48,14 @@ def _find(tar: tarfile.TarFile, suffix: str) -> tarfile.TarInfo | None:
     return next((m for m in tar.getmembers() if m.isfile() and m.name.endswith(suffix)), None)
 
 
+def _not_a_file(path: Path, what: str, fix: str) -> DataError:
+    """A path that is missing, or names a pipe (`<(cat ...)`) or a device, which tarfile cannot read (it seeks)."""
+    if not path.exists():
+        return DataError(f"{what} not found", str(path), fix)
+    return DataError(f"{what} is a pipe or a device, not a file: a tar archive is read from a file", str(path),
+                     f"save it to a file first, and {fix}")
+
+
 def _year_hint(tar: tarfile.TarFile) -> str:
     years = sorted({m for m in re.findall(r"ILSVRC(\d{4})", " ".join(tar.getnames()))})
     return f" (it names ILSVRC{', ILSVRC'.join(years)})" if years else ""
@@ -60,7 +68,7 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
         raise DataError("is a folder: --devkit takes the archive itself, not its unpacked files", where,
                         f"pass the path of {DEVKIT_NAME}")
     if not path.is_file():
-        raise DataError("devkit not found", where, f"pass the path of {DEVKIT_NAME}")
+        raise _not_a_file(path, "devkit", f"pass the path of {DEVKIT_NAME}")
     try:
         with tarfile.open(path, "r:*") as tar:
             meta, truth = _find(tar, META_MAT), _find(tar, GROUND_TRUTH)
@@ -153,7 +161,7 @@ def parse_ground_truth(text: str, where: str) -> list[int]:
     try:
         return [int(line) for line in text.split()]
     except ValueError as e:
-        raise DataError(f"{GROUND_TRUTH} holds a non-integer line ({e})", where) from None
+        raise DataError(f"{GROUND_TRUTH} holds a non-integer line ({e})", where, DEVKIT_AGAIN) from None
 
 
 def leaf_wnids(synsets: list[Synset]) -> dict[int, str]:
@@ -174,8 +182,9 @@ def val_labels_from_devkit(path: Path) -> dict[str, str]:
 
 def val_labels_from_solution(path: Path) -> dict[str, str]:
     """Validation file name -> WNID, from Kaggle's LOC_val_solution.csv (first WNID of each row)."""
-    if not path.is_file():
-        raise DataError("solution file not found", str(path), "pass the path of LOC_val_solution.csv")
+    if not path.exists() or path.is_dir():  # a pipe (`<(zcat ...)`) is read once, as a file is
+        raise DataError("solution file not found" if not path.exists() else "is a folder, not the solution file",
+                        str(path), "pass the path of LOC_val_solution.csv")
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # a BOM, as Excel writes, is no part of the header
             return _solution_labels(csv.DictReader(f), str(path))

@@ -1,6 +1,7 @@
 import io
 import os
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -61,6 +62,21 @@ def test_solution_csv_gives_the_same_layout(archives, tmp_path, prepared_root):
         f"{name[:-5]},{wnid} 1 2 30 40 {wnid} 5 6 70 80\n" for name, wnid in sorted(reference.items())))
     ok("data", "valprep", val, "--solution", csv)
     assert _layout(val) == reference
+
+
+def test_a_solution_from_a_pipe_is_read_and_a_devkit_from_one_is_named(archives, tmp_path, prepared_root):
+    """Before: both were 'not found', though the path (/dev/fd/63 of `<(zcat ...)`) exists."""
+    val, fifo = _val_dir(archives, tmp_path), tmp_path / "pipe"
+    os.mkfifo(fifo)
+    result = vitctl("data", "valprep", val, "--devkit", fifo)
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: {fifo}: devkit is a pipe or a device, not a file: a tar archive is read from a file\nfix: save it "
+        "to a file first, and pass the path of ILSVRC2012_devkit_t12.tar.gz\n"), result.stderr
+    reference = _layout(prepared_root / "val")
+    (tmp_path / "solution.csv").write_text(_solution(reference))
+    writer = subprocess.Popen(["sh", "-c", f"cat {tmp_path / 'solution.csv'} > {fifo}"])  # as `<(cat ...)` does
+    ok("data", "valprep", val, "--solution", fifo)
+    assert writer.wait(timeout=60) == 0 and _layout(val) == reference
 
 
 def test_count_mismatch_is_refused_and_nothing_moves(archives, tmp_path):
@@ -269,6 +285,16 @@ def test_a_damaged_devkit_member_is_named_and_a_good_devkit_works(archives, tmp_
     assert f"fix: download {DEVKIT} again" in result.stderr
     assert sorted(p.name for p in val.iterdir()) == before
     ok("data", "valprep", val, "--devkit", archives / DEVKIT)  # the fix: the devkit as downloaded
+
+
+def test_a_ground_truth_line_that_is_no_number_names_the_devkit_to_download(archives, tmp_path):
+    """Before: the error had no fix line."""
+    val = _val_dir(archives, tmp_path)
+    bad = _damaged_devkit(archives, tmp_path, "ILSVRC2012_validation_ground_truth.txt", lambda b: b"x\n" + b)
+    result = vitctl("data", "valprep", val, "--devkit", bad)
+    assert result.exit_code == 1 and "holds a non-integer line" in result.stderr, result.stderr
+    assert f"fix: download {DEVKIT} again" in result.stderr
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
 
 
 def test_a_meta_mat_that_crashes_scipy_is_named_damaged_and_valprep_lives_on(archives, tmp_path, monkeypatch):
