@@ -97,9 +97,16 @@ def plan_moves(val_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
         problems.append(f"{len(wrong)} images sit in the wrong WNID folder: {listed(wrong)}")
     if problems:
         raise DataError(f"labels ({len(labels)} images) do not match the folder ({len(present)} images): "
-                        + "; ".join(problems), str(val_dir),
-                        "check that the devkit/solution file and the val archive belong together; nothing was moved")
+                        + "; ".join(problems), str(val_dir), _mismatch_fix(val_dir, labels, wrong, missing))
     return sorted((name, labels[name]) for name in flat)
+
+
+def _mismatch_fix(val_dir: Path, labels: dict[str, str], wrong: set[str], missing: set[str]) -> str:
+    """A few images moved or deleted by hand, as often as labels of another archive: the fix names both."""
+    example = f" ({min(wrong)} belongs in {val_dir / labels[min(wrong)]})" if wrong else \
+        f" ({min(missing)}, of {labels[min(missing)]}, is in ILSVRC2012_img_val.tar)" if missing else ""
+    return (f"if images were moved, removed or added here by hand, put them back as the labels have them{example}; "
+            "else check that the devkit/solution file and the val archive belong together; nothing was moved")
 
 
 def move_into_folders(val_dir: Path, moves: list[tuple[str, str]]) -> None:

@@ -82,13 +82,18 @@ def test_a_solution_from_a_pipe_is_read_and_a_devkit_from_one_is_named(archives,
 def test_count_mismatch_is_refused_and_nothing_moves(archives, tmp_path):
     val = _val_dir(archives, tmp_path)
     victim = sorted(val.iterdir())[3]
+    raw = victim.read_bytes()
     victim.unlink()
     before = sorted(p.name for p in val.iterdir())
     result = vitctl("data", "valprep", val, "--devkit", archives / DEVKIT)
     assert result.exit_code == 1
     assert "1 images named by the labels are missing" in result.stderr and victim.name in result.stderr
-    assert "nothing was moved" in result.stderr
+    # before, only the devkit was blamed: an image deleted by hand is named, to be put back
+    assert f"fix: if images were moved, removed or added here by hand, put them back as the labels have them " \
+        f"({victim.name}, of n" in result.stderr and "nothing was moved" in result.stderr
     assert sorted(p.name for p in val.iterdir()) == before
+    victim.write_bytes(raw)  # the fix
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
 
 
 def test_an_empty_val_folder_is_said_to_need_the_archive_and_the_fix_works(archives, tmp_path):
