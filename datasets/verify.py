@@ -1,12 +1,14 @@
 """Check a shard folder: manifest against shards, each index against its shard, and a decode sample."""
 
 import io
+import json
 import random
 import shlex
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from PIL import Image, UnidentifiedImageError
 
@@ -45,21 +47,29 @@ class ShardCheck:
         return self
 
 
-def _labels(shard: Path, samples: list) -> list[int]:
-    labels = []
+def _member(f: BinaryIO, sample: list, ext: str) -> bytes | None:
+    component = next((c for c in sample if c[0] == ext), None)
+    if component is None:
+        return None
+    f.seek(component[1])
+    return f.read(component[2])
+
+
+def _labels_and_wnids(shard: Path, samples: list) -> tuple[list[int], list[str | None]]:
+    """Each sample's label (its cls member; -1 where it has none that reads) and the WNID its json member names."""
+    labels, wnids = [], []
     with open(shard, "rb") as f:
         for sample in samples:
-            cls = next((c for c in sample if c[0] == "cls"), None)
-            if cls is None:
-                labels.append(-1)
-                continue
-            f.seek(cls[1])
-            raw = f.read(cls[2])
-            labels.append(int(raw) if raw.strip().isdigit() else -1)
-    return labels
+            raw = _member(f, sample, "cls")
+            labels.append(int(raw) if raw is not None and raw.strip().isdigit() else -1)
+            try:
+                wnids.append(json.loads(_member(f, sample, "json") or b"{}").get("wnid"))
+            except (ValueError, AttributeError):  # not JSON, or not an object: no WNID to compare
+                wnids.append(None)
+    return labels, wnids
 
 
-def check_shard(folder: Path, entry: dict) -> ShardCheck:
+def check_shard(folder: Path, entry: dict, classes: list[str]) -> ShardCheck:
     """Everything about one shard and its index that can be checked without decoding."""
     shard, check = folder / entry["name"], ShardCheck(entry["name"])
     if not shard.is_file():
@@ -80,9 +90,14 @@ def check_shard(folder: Path, entry: dict) -> ShardCheck:
         check.fail(f"{len(samples)} samples, manifest says {entry['samples']}", EDITED)
     for problem in _check_index(index_path(shard), samples, size):
         check.fail(problem, INDEX)
-    labels = _labels(shard, samples)
+    labels, wnids = _labels_and_wnids(shard, samples)
     if "labels" in entry and mf.decode_labels(entry["labels"]) != labels:
         check.fail("the labels in the manifest differ from the shard's cls members", EDITED)
+    named = next(((label, wnid) for label, wnid in zip(labels, wnids, strict=True)
+                  if wnid is not None and 0 <= label < len(classes) and classes[label] != wnid), None)
+    if named:  # the class list renamed in place: label -> WNID would name every image of the class wrongly
+        check.fail(f"a sample of label {named[0]} is of class {named[1]} (its json member), and the manifest's class "
+                   f"list names label {named[0]} {classes[named[0]]}", EDITED)
     check.jpg = [(c[1], c[2], label, c[3]) for sample, label in zip(samples, labels, strict=True)
                  for c in sample if c[0] == "jpg"]
     return check
@@ -173,7 +188,14 @@ def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], N
             repairs[path.name] = REWRITE if _planned(path.name, splits) else UNPLANNED
     on_total(len(entries))
     checks = []
-    with closing(run_tasks(check_shard, [(folder, e) for e in entries], workers)) as checked:
+    if "train" in splits and not mf.unfinished(splits["train"]) and \
+            all("labels" in e for e in splits["train"]["shards"]):  # shard refuses a class left without a sample
+        kept = {label for e in splits["train"]["shards"] for label in mf.decode_labels(e["labels"])}
+        if empty := [wnid for label, wnid in enumerate(manifest["classes"]) if label not in kept]:
+            problems["manifest"] = [f"class {empty[0]} (label {manifest['classes'].index(empty[0])}) has no train "
+                                    "sample: the class list was edited after the shards were written"]
+            repairs["manifest"] = EDITED
+    with closing(run_tasks(check_shard, [(folder, e, manifest["classes"]) for e in entries], workers)) as checked:
         for check in checked:
             checks.append(check)
             progress(1)

@@ -294,6 +294,26 @@ def test_a_class_list_put_out_of_order_is_caught(shards_copy):
            "them (label i is the i-th WNID)" in result.stderr
 
 
+@pytest.mark.parametrize("edit", ["renamed", "added"])
+def test_a_class_list_renamed_or_grown_in_place_is_caught(shards_copy, edit):
+    """Before: verify printed OK for a WNID renamed in place (still sorted) or a WNID added at the end."""
+    classes = json.loads((shards_copy / "manifest.json").read_text())["classes"]
+    if edit == "renamed":
+        _edit_manifest(shards_copy, lambda m: m["classes"].__setitem__(0, "n00000001"))
+        says = f"a sample of label 0 is of class {classes[0]} (its json member), and the manifest's class list names " \
+               "label 0 n00000001"
+    else:
+        _edit_manifest(shards_copy, lambda m: m["classes"].append("n99999999"))
+        says = f"class n99999999 (label {len(classes)}) has no train sample: the class list was edited after the " \
+               "shards were written"
+    result = _verify(shards_copy)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.output
+    assert says in " ".join(result.output.split()), result.output
+    assert "manifest.json no longer describes the shard" in " ".join(result.output.split())
+    _edit_manifest(shards_copy, lambda m: m.update(classes=classes))  # the fix: restore it
+    assert _verify(shards_copy).exit_code == 0
+
+
 def test_index_of_an_unfinished_split_warns_with_the_command_that_finishes_it(prepared_root, tmp_path):
     """An index of a folder a `shard` stopped in (a full disk) said `index: 8 index files` and nothing more."""
     out = tmp_path / "s"
