@@ -177,9 +177,13 @@ def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], N
     problems: dict[str, list[str]] = {}
     repairs: dict[str, str] = {}  # name -> how to fix its problems
     for split, info in splits.items():
-        if mf.unfinished(info):
-            problems[f"split {split}"] = [f"incomplete: {len(info['shards'])} of {info['planned_shards']} shards "
-                                          "written"]
+        listed_count, planned = len(info["shards"]), info["planned_shards"]
+        if listed_count > planned:  # no run writes more than it planned: the manifest was edited
+            problems[f"split {split}"] = [f"the manifest lists {listed_count} shards, more than the {planned} its plan "
+                                          "holds"]
+            repairs[f"split {split}"] = EDITED
+        elif mf.unfinished(info):
+            problems[f"split {split}"] = [f"incomplete: {listed_count} of {planned} shards written"]
             repairs[f"split {split}"] = REWRITE
     listed = {e["name"] for e in entries}
     for path in sorted(folder.glob("imagenet-*.tar")):

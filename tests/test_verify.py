@@ -314,6 +314,16 @@ def test_a_class_list_renamed_or_grown_in_place_is_caught(shards_copy, edit):
     assert _verify(shards_copy).exit_code == 0
 
 
+def test_a_plan_count_edited_below_the_shards_listed_is_named_as_an_edit(shards_copy):
+    """Before: `incomplete: 5 of 3 shards written`, and the fix was to shard again."""
+    listed = len(json.loads((shards_copy / "manifest.json").read_text())["splits"]["train"]["shards"])
+    _edit_manifest(shards_copy, lambda m: m["splits"]["train"].update(planned_shards=listed - 1))
+    result = _verify(shards_copy)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and f"the manifest lists {listed} shards, more than the {listed - 1} its plan " \
+        "holds" in said and "manifest.json no longer describes the shard" in said, result.output
+
+
 def test_index_of_an_unfinished_split_warns_with_the_command_that_finishes_it(prepared_root, tmp_path):
     """An index of a folder a `shard` stopped in (a full disk) said `index: 8 index files` and nothing more."""
     out = tmp_path / "s"
