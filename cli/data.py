@@ -102,10 +102,11 @@ def extract(train_tar: Path | None, val_tar: Path | None, root: Path, workers: i
 
 @data.command(name="valprep", short_help="Move the flat val images into WNID folders.")
 @click.argument("val_dir", type=GivenPath(file_okay=False, path_type=Path))
-@click.option("--devkit", type=existing, help="ILSVRC2012_devkit_t12.tar.gz")
-@click.option("--solution", type=existing, help="Kaggle's LOC_val_solution.csv")
+@click.option("--devkit", type=existing, help="ILSVRC2012_devkit_t12.tar.gz (or --solution).")
+@click.option("--solution", type=existing, help="Kaggle's LOC_val_solution.csv (or --devkit).")
 def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -> None:
-    """Move VAL_DIR's flat images into WNID folders (no network; idempotent)."""
+    """Move VAL_DIR's flat images into WNID folders, labelled by --devkit or --solution (one of the two; no
+    network; idempotent)."""
     if (devkit is None) == (solution is None):
         raise click.UsageError("pass exactly one of --devkit and --solution")
     labels = ilsvrc.val_labels_from_devkit(devkit) if devkit else ilsvrc.val_labels_from_solution(solution)
