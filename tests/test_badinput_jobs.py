@@ -10,6 +10,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ from vitctl.workflows.errors import Interrupted
 from vitctl.workflows.process import children
 
 VITCTL = str(Path(sys.executable).parent / "vitctl")
+RANK_ARGS = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64", "--set",
+             "data.workers=0", "--steps", "1"]
 QUICK = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64", "--batch", "4",
          "--executor", "local", "--gpus", "0"]
 
@@ -644,3 +647,37 @@ def test_a_job_that_slurm_ended_before_any_rank_reported_quotes_slurm(tmp_path, 
     log = tmp_path / "run/submitit/1_0_log.err"
     log.write_text(f"2026-11-30 06:10:00,000 [rank 0] submitit: Starting\n{said}\nsrun: error: n1: task 0: Exited\n")
     assert status.failure(record) == f"no rank reported an error, and Slurm logged: {said}; see {log}"
+
+
+def test_a_rank_without_the_rendezvous_address_says_how_to_launch_it(tmp_path):
+    """Before: torch's ValueError ("environment variable MASTER_ADDR expected, but not set"), without a way on."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([VITCTL, "rank", *RANK_ARGS, "--out", str(tmp_path / "r")], capture_output=True, text=True,
+                          env={**env, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, timeout=120)
+    assert done.returncode == 1 and done.stderr.rstrip().endswith(
+        "WORLD_SIZE=2, but MASTER_ADDR and MASTER_PORT are not set: the ranks meet at rank 0's address and port; "
+        "launch them with torchrun, srun or `vitctl train`, which set both, or set MASTER_ADDR and MASTER_PORT"), \
+        done.stderr
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_rank_waiting_for_a_missing_rank_stops_on_a_signal(tmp_path, stop):
+    """Before: rank 0 of 2, started alone, ignored SIGTERM and Ctrl-C for as long as torch waited (30 minutes)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    rank = subprocess.Popen([VITCTL, "rank", *RANK_ARGS, "--out", str(tmp_path / "r")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while socket.socket().connect_ex(("127.0.0.1", port)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until rank 0 listens for the others
+        time.sleep(1)
+        rank.send_signal(stop)
+        assert rank.wait(timeout=20) == -stop
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()

@@ -2,11 +2,16 @@
 
 import contextlib
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,33 @@ def init_distributed(use_cuda: bool) -> DistEnv:
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                device_id=device if use_cuda else None)
+        if missing := [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]:
+            raise ConfigError(f"WORLD_SIZE={world}, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                              "not set: the ranks meet at rank 0's address and port; launch them with torchrun, srun "
+                              "or `vitctl train`, which set both, or set MASTER_ADDR and MASTER_PORT")
+        with _stoppable():
+            dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                    device_id=device if use_cuda else None)
     return DistEnv(rank, world, local_rank, device)
+
+
+@contextlib.contextmanager
+def _stoppable() -> Iterator[None]:
+    """While the ranks gather, SIGTERM and Ctrl-C end this one at once: it has nothing to checkpoint yet, and a
+    Python handler (the stop that checkpoints, KeyboardInterrupt) would not run before a missing rank came, as the
+    wait is torch's C++. Signals ignored (a terminal's SIGINT under `vitctl train`) stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    for signum, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def own_stream(device: torch.device) -> contextlib.AbstractContextManager:
