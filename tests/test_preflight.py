@@ -26,6 +26,9 @@ TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
     (["model.num_classes=1000"], f"pass --set model.num_classes={CLASSES}"),
     (["augment.mixup=0.8", "data.batch_size=7"], "mixup/cutmix pair the samples of a batch and need an even"),
     (["data.batch_size=40"], "data.batch_size 40 x 2 data-parallel ranks = 80 samples a step, more than the 60"),
+    (["optim.accum_steps=4"], "data.batch_size 8 x 2 data-parallel ranks x optim.accum_steps 4 = 64 samples an "
+                              "optimizer step, more than the 60 train samples of an epoch; use --set "
+                              "optim.accum_steps=3 or lower"),
     (["parallel.fsdp=true", "parallel.dp_shard=3"], "parallel.dp_shard=3 does not divide the 2 data-parallel ranks"),
     (["parallel.fsdp=true", "train.compile=true", "train.compile_mode=reduce-overhead"],
      "does not run with FSDP"),

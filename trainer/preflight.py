@@ -363,7 +363,12 @@ def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
     if classes is not None and config.model.num_classes != classes:
         problems.append(f"model.num_classes is {config.model.num_classes} but the shards hold {classes} classes; "
                         f"pass --set model.num_classes={classes}")
+    accum = config.optim.accum_steps
     if samples < global_batch:
         problems.append(f"data.batch_size {c.batch_size} x {dp_size} data-parallel ranks = {global_batch} samples "
                         f"a step, more than the {samples} train samples; lower data.batch_size or use fewer ranks")
+    elif samples < global_batch * accum:  # one optimizer step would span epochs, and --steps would count past them
+        problems.append(f"data.batch_size {c.batch_size} x {dp_size} data-parallel ranks x optim.accum_steps {accum} "
+                        f"= {global_batch * accum} samples an optimizer step, more than the {samples} train samples "
+                        f"of an epoch; use --set optim.accum_steps={samples // global_batch} or lower")
     return problems
