@@ -103,6 +103,23 @@ def test_a_file_that_is_no_checkpoint_is_refused_before_launch(weights, tmp_path
         assert ACCEPTED in result.stderr
 
 
+def test_a_timm_model_name_is_told_how_to_save_its_weights_and_the_file_so_saved_is_read(tmp_path, monkeypatch):
+    """Before: `--from-ckpt vit_small_patch16_224` said only 'no such file or folder'."""
+    monkeypatch.chdir(tmp_path)
+    result = finetune("vit_small_patch16_224", tmp_path / "ft", "--set", "model.name=vit_s16", "--dry-run")
+    assert result.exit_code == 1 and "vit_small_patch16_224 is a timm model, and vitctl reads weights from files " \
+        "only (it downloads nothing)" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "ft").exists()
+    command = re.search(r'`python -c "(.*)"` saves them', result.stderr)[1]
+    exec(command.replace("pretrained=True", "pretrained=False"))  # the fix, without the network it downloads from
+    saved = re.search(r"then pass --from-ckpt (\S+)", result.stderr)[1]
+    assert Path(saved).is_file()
+    ok("finetune", "--from-ckpt", saved, "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, *SETS,
+       "--set", "model.name=vit_s16", "--dry-run")
+    assert finetune("not_a_timm_model", tmp_path / "ft").stderr.rstrip().endswith(
+        "--from-ckpt not_a_timm_model: no such file or folder")
+
+
 def test_a_torch_save_file_named_safetensors_is_told_to_be_renamed_and_that_works(weights, tmp_path):
     """torch.load goes by the suffix and handed it to safetensors: a SafetensorError traceback ('header too large')."""
     source = tmp_path / "model.safetensors"

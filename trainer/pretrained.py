@@ -44,6 +44,23 @@ LEGACY_MAGIC = pickle.dumps(MAGIC_NUMBER, protocol=2)  # before, a pickle stream
 UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
+def missing_source(source: str, key: str) -> str:
+    """Weights that are not there; a timm model name (or hf-hub id) in their place is told how to save its weights
+    where there is network, as vitctl downloads nothing."""
+    said = f"{key} {source}: no such file or folder"
+    name = source.removeprefix("hf-hub:").removeprefix("timm/")
+    if not re.fullmatch(r"[\w.-]+", name):
+        return said
+    import timm  # a second or two, on this error's path only
+
+    if not timm.is_model(name):
+        return said
+    file = f"{name}.safetensors"
+    return (f"{said}: {name} is a timm model, and vitctl reads weights from files only (it downloads nothing); where "
+            f"there is network, `python -c \"import timm, safetensors.torch as st; st.save_file(timm.create_model("
+            f"'{name}', pretrained=True).state_dict(), '{file}')\"` saves them, then pass --from-ckpt {file}")
+
+
 def source_kind(path: Path, trust: bool) -> str:
     """folder, safetensors, zip or legacy (the two torch.save formats), checked as far as it can be without reading
     the tensors; a ConfigError says what the source is not. Cheap: preflight calls it before launch."""
@@ -51,7 +68,7 @@ def source_kind(path: Path, trust: bool) -> str:
         read_meta(resolve_checkpoint(path))
         return "folder"
     if not path.exists():
-        raise ConfigError(f"finetune.from_ckpt {path}: no such file or folder")
+        raise ConfigError(missing_source(str(path), "finetune.from_ckpt"))
     if not path.is_file():
         raise ConfigError(f"finetune.from_ckpt {path} is neither a file nor a folder; {ACCEPTED}")
     if (path.parent / DCP_METADATA).is_file():  # its shards alone are no checkpoint: "damaged" would mislead

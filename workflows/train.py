@@ -13,6 +13,7 @@ from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
 from vitctl.trainer.preflight import Schedule, config_problems, finished_note, preflight, schedule, steps_warning
+from vitctl.trainer.pretrained import missing_source
 
 from . import registry
 from .errors import LaunchError
@@ -62,7 +63,7 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
                           f"`vitctl finetune --config {preset} --from-ckpt WEIGHTS`; to train from scratch with its "
                           f"settings anyway, `vitctl config show {preset} > mine.yaml` and pass --config ./mine.yaml")
     if source and not resuming and not Path(source).exists():
-        raise ConfigError(f"--from-ckpt {source}: no such file or folder")
+        raise ConfigError(missing_source(source, "--from-ckpt"))
     return config
 
 
