@@ -57,6 +57,9 @@ def test_export_of_a_model_timm_lacks_names_what_reads_it(micro_run, tmp_path):
     printed = ok("export", micro_run, "--out", tmp_path / "w.safetensors").output
     assert f"\ntimm: timm has no vit_micro; `vitctl finetune --from-ckpt {tmp_path / 'w.safetensors'}` reads it\n" in \
         printed
+    spaced = tmp_path / "sub dir" / "w.safetensors"  # before: printed unquoted, so the pasted command read `sub`
+    printed = " ".join(ok("export", micro_run, "--out", spaced).output.split())
+    assert f"`vitctl finetune --from-ckpt '{spaced}'` reads it" in printed, printed
 
 
 def test_export_of_a_step_and_of_the_ema(micro_run, tmp_path):

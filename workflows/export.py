@@ -2,6 +2,7 @@
 tensors, which `finetune --from-ckpt` verifies."""
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,10 @@ def timm_call(model: dict, out: Path) -> str:
     does. The class count goes in the overlay too: given only as a keyword, timm drops a head of another size."""
     spec = MODELS.get(model["name"])
     if spec is None or spec.timm_name is None:
-        return f"timm has no {model['name']}; `vitctl finetune --from-ckpt {out}` reads it"
+        return f"timm has no {model['name']}; `vitctl finetune --from-ckpt {shlex.quote(str(out))}` reads it"
     if model.get("pre_logits"):
         return ("timm's ViT has no pre-logits layer (it drops one on loading); `vitctl finetune --from-ckpt "
-                f"{out}` reads it")
+                f"{shlex.quote(str(out))}` reads it")
     size = model["img_size"]
     overlay = {"file": str(out.absolute()), "num_classes": model["num_classes"]}
     extra = ""
