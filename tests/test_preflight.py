@@ -20,6 +20,11 @@ TWO_CPU_RANKS = ["--executor", "local", "--gpus", 0, "--tasks-per-node", 2]
                                                   "that works with window 7 is 224"),
     (["model.name=swin_t", "model.img_size=256"], "model swin_t: image size 256 with window 7 gives feature maps "
                                                   "[64, 32, 16, 8]"),
+    (["model.window_size=4"], "model vit_micro: model.window_size=4 is a Swin setting, and a ViT has no windows; "
+                              "pass --set model.window_size=null"),  # before: accepted, and recorded in the run
+    (["model.name=swin_micro", "model.window_size=4", "model.pre_logits=true"],
+     "model swin_micro: model.pre_logits=true is a ViT setting (its head's hidden layer), and Swin has none; pass "
+     "--set model.pre_logits=false"),
     (["train.fused=all,mlp=bogus"], "--fused: mlp has no implementation 'bogus'"),
     (["train.fused=al"], "--fused: unknown op 'al'"),
     (["train.fused=all,mlp=cuda"], "--fused mlp=cuda: cuda cannot run on cpu (needs CUDA); drop '=cuda' to take"),
@@ -52,6 +57,19 @@ def test_a_named_implementation_that_cannot_run_is_refused_and_the_fix_runs(prep
     empty = vitctl(*args, "--fused", "")  # an unset shell variable: it had meant none
     assert empty.exit_code == 1 and "--fused is empty; give all" in empty.stderr, empty.stderr
     ok(*args, "--fused", "all,optimizer")
+
+
+@pytest.mark.parametrize(("preset", "setting", "fix"), [
+    ("demo_vit", "model.window_size=4", "model.window_size=null"),
+    ("demo_swin", "model.pre_logits=true", "model.pre_logits=false"),
+])
+def test_a_setting_of_the_other_model_family_is_refused_and_the_fix_runs(prepared_shards, tmp_path, preset, setting,
+                                                                        fix):
+    args = ["train", "--config", preset, "--data", prepared_shards, "--out", tmp_path / "run", "--executor", "local",
+            "--gpus", 0, "--set", f"model.num_classes={CLASSES}", "--set", setting, "--dry-run"]
+    refused = vitctl(*args)
+    assert refused.exit_code == 1 and f"pass --set {fix}" in refused.stderr, refused.stderr
+    ok(*args, "--set", fix)
 
 
 def test_every_problem_is_reported_at_once(prepared_shards, tmp_path):

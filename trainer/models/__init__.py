@@ -41,8 +41,14 @@ def model_error(config: ModelConfig) -> str | None:
     if spec.family == "swin":
         error = swin.geometry_error(config.img_size, config.window_size or default_window(config.img_size),
                                     spec.kwargs["depths"])
+        if config.pre_logits:  # a ViT setting: Swin would build without it, unsaid
+            error = "model.pre_logits=true is a ViT setting (its head's hidden layer), and Swin has none; pass --set " \
+                    "model.pre_logits=false"
     else:
         error = vit.geometry_error(config.img_size, spec.kwargs["patch"])
+        if config.window_size is not None:  # from a Swin preset, or --set: the run's config would record it
+            error = f"model.window_size={config.window_size} is a Swin setting, and a ViT has no windows; pass --set " \
+                    "model.window_size=null"
     return error and f"model {config.name}: {error}"
 
 
