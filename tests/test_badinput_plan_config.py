@@ -181,7 +181,6 @@ def _damage(raw: dict, how: str) -> object:
     ("nan", "is damaged: blocks[0].measured.forward_s holds what is not a measurement"),
     ("zero-bandwidth", "is damaged: collectives[0] holds what is not a measurement"),
     ("null-measured", "is not a profile this vitctl reads ('NoneType' object has no attribute 'items')"),
-    ("list", "is not a profile this vitctl reads (it holds a JSON list, not an object)"),
 ])
 def test_plan_from_a_damaged_profile_says_how_to_measure_it_again(tmp_path, profile, how, reason):
     """Before: StopIteration, TypeError, ValueError or AttributeError tracebacks from the cost model (or, for nan, a
@@ -194,6 +193,18 @@ def test_plan_from_a_damaged_profile_says_how_to_measure_it_again(tmp_path, prof
     assert result.stderr.endswith("; measure it again with `vitctl plan --profile-only --model vit_mini --img-size 32` "
                                   "on a GPU node (it replaces the cached one) and pass that file with --profile\n")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("content", "reason"), [("[]", "it holds a JSON list, not an object"),
+                                               ('{"format": "vitctl-shards/1"}', "it holds no profile version")])
+def test_a_profile_that_is_another_json_file_is_named_so(tmp_path, content, reason):
+    """Before: told to measure it again, as it replaced 'the cached one' (of an older version), which it was not."""
+    other, out = tmp_path / "manifest.json", tmp_path / "plan.json"
+    other.write_text(content)
+    result = vitctl(*_plan_args(other, out))
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: --profile {other} is not a profile ({reason}); pass the file `vitctl plan --profile-only` wrote, or "
+        "measure one with `vitctl plan --profile-only --model vit_mini --img-size 32` on a GPU node\n"), result.stderr
 
 
 # config files and --set -------------------------------------------------------------------------------------------

@@ -201,14 +201,20 @@ class Profile:
     def from_json(cls, text: str) -> "Profile":
         raw = json.loads(text)
         if not isinstance(raw, dict):
-            raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object")
-        if (version := raw.pop("version", None)) != PROFILE_VERSION:
+            raise NotAProfile(f"it holds a JSON {type(raw).__name__}, not an object")
+        if "version" not in raw:
+            raise NotAProfile("it holds no profile version")
+        if (version := raw.pop("version")) != PROFILE_VERSION:
             raise ValueError(f"profile version {version}, this vitctl reads version {PROFILE_VERSION}")
         return cls(**{**raw, "blocks": tuple(BlockProfile(**{**b, "measured": _measured(b["measured"])})
                                              for b in raw["blocks"]),
                       "parts": tuple(PartProfile(**{**p, "measured": _measured(p["measured"])}) for p in raw["parts"]),
                       "collectives": tuple(_collective_from_dict(c) for c in raw["collectives"]),
                       "fsdp_hosts": tuple(FsdpHost(**h) for h in raw.get("fsdp_hosts", ()))})
+
+
+class NotAProfile(ValueError):
+    """A JSON file that is no profile of any version (no `version` key)."""
 
 
 def _measured(m: dict[str, list]) -> Measured:
@@ -232,6 +238,9 @@ def read_profile(path: Path, model: str, img_size: int) -> Profile:
         if is_plan(path):  # both are JSON files that `vitctl plan` writes
             raise ConfigError(f"--profile {path} is a plan (`vitctl plan --out` wrote it), not a profile; pass the "
                               f"profile `vitctl plan --profile-only` wrote, or leave --profile out") from None
+        if isinstance(e, NotAProfile | json.JSONDecodeError | UnicodeDecodeError):  # another file: no cache to replace
+            raise ConfigError(f"--profile {path} is not a profile ({e}); pass the file `vitctl plan --profile-only` "
+                              f"wrote, or measure one with {measure}") from None
         reason = f"key {e} is missing" if isinstance(e, KeyError) else e
         raise ConfigError(f"profile {path} is not a profile this vitctl reads ({reason}); measure it again with "
                           f"{measure} (it replaces the cached one) and pass that file with --profile") from None
