@@ -1,6 +1,8 @@
-"""`vitctl config show`: the fully resolved config of a preset and overrides, as YAML."""
+"""`vitctl config list` and `show`: the presets, and the fully resolved config of one with overrides, as YAML."""
 
 import click
+
+from vitctl.trainer.config import preset_summaries
 
 from .commands import Deferred, summary
 
@@ -27,3 +29,10 @@ def show(preset: str | None, overrides: tuple[str, ...]) -> None:
     click.echo(text, nl=False)
     if problems:
         raise wf.ConfigError(f"vitctl train would refuse this config: {'; '.join(problems)}")
+
+
+@config.command(name="list")
+def list_presets() -> None:
+    """The presets that --config and `config show` take by name."""
+    for name, summary_line in preset_summaries().items():
+        click.echo(f"{name:<22} {summary_line}")

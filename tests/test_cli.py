@@ -124,7 +124,8 @@ def test_job_commands_and_the_help_load_no_torch(tmp_path, monkeypatch):
                                            1, 0, 0.0))
     commands = [["status"], ["status", "--json"], ["jobs"], ["logs", "999999999"], ["cancel", "999999999"],
                 ["--help"], ["train", "--help"], ["finetune", "--help"], ["rank", "--help"],
-                ["config", "show", "--help"], ["export", "--help"], ["plan", "--help"], ["bench", "train", "--help"],
+                ["config", "show", "--help"], ["config", "list"], ["export", "--help"], ["plan", "--help"],
+                ["bench", "train", "--help"],
                 ["doctor", "--help"]]
     code = (f"import sys\nfrom vitctl.cli.main import cli\nfor args in {commands}:\n"
             "    try:\n        cli(args)\n    except SystemExit:\n        pass\n"

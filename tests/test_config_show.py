@@ -109,3 +109,13 @@ def test_without_a_preset_it_shows_the_defaults_that_train_runs_without_config(t
     assert load_config(str(tmp_path / "shown.yaml")) == load_config(None, ["data.source=synthetic"]) != \
         load_config("demo_vit", ["data.source=synthetic"])
     assert yaml.safe_load(printed)["model"]["name"] == RunConfig().model.name
+
+
+def test_config_list_names_every_preset_with_what_it_is_and_each_shows():
+    """Before, the presets were listed only in the error for an unknown one, and in the README."""
+    lines = ok("config", "list").output.splitlines()
+    assert [line.split()[0] for line in lines] == sorted(p.stem for p in PRESETS.glob("*.yaml"))
+    assert "vit_b16_pretrain       ViT-B/16 on ImageNet-1k from scratch, DeiT-B's recipe" in lines
+    for line in lines:
+        assert len(line.split()) > 3, line  # a description, not the name alone
+        ok("config", "show", line.split()[0])

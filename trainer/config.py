@@ -368,6 +368,16 @@ def preset_path(name: str) -> Path:
     return path
 
 
+def preset_summaries() -> dict[str, str]:
+    """Each preset's name and the first sentence of the comment it opens with."""
+    summaries = {}
+    for path in sorted(PRESETS.glob("*.yaml")):
+        comment = " ".join(line.removeprefix("#").strip() for line in path.read_text().splitlines()
+                           if line.startswith("#"))
+        summaries[path.stem] = comment.split(": ")[0].split(". ")[0].removesuffix(".")
+    return summaries
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """What the YAML parser objects to, and where (line and column counted from 1)."""
     mark = getattr(e, "problem_mark", None)
