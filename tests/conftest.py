@@ -95,6 +95,16 @@ def fresh_compiles() -> None:
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def no_signals_left_blocked():
+    """Blocked signals are inherited: a test that left Ctrl-C or SIGTERM blocked in pytest's main thread made every
+    process the later tests started ignore them, and those tests failed, far from the cause."""
+    yield
+    if blocked := signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+        pytest.fail(f"the test left {', '.join(sorted(s.name for s in blocked))} blocked in pytest's main thread")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def job_registry(tmp_path_factory):
     """Jobs the tests submit are recorded in a temporary registry, not the user's ~/.vitctl."""

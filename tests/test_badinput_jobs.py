@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,9 +120,11 @@ def _stop_twice(tmp_path, monkeypatch, first_signals, second_signal: int | None)
     def follow(*args):
         if next(follows):
             signal.pthread_sigmask(signal.SIG_BLOCK, first_signals)
-            for signum in first_signals:
-                os.kill(os.getpid(), signum)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, first_signals)
+            try:
+                for signum in first_signals:  # to this thread: os.kill's could reach another thread of pytest's at
+                    signal.pthread_kill(threading.main_thread().ident, signum)  # once, and its handler raise here
+            finally:  # blocked signals are inherited: every process started later would ignore Ctrl-C and SIGTERM
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, first_signals)
             time.sleep(0.05)  # Python runs a signal's handler between bytecodes: give it the chance
 
     def cancel(job):
