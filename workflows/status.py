@@ -355,25 +355,28 @@ def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
     return {"step": last.get("step"), "total_steps": last.get("total_steps"), "loss": last.get("loss"),
             "images_per_s": [m["images_per_s"] for m in steps[-RATE_HISTORY:]], "eta_s": eta,
             "last_checkpoint": checkpoints[-1].name if checkpoints else None,
-            "restarts": len(restarts := _restarts(metrics)),
-            "unsaved": _unsaved(restarts, metrics, checkpoints),
+            "restarts": len(restarts := _restarts(marks := _attempt_marks(metrics))),
+            "unsaved": _unsaved(restarts, marks, checkpoints),
             "parallel": next((m["layout"] for m in reversed(metrics) if "layout" in m), None),
             "quiet": _quiet_note(record, steps)}
 
 
-def _restarts(metrics: list[dict[str, Any]]) -> list[bool]:
+def _attempt_marks(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records that tell the attempts of a job apart: its steps, and its stops and resumes."""
+    return [m for m in metrics if "loss" in m or m.get("event") in ("stopped", "resume")]
+
+
+def _restarts(marks: list[dict[str, Any]]) -> list[bool]:
     """For each restart of the job after an attempt of its own (a requeue; not the resume it may start with), whether
     that attempt checkpointed on its signal: its ranks log `stopped` then, unless they are killed first."""
-    marks = [m for m in metrics if "loss" in m or m.get("event") in ("stopped", "resume")]
     return [i > 0 and marks[i - 1].get("event") == "stopped" for i, m in enumerate(marks)
             if m.get("event") == "resume" and any("loss" in earlier for earlier in marks[:i])]
 
 
-def _unsaved(restarts: list[bool], metrics: list[dict[str, Any]], checkpoints: list[Path]) -> dict[str, Any]:
+def _unsaved(restarts: list[bool], marks: list[dict[str, Any]], checkpoints: list[Path]) -> dict[str, Any]:
     """The requeued attempts that ended before their checkpoint (Slurm kills the ranks when its KillWait, and for a
     pre-emption the partition's GraceTime, runs out); and the steps the last attempt trained past its last checkpoint
     without a signal's checkpoint after them: trained again if that attempt was requeued."""
-    marks = [m for m in metrics if "loss" in m or m.get("event") in ("stopped", "resume")]
     saved = int(NAME.fullmatch(checkpoints[-1].name)[1]) if checkpoints else 0
     past = marks[-1]["step"] if marks and "loss" in marks[-1] and marks[-1]["step"] > saved else None
     return {"killed": restarts.count(False), "since": saved, "until": past}
@@ -589,7 +592,7 @@ def _scancel(job_id: str, *options: str) -> None:
     done = slurm_command(command, f"run `vitctl cancel {job_id}` again (from a machine with Slurm)")
     if done.returncode:
         said = done.stderr.strip() or f"exit status {done.returncode}"
-        check = "slurmctld does not answer: check `scontrol ping`, then run `vitctl cancel " + job_id + "` again" \
-            if "Unable to contact slurm controller" in said else \
-            f"`squeue -j {job_id}` shows whether it still waits or runs"
+        check = (f"slurmctld does not answer: check `scontrol ping`, then run `vitctl cancel {job_id}` again"
+                 if "Unable to contact slurm controller" in said else
+                 f"`squeue -j {job_id}` shows whether it still waits or runs")
         raise LaunchError(f"{' '.join(command)} failed: {said}; {check}")
