@@ -75,10 +75,11 @@ def _config_checks(config: RunConfig, resuming: bool, device: torch.device | Non
     without float8 the float8 layers' width is moot: the device's check says fp8 cannot run there at all."""
     model = model_error(config.model)
     source = None if resuming else _source_error(config, fits=model is None)
-    fp8_moot = model is not None or device is not None and not has_float8(device)
-    problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source,
-                            None if fp8_moot else _fp8_width_error(config), _out_dir_error(config.train.out_dir),
-                            _out_in_data_error(config)) if p]
+    width = None if model else _fp8_width_error(config)
+    if width and device is not None and not has_float8(device):
+        width = None
+    problems = [p for p in (model, _fused_error(config.train.fused), _mixup_error(config), source, width,
+                            _out_dir_error(config.train.out_dir), _out_in_data_error(config)) if p]
     strategy = None
     if model is None:
         try:
