@@ -134,12 +134,12 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
             raise DataError(f"{len(missing)} shards in the manifest are missing, e.g. {missing[0]}", str(folder),
                             "rerun the `vitctl data shard` command that wrote this folder (`vitctl data verify` "
                             "prints it)")
-        resized = [(p, e["bytes"]) for p, e in zip(paths, entries, strict=True) if p.stat().st_size != e["bytes"]]
-        if resized:
-            path, recorded = resized[0]
+        sizes = [(p, p.stat().st_size, e["bytes"]) for p, e in zip(paths, entries, strict=True)]
+        if resized := [(p, size, recorded) for p, size, recorded in sizes if size != recorded]:
+            path, size, recorded = resized[0]
             more = f" (and {len(resized) - 1} more)" if len(resized) > 1 else ""
-            raise DataError(f"{path.name}{more} is {path.stat().st_size:,} bytes, and the manifest records "
-                            f"{recorded:,}: changed since `vitctl data shard` wrote it", str(folder),
+            raise DataError(f"{path.name}{more} is {size:,} bytes, and the manifest records {recorded:,}: changed "
+                            "since `vitctl data shard` wrote it", str(folder),
                             mf.repair_advice(folder))
         on_total(len(paths))
         samples = 0

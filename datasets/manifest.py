@@ -134,6 +134,14 @@ def unfinished(info: dict[str, Any]) -> bool:
     return not info["complete"] or len(info["shards"]) != info["planned_shards"]
 
 
+def classes_without_samples(classes: list[str], shards: list[dict[str, Any]]) -> list[str]:
+    """The classes no sample of `shards` is labelled with (none where an entry predates the labels' listing)."""
+    if any("labels" not in entry for entry in shards):
+        return []
+    kept = {label for entry in shards for label in decode_labels(entry["labels"])}
+    return [wnid for label, wnid in enumerate(classes) if label not in kept]
+
+
 def split_digest(classes: list[str], shards: list[dict[str, Any]]) -> str:
     """What identifies a split's samples and labels: the class list and each shard's name and sha256 (a copy of the
     folder elsewhere has the same)."""

@@ -443,10 +443,7 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
 def _check_every_class_kept(root: Path, out: Path, info: dict[str, Any], classes: list[str]) -> None:
     """Refuse a train split in which every image of a class was skipped as unreadable: its label would train on
     nothing, as that of an empty class folder would (refused before sharding). The split stays unfinished."""
-    if any("labels" not in entry for entry in info["shards"]):  # a shard kept from a version that did not list them
-        return
-    kept = {label for entry in info["shards"] for label in mf.decode_labels(entry["labels"])}
-    lost = [wnid for label, wnid in enumerate(classes) if label not in kept]
+    lost = mf.classes_without_samples(classes, info["shards"])
     if not lost:
         return
     skipped = [s for e in info["shards"] for s in e["skipped"] if s["source"].split("/")[1] == lost[0]]

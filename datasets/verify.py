@@ -192,13 +192,12 @@ def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], N
             repairs[path.name] = REWRITE if _planned(path.name, splits) else UNPLANNED
     on_total(len(entries))
     checks = []
-    if "train" in splits and not mf.unfinished(splits["train"]) and \
-            all("labels" in e for e in splits["train"]["shards"]):  # shard refuses a class left without a sample
-        kept = {label for e in splits["train"]["shards"] for label in mf.decode_labels(e["labels"])}
-        if empty := [wnid for label, wnid in enumerate(manifest["classes"]) if label not in kept]:
-            problems["manifest"] = [f"class {empty[0]} (label {manifest['classes'].index(empty[0])}) has no train "
-                                    "sample: the class list was edited after the shards were written"]
-            repairs["manifest"] = EDITED
+    train = splits.get("train")  # shard refuses to finish a train split that leaves a class without a sample
+    if train and not mf.unfinished(train) and (empty := mf.classes_without_samples(manifest["classes"],
+                                                                                     train["shards"])):
+        problems["manifest"] = [f"class {empty[0]} (label {manifest['classes'].index(empty[0])}) has no train sample: "
+                                "the class list was edited after the shards were written"]
+        repairs["manifest"] = EDITED
     with closing(run_tasks(check_shard, [(folder, e, manifest["classes"]) for e in entries], workers)) as checked:
         for check in checked:
             checks.append(check)
