@@ -1,5 +1,6 @@
 """`vitctl image build`: the prebuilt container image, as an OCI archive and as a squashfs that pyxis runs."""
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def build(base: str, tag: str | None, out: Path, arch_list: str, apex_archive: P
     console.print(f"built {request.tag} in {built.seconds / 60:.1f} min\n"
                   f"OCI archive: {built.outputs.oci_archive} ({built.oci_bytes / gib:.2f} GiB)\n"
                   f"squashfs:    {built.outputs.squashfs} ({built.squashfs_bytes / gib:.2f} GiB)\n"
-                  f"run it: vitctl train ... --executor slurm --container-image {built.outputs.squashfs}",
+                  f"run it: vitctl train ... --executor slurm --container-image "
+                  f"{shlex.quote(str(built.outputs.squashfs))}",
                   highlight=False, soft_wrap=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations  # the annotations name the deferred workflow's types
 
 import math
+import shlex
 from pathlib import Path
 
 import click
@@ -77,7 +78,7 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     if outcome.result.least is None:  # no layout runs: more memory would not help, as write_plan would advise
         raise wf.ConfigError(_indivisible_batch(outcome))
     wf.write_plan(outcome, out)
-    console.print(f"plan: {out}  (train with --plan {out} --batch "
+    console.print(f"plan: {out}  (train with --plan {shlex.quote(str(out))} --batch "
                   f"{wf.per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
 
 

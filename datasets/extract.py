@@ -83,7 +83,7 @@ def _check_archive(path: Path, wanted: str) -> None:
 
 def _devkit_given(path: Path, wanted: str) -> DataError:
     return DataError(f"this is the ILSVRC2012 devkit ({DEVKIT_NAME}), not {wanted}", str(path),
-                     f"pass it to `vitctl data valprep VAL_DIR --devkit {path}`, and {wanted} here")
+                     f"pass it to `vitctl data valprep VAL_DIR --devkit {shlex.quote(str(path))}`, and {wanted} here")
 
 
 def _refuse_devkit(members: list[TarMember], archive: Path, wanted: str) -> None:

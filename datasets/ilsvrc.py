@@ -6,6 +6,7 @@ import importlib
 import io
 import multiprocessing
 import re
+import shlex
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
     except (tarfile.TarError, EOFError, OSError) as e:
         if _is_solution_csv(path):
             raise DataError(f"this is Kaggle's {SOLUTION_CSV}, not the devkit", where,
-                            f"pass it with --solution {path} instead of --devkit") from None
+                            f"pass it with --solution {shlex.quote(str(path))} instead of --devkit") from None
         raise DataError(f"cannot read the devkit archive ({e})", where,
                         "the file is damaged or truncated; download it again") from None
     try:

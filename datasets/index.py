@@ -1,6 +1,7 @@
 """DALI webdataset index files (format v1.2), computed in-process from the shard's tar headers."""
 
 import re
+import shlex
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -71,7 +72,7 @@ def format_index(samples: list[list[Component]]) -> str:
 
 
 def parse_index(text: str, where: str) -> list[list[Component]]:
-    rebuild = f"rebuild the folder's index files with `vitctl data index {Path(where).parent}`"
+    rebuild = f"rebuild the folder's index files with `vitctl data index {shlex.quote(str(Path(where).parent))}`"
     lines = text.splitlines()
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != VERSION or not head[1].isdigit():

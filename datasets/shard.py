@@ -165,8 +165,9 @@ def _not_a_train_class(root: Path, split: str, name: str, classes: int) -> DataE
                          f"move {folder / name} out of {folder}")
     return DataError(f"class folder {name} is not among the {classes} train classes: val/ was sorted with the labels "
                      "of another dataset, or train/ lacks the class", str(folder),
-                     f"remove {folder}, then `{extract_command(root, ['val'])}` and `vitctl data valprep {folder}` "
-                     "with the devkit or solution file of this dataset; or add the class to train/")
+                     f"remove {folder}, then `{extract_command(root, ['val'])}` and `vitctl data valprep "
+                     f"{shlex.quote(str(folder))}` with the devkit or solution file of this dataset; or add the class "
+                     "to train/")
 
 
 @dataclass(frozen=True)

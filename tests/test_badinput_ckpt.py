@@ -100,6 +100,20 @@ def test_a_last_checkpoint_that_lost_a_file_is_named_not_skipped(run_copy, tmp_p
     assert [e["checkpoint"] for e in events(run_copy) if e.get("event") == "resume"] == ["step-00000002"]
 
 
+def test_the_move_aside_of_a_damaged_checkpoint_is_quoted_when_its_path_holds_a_space(pretrained, tmp_path):
+    """`mv /x/my run/checkpoints/step-00000003 ...`, pasted, moved nothing (mv: target is not a directory)."""
+    run = Path(shutil.copytree(pretrained, tmp_path / "my run"))
+    last, out = run / "checkpoints/step-00000003", tmp_path / "w.safetensors"
+    (last / "meta.json").unlink()
+    result = vitctl("export", run, "--out", out)
+    assert result.exit_code == 1 and f"checkpoint {last} is damaged" in result.stderr, result.stderr
+    move = result.stderr.split("move this one aside (", 1)[1].split(")", 1)[0]
+    assert shlex.split(move) == ["mv", str(last), f"{last}.damaged"]
+    subprocess.run(["bash", "-c", move], check=True)  # as pasted into a shell
+    assert not last.exists() and (run / "checkpoints/step-00000003.damaged").is_dir()
+    assert "step-00000002" in ok("export", run, "--out", out).output
+
+
 def test_an_only_checkpoint_that_lost_a_file_is_named_damaged(run_copy, tmp_path):
     """Before, export and --from-ckpt of its run folder said it was neither a checkpoint nor a run with checkpoints."""
     shutil.rmtree(run_copy / "checkpoints/step-00000002")

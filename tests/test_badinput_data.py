@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -266,6 +267,31 @@ def test_val_images_lost_since_extract_are_refused_and_the_fix_brings_them_back(
     assert sorted(p.relative_to(root_copy) for p in (root_copy / "val").glob("*/*.JPEG")) == \
         [p.relative_to(root_copy) for p in val_images]
     ok("data", "shard", root_copy, "--out", tmp_path / "s", "--maxcount", 16)
+
+
+def test_the_fixes_for_lost_images_quote_a_root_whose_path_holds_a_space(prepared_root, tmp_path):
+    """Each command the fixes name parses back, in bash, to the root's own path and runs there (they printed it
+    unquoted: pasted, `--out /x/my imagenet` reached extract as two arguments)."""
+    root = Path(shutil.copytree(prepared_root, tmp_path / "my imagenet"))
+    _lose_a_class_and_an_image(root)
+    refused = vitctl("data", "shard", root, "--out", tmp_path / "s", "--split", "train", "--maxcount", 16)
+    assert refused.exit_code == 1 and "lost since `vitctl data extract` wrote it" in refused.stderr, refused.stderr
+    extract = shlex.split(refused.stderr.split("fix: rerun `", 1)[1].split("`", 1)[0])
+    assert extract[:4] == ["vitctl", "data", "extract", "--train-tar"] and extract[5:] == ["--out", str(root)]
+    ok(*extract[1:])
+    min((root / "val").glob("*/*.JPEG")).unlink()
+    refused = vitctl("data", "shard", root, "--out", tmp_path / "s", "--maxcount", 16)
+    assert refused.exit_code == 1 and "1 was lost since" in refused.stderr, refused.stderr
+    remove, extract, valprep = re.findall(r"`([^`]+)`", refused.stderr.split("fix: ", 1)[1])[:3]
+    assert shlex.split(remove) == ["rm", "-r", str(root / "val")]
+    subprocess.run(["bash", "-c", remove], check=True)  # as pasted into a shell
+    assert not (root / "val").exists() and root.is_dir()
+    extract, valprep = shlex.split(extract), shlex.split(valprep)
+    assert extract[:4] == ["vitctl", "data", "extract", "--val-tar"] and extract[5:] == ["--out", str(root)]
+    assert valprep[:4] == ["vitctl", "data", "valprep", str(root / "val")] and valprep[4] == "--devkit"
+    ok(*extract[1:])
+    ok(*valprep[1:])
+    ok("data", "shard", root, "--out", tmp_path / "s", "--maxcount", 16)
 
 
 def test_a_tree_extract_did_not_write_is_sharded_with_what_it_holds(root_copy, tmp_path):

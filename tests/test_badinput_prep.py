@@ -6,6 +6,7 @@ Each test follows the fix the message names."""
 import fcntl
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,19 @@ def test_the_devkit_given_for_an_image_archive_is_named_and_its_fix_works(archiv
     assert fix.startswith("pass it to `vitctl data valprep VAL_DIR --devkit ") and not (tmp_path / "r").exists()
     root = _extracted(archives, tmp_path / "r", "val")
     ok(*[str(root / "val") if arg == "VAL_DIR" else arg for arg in _quoted(fix)])
+
+
+def test_the_valprep_command_for_a_devkit_given_as_an_archive_quotes_a_path_with_a_space(archives, tmp_path):
+    """Was `--devkit /x/my data/ILSVRC2012_devkit_t12.tar.gz`, which a shell splits in two."""
+    devkit = tmp_path / "my data" / DEVKIT
+    devkit.parent.mkdir()
+    shutil.copy(archives / DEVKIT, devkit)
+    result = vitctl("data", "extract", "--val-tar", devkit, "--out", tmp_path / "r")
+    fix = _error(result, str(devkit), "this is the ILSVRC2012 devkit (ILSVRC2012_devkit_t12.tar.gz), not ")
+    command = _quoted(fix)
+    assert command == ["data", "valprep", "VAL_DIR", "--devkit", str(devkit)]
+    root = _extracted(archives, tmp_path / "r", "val")
+    ok(*[str(root / "val") if arg == "VAL_DIR" else arg for arg in command])
 
 
 @pytest.mark.parametrize("wrong", ["root", "train"])

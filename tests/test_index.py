@@ -1,5 +1,7 @@
 import io
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -99,6 +101,19 @@ def test_parse_rejects_a_damaged_index():
         with pytest.raises(DataError, match=message) as error:
             parse_index(bad, "shards/x.idx")
         assert error.value.fix == "rebuild the folder's index files with `vitctl data index shards`"
+
+
+def test_the_rebuild_command_of_a_damaged_index_quotes_a_folder_with_a_space(prepared_shards, tmp_path):
+    """Was `vitctl data index /x/my shards`, which a shell splits into two folders."""
+    shards = Path(shutil.copytree(prepared_shards, tmp_path / "my shards"))
+    idx = min(shards.glob("*.idx"))
+    idx.write_text(idx.read_text().replace("v1.2 ", "v1.1 ", 1))
+    with pytest.raises(DataError, match="expected 'v1.2") as error:
+        parse_index(idx.read_text(), str(idx))
+    command = shlex.split(error.value.fix.split("`")[1])
+    assert command == ["vitctl", "data", "index", str(shards)]
+    ok(*command[1:])
+    assert parse_index(idx.read_text(), str(idx))
 
 
 def test_index_without_manifest_is_a_clear_error(tmp_path):

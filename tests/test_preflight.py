@@ -1,5 +1,7 @@
 """Everything checkable is checked before launch (the CLI, before anything is submitted) and again in each rank."""
 
+import shlex
+
 import pytest
 import torch
 
@@ -161,6 +163,28 @@ def test_an_out_at_a_run_s_checkpoints_is_refused_naming_the_run_to_resume(tmp_p
     resumed = ok(*args, "--steps", 2, "--out", run, "--resume")  # the fix
     assert "starts at step 0" not in resumed.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_the_run_folder_to_resume_is_quoted_when_its_path_holds_a_space(tmp_path):
+    """`--out /x/my run --resume`, pasted, passed `/x/my` as --out and `run` as an argument click refused."""
+    args = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=32",
+            "--batch", 4, "--executor", "local", "--gpus", 0]
+    run = tmp_path / "my runs" / "run 1"
+    ok(*args, "--steps", 1, "--out", run)
+    result = vitctl(*args, "--steps", 2, "--out", run / "checkpoints", "--resume")
+    assert result.exit_code == 1 and "pass its folder: --out " in result.stderr, result.stderr
+    fix = shlex.split(result.stderr.split("pass its folder: ", 1)[1].split(";", 1)[0])
+    assert fix == ["--out", str(run), "--resume"]
+    ok(*args, "--steps", 2, *fix)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    step = tmp_path / "other run/checkpoints/step-00000002"  # a folder inside a checkpoint: the same advice
+    step.mkdir(parents=True)
+    for name in ("meta.json", ".metadata"):
+        (step / name).write_text("{}")
+    result = vitctl(*args, "--steps", 1, "--out", step / "run")
+    assert result.exit_code == 1, result.stderr
+    fix = shlex.split(result.stderr.split("pass its folder: ", 1)[1].split(";", 1)[0])
+    assert fix == ["--out", str(tmp_path / "other run"), "--resume"]
 
 
 @pytest.mark.parametrize(("steps", "accum", "epochs"), [(10**23, 1, 8333333333333333333334), (10, 3, 3), (97, 1, 9)])

@@ -17,6 +17,7 @@ import os
 import pickle
 import random
 import re
+import shlex
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -86,7 +87,7 @@ def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
     if legacy and not found:
         raise ConfigError(f"{run_dir} holds only single-file checkpoints of an earlier vitctl ({legacy[-1].name}), "
                           f"which --resume cannot continue; start a new run from its weights with --out NEW "
-                          f"--from-ckpt {legacy[-1]} (vitctl finetune)")
+                          f"--from-ckpt {shlex.quote(str(legacy[-1]))} (vitctl finetune)")
     return found
 
 
@@ -126,8 +127,8 @@ def model_change(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> str 
         return None
     way = f"rerun with {_sets(saved, keys)} to go on with the model it saved"
     if "name" not in keys:
-        way += (f", or start a new run from its weights: `vitctl finetune --from-ckpt {path} --out NEW "
-                f"{_sets(now, keys)}` (with the other options of this command)")
+        way += (f", or start a new run from its weights: `vitctl finetune --from-ckpt {shlex.quote(str(path))} "
+                f"--out NEW {_sets(now, keys)}` (with the other options of this command)")
     differ = ", ".join(f"model.{k}={as_set_value(saved.get(k))} (now {as_set_value(now.get(k))})" for k in keys)
     return f"{path} was trained with model settings other than this run's: {differ}; --resume cannot change them: {way}"
 
@@ -198,7 +199,7 @@ def _damaged(path: Path, what: str) -> str:
     """How to go on without the damaged checkpoint `path`: its run folder's previous one, where there is one."""
     others = list_checkpoints(path.parent.parent)
     earlier = [p for p in others if p.name < path.name]
-    aside = f"mv {path} {path}.damaged"
+    aside = shlex.join(["mv", str(path), f"{path}.damaged"])
     if later := [p for p in others if p.name > path.name]:  # asked for by --step: the run goes on from the last
         step = int(later[-1].name.split("-")[-1])
         return (f"checkpoint {path} is damaged: {what}. A later one is what --resume and the run folder take: "
@@ -494,8 +495,8 @@ def _no_checkpoint(path: Path) -> str:
         return f"{what}; it holds {weights[0]}: to finetune from it, pass that file to --from-ckpt"
     if (path / LOCK).is_file():  # a job was launched into it
         return (f"{path} is a run folder whose run has saved no checkpoint yet: a running job saves its first at step "
-                f"train.checkpoint_every (`vitctl status {path}` shows where it is); resume a stopped one (--resume) "
-                "until it saves one, or pass another run")
+                f"train.checkpoint_every (`vitctl status {shlex.quote(str(path))}` shows where it is); resume a "
+                "stopped one (--resume) until it saves one, or pass another run")
     return what
 
 

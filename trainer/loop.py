@@ -4,6 +4,7 @@ import contextlib
 import logging
 import math
 import random
+import shlex
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -273,7 +274,8 @@ class Trainer:
         if mismatched := ckpt.shape_mismatches(path, state["model"]):
             raise ConfigError(f"{path} holds weights of other shapes than this vitctl's model ({mismatched[0]}; "
                               f"{len(mismatched)} in all): it was written by an earlier version. Start a new run "
-                              f"from it with `vitctl finetune --from-ckpt {path}` (which converts them), new --out")
+                              f"from it with `vitctl finetune --from-ckpt {shlex.quote(str(path))}` (which converts "
+                              "them), new --out")
         ckpt.load(path, state)
         set_model_state_dict(self.par.weights, state["model"])
         set_optimizer_state_dict(self.par.weights, self.optimizer, state["optimizer"],

@@ -5,6 +5,7 @@ where the device is known."""
 import contextlib
 import math
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,11 +210,12 @@ def _out_dir_error(out_dir: str) -> str | None:
     if inside := next((p for p in [run.absolute(), *run.absolute().parents] if is_checkpoint(p)), None):
         return f"run folder {out_dir} (--out) lies in the checkpoint folder {inside}, which holds what its run " \
                f"wrote there alone (keep-last-K would delete it with that checkpoint); to go on with that run, pass " \
-               f"its folder: --out {inside.parent.parent} --resume; else choose an --out outside it"
+               f"its folder: --out {shlex.quote(str(inside.parent.parent))} --resume; else choose an --out outside it"
     if run.is_dir() and run.absolute() == checkpoint_dir(run.absolute().parent) \
             and any(is_checkpoint(p) for p in run.iterdir()):
         return f"run folder {out_dir} (--out) is the checkpoints folder of the run {run.absolute().parent}; to go " \
-               f"on with that run, pass its folder: --out {run.absolute().parent} --resume; else choose another --out"
+               f"on with that run, pass its folder: --out {shlex.quote(str(run.absolute().parent))} --resume; else " \
+               "choose another --out"
     if in_the_way := _of_another_kind(folders=[checkpoint_dir(run)], files=[run / METRICS_FILE, run / LOCK]):
         return f"run folder {out_dir}: {in_the_way}: move it away, or choose another --out"
     parts = [run, checkpoint_dir(run), run / METRICS_FILE, run / LOCK]
@@ -348,7 +350,7 @@ def _train_samples(config: RunConfig) -> tuple[int, int | None]:
     missing = [e["name"] for e in shards if not index_path(folder / e["name"]).exists()]
     if missing:
         raise ConfigError(f"data.path {folder}: {len(missing)} train shards have no index file (first: {missing[0]}); "
-                          f"run `vitctl data index {folder}`")
+                          f"run `vitctl data index {shlex.quote(str(folder))}`")
     return sum(e["samples"] for e in shards), len(class_list)
 
 

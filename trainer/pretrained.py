@@ -15,6 +15,7 @@ import logging
 import math
 import pickle
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     except SafetensorError as e:
         raise ConfigError(f"finetune.from_ckpt {path} is not a readable safetensors file ({e}); {ACCEPTED}") from None
     if EXPORT_SHA256 in metadata and tensors_sha256(state) != metadata[EXPORT_SHA256]:
-        again = f"vitctl export {metadata.get('vitctl_checkpoint', 'RUN')} --out {path}"
+        again = shlex.join(["vitctl", "export", str(metadata.get("vitctl_checkpoint", "RUN")), "--out", str(path)])
         if metadata.get("vitctl_weights") == "ema":
             again += " --ema"
         raise ConfigError(f"finetune.from_ckpt {path} is damaged: its tensors do not match the sha256 `vitctl export` "

@@ -148,5 +148,6 @@ def _nonfinite(source: Path, part: str, bad: tuple[str, int], out: Path) -> str:
             "inf or nan values): its run diverged before it was saved")
     if not earlier:
         return f"{what}, and its run folder holds no earlier checkpoint; train again with a lower optim.lr"
-    command = f"vitctl export {source.parent.parent} --step {int(earlier[-1].name[5:])} --out {out}"
+    command = shlex.join(["vitctl", "export", str(source.parent.parent), "--step", str(int(earlier[-1].name[5:])),
+                          "--out", str(out)])
     return f"{what}; export the checkpoint before it instead ({command}{' --ema' if part == 'ema' else ''})"

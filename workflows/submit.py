@@ -358,8 +358,8 @@ def availability_warning(request: LaunchRequest, partition: str) -> str | None:
     avail = {a for *_, a in groups}
     if avail - {"up"}:
         return (f"partition {partition} is {'/'.join(sorted(avail))}, not up: the job waits in the queue until an "
-                f"administrator sets it up (`scontrol update PartitionName={partition} State=UP`); `sinfo -p "
-                f"{partition}` shows it; or cancel the job and submit to another --partition")
+                f"administrator sets it up (`scontrol update {shlex.quote(f'PartitionName={partition}')} State=UP`); "
+                f"`sinfo -p {shlex.quote(partition)}` shows it; or cancel the job and submit to another --partition")
     out = [(state.rstrip("*~#!%$@^-+"), int(count), nodes) for state, count, nodes, _ in groups]
     unavailable = [(state, nodes) for state, _, nodes in out if state in UNAVAILABLE_STATES]
     usable = sum(count for state, count, _ in out if state not in UNAVAILABLE_STATES)
@@ -367,10 +367,10 @@ def availability_warning(request: LaunchRequest, partition: str) -> str | None:
         return None
     which = "; ".join(f"{state}: {nodes}" for state, nodes in unavailable)
     return (f"partition {partition} has {usable} node{'s' if usable != 1 else ''} that can start a job now and the job "
-            f"needs {request.nodes} ({which}): it waits in the queue until they return; `sinfo -R -p {partition}` "
-            f"shows why they are out, an administrator returns them with `scontrol update "
-            f"NodeName={','.join(nodes for _, nodes in unavailable)} State=RESUME`; or cancel the job and submit to "
-            f"another --partition")
+            f"needs {request.nodes} ({which}): it waits in the queue until they return; `sinfo -R -p "
+            f"{shlex.quote(partition)}` shows why they are out, an administrator returns them with `scontrol update "
+            f"{shlex.quote('NodeName=' + ','.join(nodes for _, nodes in unavailable))} State=RESUME`; or cancel the "
+            f"job and submit to another --partition")
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:

@@ -1,5 +1,6 @@
 """Turn CLI choices into a validated run config and a launch: Slurm or this machine, both through submitit."""
 
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -208,8 +209,8 @@ def _other_samples(run_dir: Path, meta: dict, config: RunConfig) -> str | None:
     return (f"--resume onto other train samples than {run_dir} was trained on: the shards of --data {path} differ "
             f"from those its checkpoint recorded (their names and sha256); the run goes on with them, from its place "
             f"in an epoch of the old ones. To go on with the data it began with, pass --data with it (a copy anywhere "
-            f"will do); to train on this data from its weights, `vitctl finetune --from-ckpt {run_dir} --out NEW "
-            f"--data {path}`")
+            f"will do); to train on this data from its weights, `vitctl finetune --from-ckpt "
+            f"{shlex.quote(str(run_dir))} --out NEW --data {shlex.quote(str(path))}`")
 
 
 def layout_lines(strategy: Strategy, request: LaunchRequest) -> list[str]:
@@ -243,8 +244,9 @@ def _other_data(last: Path, saved: dict, config: RunConfig) -> str | None:
     run_dir = last.parent.parent
     return (f"{run_dir} was trained on {was} ({classes} classes), and --data {now} is another shard folder, for "
             f"model.num_classes={config.model.num_classes}: --resume goes on with the data a run began with; pass "
-            f"--data {was}, or start a new run from its weights: `vitctl finetune --from-ckpt {run_dir} --out NEW "
-            f"--data {now}` (with the other options of this command)")
+            f"--data {shlex.quote(str(was))}, or start a new run from its weights: `vitctl finetune --from-ckpt "
+            f"{shlex.quote(str(run_dir))} --out NEW --data {shlex.quote(str(now))}` (with the other options of this "
+            "command)")
 
 
 def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
@@ -259,8 +261,8 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
     run_dir = checkpoints[-1].parent.parent
     if source and wanted and Path(source) != Path(wanted):
         raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: --resume would continue it "
-                          f"and ignore --from-ckpt {wanted}; continue it with --from-ckpt {source}, or choose another "
-                          f"--out to finetune from {wanted}")
+                          f"and ignore --from-ckpt {wanted}; continue it with --from-ckpt "
+                          f"{shlex.quote(str(source))}, or choose another --out to finetune from {wanted}")
     sets = checkpoint.saved_model_sets(saved["model"], config.to_dict()["model"])
     if wanted and not source:
         raise ConfigError(f"{run_dir} holds the checkpoints of a pretraining run (`vitctl train`): --resume would "
@@ -268,7 +270,8 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
                           f"continue that run with `vitctl train --resume{sets}`")
     if source and not wanted:
         raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: continue it with `vitctl "
-                          f"finetune --from-ckpt {source} --resume{sets}`, or choose another --out to pretrain")
+                          f"finetune --from-ckpt {shlex.quote(str(source))} --resume{sets}`, or choose another --out "
+                          "to pretrain")
     if other_data := _other_data(checkpoints[-1], saved, config):
         raise ConfigError(other_data)
     if changed := checkpoint.model_change(checkpoints[-1], saved["model"], config.to_dict()["model"]):

@@ -8,6 +8,7 @@ split. Items are (epoch, row, draw): the draw keys the sample's random numbers (
 
 import contextlib
 import io
+import shlex
 import tarfile
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -84,8 +85,9 @@ class ShardReader:
             self._check_member_at(row, shard)
             reason = "not in any format Pillow reads" if isinstance(error, UnidentifiedImageError) else str(error)
             raise DataError(f"the JPEG at offset {int(self.table.offset[row])} does not decode ({reason})", str(shard),
-                            f"`vitctl data verify {shard.parent}` names each damaged shard and the command that "
-                            f"writes it again (add --decode 100000000 to decode every image too)") from error
+                            f"`vitctl data verify {shlex.quote(str(shard.parent))}` names each damaged shard and the "
+                            f"command that writes it again (add --decode 100000000 to decode every image too)"
+                            ) from error
 
     def _check_member_at(self, row: int, shard: Path) -> None:
         """Raises a DataError naming the index when no tar member of the indexed size starts at the row's offset:
@@ -105,7 +107,7 @@ class ShardReader:
         index = index_path(shard)
         raise DataError(f"{index.name} does not describe this shard: no member of {size} bytes starts at offset "
                         f"{offset} (an index of another shard, or the shard was written again since)", str(shard),
-                        f"`vitctl data index {shard.parent}` writes every index again from its shard")
+                        f"`vitctl data index {shlex.quote(str(shard.parent))}` writes every index again from its shard")
 
     def name_damaged(self, rows: Iterable[int]) -> None:
         """Decodes each row's JPEG in full with Pillow, raising decoding's DataError at the first that fails: the GPU

@@ -90,7 +90,7 @@ def read_table(folder: Path, shards: list[dict[str, Any]]) -> SampleTable:
         path = folder / entry["name"]
         idx = index_path(path)
         if not idx.exists():
-            raise ConfigError(f"{idx} is missing; run `vitctl data index {folder}`")
+            raise ConfigError(f"{idx} is missing; run `vitctl data index {shlex.quote(str(folder))}`")
         samples = [{ext: (offset, size) for ext, offset, size, _ in sample}
                    for sample in parse_index(idx.read_text(), str(idx))]
         for number, parts in enumerate(samples):
@@ -102,7 +102,8 @@ def read_table(folder: Path, shards: list[dict[str, Any]]) -> SampleTable:
         # the manifest's count is what preflight checks the batch against, the index's what is trained on
         if not len(shard_labels) == entry["samples"] == len(samples):
             raise ConfigError(f"{path}: the manifest records {entry['samples']} samples and {len(shard_labels)} "
-                              f"labels, its index {idx.name} {len(samples)} samples; run `vitctl data verify {folder}`")
+                              f"labels, its index {idx.name} {len(samples)} samples; run `vitctl data verify "
+                              f"{shlex.quote(str(folder))}`")
         labels += shard_labels
         paths.append(str(path))
     table = np.array(rows, dtype=np.int64).reshape(-1, 3)

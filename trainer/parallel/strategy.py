@@ -3,6 +3,7 @@ whether its activations are recomputed. Given as one global strategy (`parallel.
 written by `vitctl plan`); both become a `Strategy`, checked against the job and the model before launch."""
 
 import json
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,8 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
     try:
         plan = json.loads(path.read_text(), object_pairs_hook=_refuse_repeated_keys)
     except FileNotFoundError:
-        raise ConfigError(f"{where} does not exist; write one with `vitctl plan ... --out {path}`") from None
+        raise ConfigError(f"{where} does not exist; write one with `vitctl plan ... --out {shlex.quote(str(path))}`"
+                          ) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where} cannot be read as JSON ({e}); write it again with `vitctl plan`") from None
     if not isinstance(plan, dict) or type(plan.get("version")) is not int or plan["version"] != PLAN_VERSION:
@@ -134,13 +136,14 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
         raise ConfigError(_block_count_error(where, len(blocks), n_blocks, plan.get("model"), model, path))
     if model and plan.get("model", model) != model:  # same depth, other widths: its memory and times are not ours
         raise ConfigError(f"{where} was planned for {plan['model']!r}, not for model {model}; plan this model "
-                          f"(vitctl plan --model {model} ... --out {path}), or train {plan['model']} with it")
+                          f"(vitctl plan --model {model} ... --out {shlex.quote(str(path))}), or train {plan['model']} "
+                          "with it")
     return strategy
 
 
 def _block_count_error(where: str, planned: int, n_blocks: int, planned_for: str | None, model: str | None,
                        path: Path) -> str:
-    replan = f"vitctl plan --model {model or 'MODEL'} ... --out {path}"
+    replan = f"vitctl plan --model {model or 'MODEL'} ... --out {shlex.quote(str(path))}"
     if planned_for and planned_for != model:
         return (f"{where} gives strategies for {planned} blocks but model has {n_blocks}; it was planned for "
                 f"{planned_for!r}; plan this model ({replan})")
