@@ -22,7 +22,9 @@ void master_adamw_cuda(const std::vector<torch::Tensor>& grads, const std::vecto
                        const std::vector<torch::Tensor>& masters, const std::vector<torch::Tensor>& exp_avgs,
                        const std::vector<torch::Tensor>& exp_avg_sqs, const std::vector<torch::Tensor>& steps,
                        const std::vector<double>& lrs, const std::vector<double>& decays, double beta1, double beta2,
-                       double eps, const c10::optional<torch::Tensor>& grad_factor);
+                       double eps, const c10::optional<torch::Tensor>& grad_factor, int64_t parts,
+                       int64_t part_stride);
+torch::Tensor parts_sum_of_squares_cuda(const torch::Tensor& flat, int64_t parts);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_partition", &window_partition_cuda, "cyclic shift + window partition (CUDA)");
@@ -38,5 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_mlp_backward", &fused_mlp_backward_cuda,
         "its gradients: of the GELU input (GELU's derivative in a cuBLASLt epilogue), x, w1 and w2");
   m.def("master_adamw", &master_adamw_cuda,
-        "AdamW on float32 masters from bfloat16 gradients, new weights written back to the bfloat16 model (CUDA)");
+        "AdamW on float32 masters from bfloat16 gradients (or the mean of their parts), new weights written back to "
+        "the bfloat16 model (CUDA)");
+  m.def("parts_sum_of_squares", &parts_sum_of_squares_cuda,
+        "the sum of squares of the mean of a bfloat16 buffer's equal parts (CUDA)");
 }

@@ -276,6 +276,40 @@ def test_master_adamw_kernel_steps_as_torch_fused_adamw_with_copies(max_norm, ac
     assert optimizer.state[master.pairs[0][1]]["step"].item() == 4
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("gap", [6, 7])  # 7: the parts are not 4-element aligned, so the kernel reads them one by one
+def test_master_adamw_takes_the_mean_of_a_gradient_s_parts_as_it_reads_them(parts, gap):
+    """ZeRO-1's received buffer: each rank's bf16 gradient of a weight `length` elements after the previous rank's.
+    The kernel steps from their mean as it steps from the fp32 mean written beforehand, and the parts' sum of
+    squares is the fp32 mean's."""
+    _, master, fused = _bf16_model_and_optimizer(cuda.MasterAdamW)
+    _, ref_master, ref = _bf16_model_and_optimizer(cuda.MasterAdamW)
+    for opt, m in ((fused, master), (ref, ref_master)):  # torch's first step makes the state
+        for _, w in m.pairs:
+            w.grad = torch.zeros_like(w)
+        opt.step()
+    sizes = [w.numel() for _, w in master.pairs]
+    length = sum(sizes) + gap  # gaps between the parts, as alignment leaves them, hold zeros
+    received = torch.zeros(parts * length, dtype=torch.bfloat16, device="cuda")
+    received.view(parts, length)[:, :sum(sizes)] = torch.randn(parts, sum(sizes), device="cuda").bfloat16()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    firsts = [received[a:a + w.numel()].view_as(w) for a, (_, w) in zip(starts, master.pairs, strict=True)]
+    mean = received.view(parts, length).mean(0, dtype=torch.float32)
+    clip = torch.tensor(0.5, device="cuda")
+    assert fused.step_master_weights([(g, p, w) for g, (p, w) in zip(firsts, master.pairs, strict=True)], clip,
+                                     received, parts)
+    assert ref.step_master_weights([(mean[a:a + w.numel()].view_as(w), p, w)
+                                    for a, (p, w) in zip(starts, ref_master.pairs, strict=True)], clip)
+    for (p, w), (_, ref_w) in zip(master.pairs, ref_master.pairs, strict=True):
+        torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-9)
+        assert torch.equal(p, w.bfloat16())
+    squares = cuda.parts_sum_of_squares(received, parts)
+    torch.testing.assert_close(squares, mean.double().square().sum().float(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(squares, reference.parts_sum_of_squares(received, parts), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="each gradient must be a bfloat16 view into its first part"):
+        fused.step_master_weights([(firsts[-1], *master.pairs[-1])], clip, received, parts + 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])  # bf16-pure: the master AdamW kernel too
 def test_swin_t_loss_parity_over_200_steps(tmp_path, precision):

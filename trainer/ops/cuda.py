@@ -337,12 +337,22 @@ class MasterAdamW(torch.optim.AdamW):
         super().__init__(params, fused=True, **kwargs)
 
     @torch.no_grad()
-    def step_master_weights(self, triples: list[tuple[Tensor, Tensor, Tensor]], clip: Tensor | None = None) -> bool:
+    def step_master_weights(self, triples: list[tuple[Tensor, Tensor, Tensor]], clip: Tensor | None = None,
+                            received: Tensor | None = None, parts: int = 1) -> bool:
         """Step (gradient, bfloat16 parameter, float32 master) triples, the gradients all bfloat16 or all float32 and
-        scaled by `clip` (a one-element tensor) when given; False, with nothing done, where the kernel does not
-        apply."""
-        if not self._kernel_applies(triples):
+        scaled by `clip` (a one-element tensor) when given. With `received` (ZeRO-1's), a bfloat16 buffer of `parts`
+        equal parts, each gradient is a view into its first part and stands for its mean with the same place in the
+        others. False, with nothing done, where the kernel does not apply."""
+        if not self.applies(triples):
             return False
+        stride = 0
+        if received is not None:  # the kernel reads `parts - 1` strides past each gradient: they must stay inside
+            stride, start = received.numel() // parts, received.data_ptr()
+            end = start + stride * received.element_size()
+            inside = (start <= g.data_ptr() <= end - g.numel() * g.element_size() for g, _, _ in triples)
+            if received.dtype != torch.bfloat16 or not all(inside):
+                raise ValueError("master AdamW: with `received`, each gradient must be a bfloat16 view into its first "
+                                 "part")
         group_of = {m: g for g in self.param_groups for m in g["params"]}
         states = [self.state[m] for _, _, m in triples]
         steps = [s["step"] for s in states]
@@ -352,11 +362,12 @@ class MasterAdamW(torch.optim.AdamW):
                                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], steps,
                                  [group_of[m]["lr"] for _, _, m in triples],
                                  [group_of[m]["weight_decay"] for _, _, m in triples], beta1, beta2, eps,
-                                 None if clip is None else clip.float().reshape(1))
+                                 None if clip is None else clip.float().reshape(1), parts, stride)
         return True
 
-    def _kernel_applies(self, triples: list[tuple[Tensor, Tensor, Tensor]]) -> bool:
-        """Not before torch's first step has made the state, nor for amsgrad, maximize or per-group betas and eps."""
+    def applies(self, triples: list[tuple[Tensor, Tensor, Tensor]]) -> bool:
+        """Whether the kernel steps these: not before torch's first step has made the state, nor for amsgrad, maximize
+        or per-group betas and eps."""
         first = self.param_groups[0]
         same = all(not g["amsgrad"] and not g["maximize"] and (g["betas"], g["eps"]) == (first["betas"], first["eps"])
                    for g in self.param_groups)
@@ -364,6 +375,14 @@ class MasterAdamW(torch.optim.AdamW):
         return same and bool(triples) and grad_dtype in (torch.bfloat16, torch.float32) and all(
             m in self.state and p.dtype == torch.bfloat16 and g.dtype == grad_dtype and g.is_contiguous()
             for g, p, m in triples)
+
+
+def parts_sum_of_squares(flat: Tensor, parts: int) -> Tensor:
+    """The sum of squares of the mean of a bfloat16 `flat`'s `parts` equal slices, in float32 (one CUDA kernel that
+    writes no mean); ZeRO-1's squared gradient norm from the parts the ranks sent."""
+    if flat.is_cuda and unavailable(flat.device) is None:
+        return extension().parts_sum_of_squares(flat, parts)
+    return reference.parts_sum_of_squares(flat, parts)
 
 
 # ------------------------------------------------------------------ the seams

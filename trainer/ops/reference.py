@@ -86,3 +86,8 @@ def adamw(groups: list[dict], lr: float, betas: tuple[float, float], eps: float)
 @register("optimizer", "torch-fused", 35, lambda d: None if d.type == "cuda" else "needs CUDA")
 def fused_adamw(groups: list[dict], lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+def parts_sum_of_squares(flat: torch.Tensor, parts: int) -> torch.Tensor:
+    """The sum of squares of the mean of `flat`'s `parts` equal slices, in float32."""
+    return flat.view(parts, -1).mean(0, dtype=torch.float32).square().sum()
