@@ -71,6 +71,7 @@ def _exchange_rank(rank: int, init: str, results: dict, micro_batches: int) -> N
         if i < micro_batches - 1:
             master.accumulate()
     zero.reduce()
+    zero.average()
     for total in own:  # the fp32 mean over ranks
         dist.all_reduce(total)
         total /= RANKS
@@ -267,9 +268,10 @@ def _train_one_rank(zero: bool, steps: int = 6) -> tuple[list[torch.Tensor], lis
         forward(torch.randn(64, 256, device=cuda).bfloat16()).float().square().mean().backward()
         if zero1:
             zero1.reduce()
-        master.step(optimizer, max_norm=1.0)
-        if zero1:
+            zero1.step(master, optimizer, max_norm=1.0)
             zero1.gather_weights()
+        else:
+            master.step(optimizer, max_norm=1.0)
     return [m.detach().clone() for _, m in master.pairs], [p.detach().clone() for p in model.parameters()]
 
 

@@ -334,9 +334,7 @@ class Trainer:
     def _optimizer_step(self) -> torch.Tensor | None:
         clip, groups = self.c.optim.clip_grad or 0.0, self.par.norm_groups
         if self.par.master is not None:
-            norm = self.par.master.step(self.optimizer, clip, groups)
-            self.par.after_step()
-            return norm
+            return self.par.step_masters(self.optimizer, clip)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = None

@@ -123,10 +123,14 @@ def total_norm(grads: list[Tensor], groups: list[dist.ProcessGroup] | None = Non
         for dim in dims:
             dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square)
-    total = torch.stack(squares).sum()
+    return summed_norm(torch.stack(squares).sum(), groups)
+
+
+def summed_norm(square: Tensor, groups: list[dist.ProcessGroup] | None = None) -> Tensor:
+    """The L2 norm whose sum of squares is `square` here plus theirs on the other ranks of `groups`."""
     for group in groups or []:
-        dist.all_reduce(total, group=group)
-    return total.sqrt()
+        dist.all_reduce(square, group=group)
+    return square.sqrt()
 
 
 def _sum_of_squares(tensors: list[Tensor]) -> Tensor:

@@ -50,9 +50,14 @@ class Parallelized:
         """Whether this rank steps `weight` (one of `weights`'), and so holds it and its EMA up to date."""
         return self.zero is None or self.zero.steps(weight)
 
-    def after_step(self) -> None:
-        if self.zero is not None:
-            self.zero.gather_weights()
+    def step_masters(self, optimizer: torch.optim.Optimizer, max_norm: float) -> Tensor | None:
+        """Step the fp32 masters (this rank's share under ZeRO-1, then gathered) and the bf16 model from them; the
+        gradients' norm when clipping to `max_norm`."""
+        if self.zero is None:
+            return self.master.step(optimizer, max_norm, self.norm_groups)
+        norm = self.zero.step(self.master, optimizer, max_norm, self.norm_groups)
+        self.zero.gather_weights()
+        return norm
 
     def bring_up_to_date(self, copies: list[tuple[nn.Parameter, Tensor]]) -> None:
         """Before a checkpoint or an evaluation reads them: each (weight, fp32 copy of it) pair's copy as the rank

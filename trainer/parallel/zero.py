@@ -3,9 +3,11 @@ rank steps the masters and the optimizer state of its share of the weights (whol
 
 After the backward each rank sends every other rank the gradients of the weights that rank steps, in one all-to-all
 (in bf16 when a step is one micro-batch: half the bytes of the fp32 all-reduce), and averages what it receives in
-fp32 (at two ranks the fp32 all-reduce's very sum). After its step it all-gathers the bf16 weights, which live in
-one flat buffer laid out by owner, so that the gather writes them in place. The masters of the weights another rank
-steps go stale here, as do their EMA: `gather` brings such fp32 copies up to date before anything reads them.
+fp32 (at two ranks the fp32 all-reduce's very sum): where the optimizer is the master AdamW kernel (ops/cuda.py), the
+kernel takes that mean as it reads the received bf16 parts, which saves a pass that writes it. After its step it
+all-gathers the bf16 weights, which live in one flat buffer laid out by owner, so that the gather writes them in
+place. The masters of the weights another rank steps go stale here, as do their EMA: `gather` brings such fp32
+copies up to date before anything reads them.
 """
 
 import torch
@@ -13,7 +15,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..config import ConfigError
-from ..precision import MasterWeights
+from ..ops.cuda import parts_sum_of_squares
+from ..precision import MasterWeights, clip_coefficient, summed_norm
 
 ALIGN = 32  # elements: each weight starts 64-byte aligned in the buffers (Inductor copies misaligned inputs)
 # torch 2.14 renamed it and warns at each call of the old name, the only one torch 2.11 has
@@ -41,6 +44,8 @@ class Zero1:
         self.grads = torch.empty(self.length, dtype=torch.float32, device=device)
         self.sent_views = _views(self.sent, starts, shapes)
         self.grad_views = _views(self.grads, [offsets[i] for i in self.owned], [shapes[i] for i in self.owned])
+        # each weight's gradient from the first rank; the others' follow every `length` elements
+        self.first_parts = _views(self.received, [offsets[i] for i in self.owned], [shapes[i] for i in self.owned])
         with torch.no_grad():  # the model's weights become views of the buffer the all-gather writes
             for view, (p, _) in zip(_views(self.weights, starts, shapes), self.pairs, strict=True):
                 view.copy_(p)
@@ -52,8 +57,8 @@ class Zero1:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        """After the last micro-batch's backward: the mean over ranks of the gradients of the weights this rank steps
-        becomes their masters' fp32 gradients; the bf16 gradients and the earlier micro-batches' sums are freed."""
+        """After the last micro-batch's backward: every rank's gradients of the weights this rank steps to this rank;
+        the bf16 gradients and the earlier micro-batches' sums are freed."""
         fresh = [(v, p.grad) for v, (p, _) in zip(self.sent_views, self.pairs, strict=True) if p.grad is not None]
         earlier = [(v, m.grad) for v, (_, m) in zip(self.sent_views, self.pairs, strict=True) if m.grad is not None]
         if len(fresh) < len(self.pairs):
@@ -65,6 +70,27 @@ class Zero1:
         for p, m in self.pairs:
             p.grad = m.grad = None
         dist.all_to_all_single(self.received, self.sent, group=self.group)
+
+    @torch.no_grad()
+    def step(self, master: MasterWeights, optimizer: torch.optim.Optimizer, max_norm: float = 0.0,
+             norm_groups: list[dist.ProcessGroup] | None = None) -> Tensor | None:
+        """Step this rank's share from the mean of what `reduce` received, clipped to `max_norm` (when set) by the norm
+        over every rank's share; returns that norm when clipping. The master AdamW kernel takes the mean of the bf16
+        parts as it reads them; otherwise it is written in fp32 first."""
+        triples = [(first, *self.pairs[i]) for i, first in zip(self.owned, self.first_parts, strict=True)]
+        applies = getattr(optimizer, "applies", None)
+        if self.received.dtype != torch.bfloat16 or applies is None or not applies(triples):
+            self.average()
+            return master.step(optimizer, max_norm, norm_groups)
+        # the gaps between the weights are zeros in every part, so the whole share's sum is the weights'
+        norm = summed_norm(parts_sum_of_squares(self.received, self.size), norm_groups) if max_norm else None
+        optimizer.step_master_weights(triples, None if norm is None else clip_coefficient(norm, max_norm),
+                                      self.received, self.size)
+        return norm
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """The mean over ranks of what `reduce` received, in fp32, as the gradients of the masters this rank steps."""
         torch.mean(self.received.view(self.size, self.length), dim=0, dtype=torch.float32, out=self.grads)
         for i, view in zip(self.owned, self.grad_views, strict=True):
             self.pairs[i][1].grad = view
