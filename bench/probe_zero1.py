@@ -1,10 +1,13 @@
 """What ZeRO-1 saves within a node: an fp32 all-reduce of ViT-B's 86.6 M gradients against a reduce-scatter of them
 (or the bf16 all-to-all `parallel.grad_reduce=zero1` sends) plus a bf16 all-gather of the weights, and torch's fused
-AdamW over all the weights against over half. NCCL settings go in the environment (NCCL_MIN_P2P_NCHANNELS=32 ...).
+AdamW over all the weights against over half. Then a rank's step of its share from the bf16 gradients it received,
+with and without the clipping norm: their fp32 mean written, then the master AdamW kernel, against the kernel taking
+the mean as it reads them (vitctl's CUDA ops needed). NCCL settings go in the environment (NCCL_MIN_NCHANNELS=32 ...).
 
     torchrun --nproc-per-node 2 bench/probe_zero1.py
 
-Rank 0 prints each median of 20 (CUDA events, after 5 warm-up runs).
+Rank 0 prints each median of 20 (CUDA events, after 5 warm-up runs), of the GPU's time: each run is queued while
+the GPU sleeps, so the host's time to queue it is not counted.
 """
 
 import statistics
@@ -12,6 +15,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from vitctl.trainer.ops.cuda import MasterAdamW, parts_sum_of_squares
+from vitctl.trainer.precision import clip_coefficient, total_norm
 
 N = 86_600_000
 # ViT-B/16's parameter shapes (12 blocks, then the embeddings and the head)
@@ -27,6 +33,7 @@ def median_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 5) -> f
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)  # ~10 ms: the host queues `fn` meanwhile, so the events time the GPU's work alone
         start.record()
         fn()
         end.record()
@@ -41,6 +48,37 @@ def adamw_ms(fraction: int) -> float:
     for p in params:
         p.grad = torch.randn_like(p)
     return median_ms(torch.optim.AdamW(params, lr=1e-4, fused=True).step)
+
+
+def master_step_ms(world: int) -> dict[str, float]:
+    """A rank's step of half of each ViT-B tensor from the bf16 parts `world` ranks sent it, two ways."""
+    sizes = [-(-(torch.Size(s).numel() // world or 1) // 32) * 32 for s in SHAPES]
+    starts, length = [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
+    masters = [torch.nn.Parameter(torch.randn(size, device="cuda")) for size in sizes]
+    weights = [m.detach().bfloat16() for m in masters]
+    optimizer = MasterAdamW([{"params": masters, "weight_decay": 0.05}], lr=1e-4)
+    for m in masters:  # torch's first step makes the state the kernel steps
+        m.grad = torch.zeros_like(m)
+    optimizer.step()
+    received = torch.randn(world * length, device="cuda").bfloat16()
+    mean = torch.empty(length, device="cuda")
+    firsts = [received[a:a + size] for a, size in zip(starts, sizes, strict=True)]
+    means = [mean[a:a + size] for a, size in zip(starts, sizes, strict=True)]
+
+    def written(norm: Callable[[], torch.Tensor] | None) -> None:
+        torch.mean(received.view(world, length), dim=0, dtype=torch.float32, out=mean)
+        factor = clip_coefficient(norm(), 5.0) if norm else None
+        optimizer.step_master_weights(list(zip(means, weights, masters, strict=True)), factor)
+
+    def in_kernel(norm: Callable[[], torch.Tensor] | None) -> None:
+        factor = clip_coefficient(norm(), 5.0) if norm else None
+        optimizer.step_master_weights(list(zip(firsts, weights, masters, strict=True)), factor, received, world)
+
+    norms = {"": None, ", clipped (torch._foreach_norm)": lambda: total_norm(means),
+             ", clipped (vector_norm of the mean)": lambda: torch.linalg.vector_norm(mean),
+             ", clipped (norm of the parts)": lambda: parts_sum_of_squares(received, world).sqrt()}
+    return {f"share: mean {way}{label}": median_ms(lambda f=f, n=n: f(n)) for label, n in norms.items()
+            for way, f in (("written, step", written), ("in the step", in_kernel))}
 
 
 def main() -> None:
@@ -59,11 +97,12 @@ def main() -> None:
         "bf16 all-to-all (ZeRO-1's)": median_ms(lambda: dist.all_to_all_single(received, sent)),
         "fused AdamW, all weights": adamw_ms(1),
         "fused AdamW, half of each": adamw_ms(2),
+        **master_step_ms(world),
     }
     if rank == 0:
         print(f"{world} x {torch.cuda.get_device_name()}, {n / 1e6:.1f} M elements")
         for name, ms in results.items():
-            print(f"{name:30s} {ms:7.3f} ms")
+            print(f"{name:60s} {ms:7.3f} ms")
     dist.destroy_process_group()
 
 
