@@ -25,5 +25,14 @@ for accumulate in (False, False, True):  # torch's step makes the state, then th
     if accumulate:
         master.accumulate()
     master.step(optimizer, max_norm=1.0)
+# ZeRO-1's received buffer, two parts: of odd length (read element by element) and of a multiple of 8 (vector loads)
+sizes = [m.numel() for m in master.module.parameters()]
+for length in (sum(sizes) + 3, sum(sizes) + 8):
+    received = torch.randn(2 * length, device="cuda").bfloat16()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    grads = [received[a:a + m.numel()].view_as(m) for a, m in zip(starts, master.module.parameters(), strict=True)]
+    clip = (1.0 / cuda.parts_sum_of_squares(received, 2).sqrt()).clamp(max=1.0)
+    assert optimizer.step_master_weights(list(zip(grads, mlp.parameters(), master.module.parameters(), strict=True)),
+                                         clip, received, 2)
 torch.cuda.synchronize()
 print("all ops ran")
