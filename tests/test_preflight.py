@@ -1,6 +1,8 @@
 """Everything checkable is checked before launch (the CLI, before anything is submitted) and again in each rank."""
 
+import json
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -185,6 +187,27 @@ def test_the_run_folder_to_resume_is_quoted_when_its_path_holds_a_space(tmp_path
     assert result.exit_code == 1, result.stderr
     fix = shlex.split(result.stderr.split("pass its folder: ", 1)[1].split(";", 1)[0])
     assert fix == ["--out", str(tmp_path / "other run"), "--resume"]
+
+
+def test_a_metrics_log_no_vitctl_run_wrote_is_refused_not_rewritten(tmp_path):
+    """Before: a fresh run into a folder holding another tool's metrics.jsonl cut it to its step-0 records."""
+    args = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=32",
+            "--batch", 4, "--executor", "local", "--gpus", 0, "--steps", 1]
+    run = tmp_path / "run"
+    run.mkdir()
+    theirs = '{"epoch": 1, "step": 10, "acc": 0.5}\n'
+    (run / "metrics.jsonl").write_text(theirs)
+    result = vitctl(*args, "--out", run)
+    assert result.exit_code == 1, result.stderr
+    assert f"run folder {run} (--out) holds a metrics.jsonl that no vitctl run wrote there" in result.stderr
+    assert f"move {run / 'metrics.jsonl'} away, or choose another --out" in result.stderr
+    assert (run / "metrics.jsonl").read_text() == theirs and not (run / "checkpoints").exists()
+    (run / "metrics.jsonl").rename(tmp_path / "theirs.jsonl")  # the fix
+    ok(*args, "--out", run)
+    shutil.rmtree(run / "checkpoints")  # an attempt that saved no checkpoint: its own log is redone, as before
+    ok(*args, "--out", run)
+    assert [r["event"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "event" in r] \
+        == ["start", "start"]
 
 
 @pytest.mark.parametrize(("steps", "accum", "epochs"), [(10**23, 1, 8333333333333333333334), (10, 3, 3), (97, 1, 9)])

@@ -218,11 +218,24 @@ def _out_dir_error(out_dir: str) -> str | None:
                "choose another --out"
     if in_the_way := _of_another_kind(folders=[checkpoint_dir(run)], files=[run / METRICS_FILE, run / LOCK]):
         return f"run folder {out_dir}: {in_the_way}: move it away, or choose another --out"
+    if _foreign_metrics(run):
+        return f"run folder {out_dir} (--out) holds a {METRICS_FILE} that no vitctl run wrote there (no {LOCK} or " \
+               f"checkpoint beside it), which a run would rewrite: move {run / METRICS_FILE} away, or choose " \
+               "another --out"
     parts = [run, checkpoint_dir(run), run / METRICS_FILE, run / LOCK]
     if locked := [p for p in parts if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))]:
         return f"run folder {out_dir} (--out): this user cannot write {', '.join(map(str, locked))} (its " \
                "permissions, or read-only or immutable); give this user write access there, or choose another --out"
     return None
+
+
+def _foreign_metrics(run: Path) -> bool:
+    """A non-empty metrics log in a folder no vitctl job ran in (rank 0 leaves its lock file, a run of a vitctl
+    before the lock its checkpoints): another tool's, or a copy, which the run's fresh start would cut to step 0."""
+    metrics, checkpoints = run / METRICS_FILE, checkpoint_dir(run)
+    if not metrics.is_file() or not metrics.stat().st_size or (run / LOCK).exists():
+        return False
+    return not (checkpoints.is_dir() and any(is_checkpoint(p) for p in checkpoints.iterdir()))
 
 
 def _of_another_kind(folders: list[Path], files: list[Path]) -> str:
