@@ -578,6 +578,19 @@ def test_cli_refuses_a_memory_budget_that_is_not_a_finite_number(tmp_path, budge
     assert not out.exists()
 
 
+def test_cli_refuses_a_budget_in_mib_and_names_it_in_gib(tmp_path):
+    """Before: 81559 (an 80 GB GPU in nvidia-smi's MiB) was planned as 81559 GiB, and the plan ran out of memory."""
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    result = vitctl(*_plan_args(profile_path, out, 81559))
+    assert result.exit_code == 2 and "Traceback" not in result.output + result.stderr
+    assert "'--memory-gib': 81559 GiB is more than any GPU holds (this takes 1024 at most); if that figure is MiB, " \
+           "as nvidia-smi shows it, pass --memory-gib 79" in result.output + result.stderr
+    assert not out.exists()
+    ok(*_plan_args(profile_path, out, 79))
+    assert out.exists()
+
+
 @pytest.mark.parametrize("out", ["notes.txt/plan.json", "notes.txt/plans/plan.json"])
 def test_cli_refuses_an_out_under_a_regular_file_before_searching(tmp_path, out):
     profile_path, blocker = tmp_path / "profile.json", tmp_path / "notes.txt"
