@@ -302,6 +302,18 @@ def _ended_local_job(run: Path) -> registry.JobRecord:
     return record
 
 
+def test_a_job_killed_before_it_left_a_result_shows_how_long_it_ran_until_its_last_log_line(tmp_path):
+    """Before: a local job killed by SIGKILL (or the OOM killer) had an empty elapsed time in `vitctl status`."""
+    record = _ended_local_job(tmp_path / "run")
+    log = Path(record.folder) / "1_0_log.err"
+    log.write_text("2026-11-30 10:00:35,661 [rank 0] vitctl.metrics: step=300\n")
+    os.utime(log, (record.submitted + 95, record.submitted + 95))
+    state = status.local_state(record)
+    assert (state.state, state.elapsed_s) == ("FAILED", pytest.approx(95))
+    row = next(line for line in ok("status", tmp_path / "run").output.splitlines() if line.startswith("1\t"))
+    assert row.split("\t")[2:5] == ["FAILED", "1x2 CPU", "00:01:35"]
+
+
 def test_logs_of_a_job_whose_run_folder_is_gone_say_so_and_follow_does_not_wait(tmp_path):
     """Before: 'no log yet ... once the job starts; --follow waits for it', and --follow waited forever."""
     run = tmp_path / "gone"

@@ -195,14 +195,24 @@ def local_state(record: JobRecord) -> JobState:
     if away:  # its PID names nothing here, or another process
         return JobState("UNKNOWN", None, f"a local job that runs {away}, whose processes this machine cannot see; "
                                          f"`vitctl status {record.job_id}` there shows it")
+    elapsed = _until_last_written(record)
     if record.cancelled:
-        return JobState("CANCELLED", None, killed_note(record) if record.killed else "")
+        return JobState("CANCELLED", elapsed, killed_note(record) if record.killed else "")
     if not Path(record.folder).is_dir():
         return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
     if (path := _result_path(record, 0)).exists():
-        return JobState("UNKNOWN", None, f"it ended, and rank 0's result {path} cannot be read (damaged); "
-                                         f"`vitctl logs {record.job_id}` shows how it ended")
-    return JobState("FAILED", None)
+        return JobState("UNKNOWN", elapsed, f"it ended, and rank 0's result {path} cannot be read (damaged); "
+                                            f"`vitctl logs {record.job_id}` shows how it ended")
+    return JobState("FAILED", elapsed)
+
+
+def _until_last_written(record: JobRecord) -> float | None:
+    """A local job that left no result (killed, as by SIGKILL or the OOM killer) ran until it last wrote its logs."""
+    try:
+        last = max((p.stat().st_mtime for p in Path(record.folder).glob(f"{record.job_id}_*")), default=None)
+    except OSError:  # a folder this user cannot read
+        return None
+    return None if last is None else max(0.0, last - record.submitted)
 
 
 def elsewhere(record: JobRecord) -> str | None:
