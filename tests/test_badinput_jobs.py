@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -621,6 +622,13 @@ def test_a_job_killed_before_its_first_checkpoint_is_not_said_to_resume_from_one
     (saved / "meta.json").write_text("{}")
     (saved / ".metadata").write_text("")
     assert status.killed_note(record).endswith("--resume goes on from that checkpoint (step-00000004)")
+    registry.add_record(record)  # a later job went on in the run folder and saved step 8: the kill lost what it lost
+    registry.add_record(replace(record, job_id="2", submitted=record.submitted + 60))
+    later = run / "checkpoints/step-00000008"
+    shutil.copytree(saved, later)
+    os.utime(later, (record.submitted + 120, record.submitted + 120))
+    assert status.killed_note(record) == ("killed by a second `vitctl cancel`: the steps since its last checkpoint "
+                                          "(step-00000004) were lost")
 
 
 def test_status_names_requeued_attempts_that_ended_before_their_checkpoint(tmp_path):

@@ -554,10 +554,17 @@ def killed_note(record: JobRecord) -> str:
 
 
 def what_a_kill_lost(record: JobRecord) -> str:
-    """What ending a job at once cost, and where --resume goes on from (its run's checkpoints as they are now)."""
-    if found := list_checkpoints(Path(record.run_dir)):
+    """What ending a job at once cost, from the checkpoints its run held then, and where --resume goes on from (where
+    no later job has gone on in its run folder)."""
+    later = _next_submission(load_records()).get((str(Path(record.run_dir).resolve()), record.submitted))
+    found = [c for c in list_checkpoints(Path(record.run_dir)) if later is None or c.stat().st_mtime < later]
+    if found and later is not None:
+        return f"the steps since its last checkpoint ({found[-1].name}) were lost"
+    if found:
         return (f"the steps since its last checkpoint are lost, and --resume goes on from that checkpoint "
                 f"({found[-1].name})")
+    if later is not None:
+        return "its run had saved no checkpoint, so nothing of it was kept"
     return "its run had saved no checkpoint, so nothing of it was kept: run the same command again to start afresh"
 
 
