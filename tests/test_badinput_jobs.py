@@ -315,6 +315,24 @@ def test_a_job_killed_before_it_left_a_result_shows_how_long_it_ran_until_its_la
     assert row.split("\t")[2:5] == ["FAILED", "1x2 CPU", "00:01:35"]
 
 
+def test_an_ended_slurm_job_is_told_by_its_result_while_slurm_cannot_say(tmp_path):
+    """Before: every ended job UNKNOWN while slurmdbd was down (sacct alone tells of ended jobs), though rank 0's
+    result said how it ended."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    record = registry.JobRecord("7", "slurm", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0, time.time())
+    down = status.JobState("UNKNOWN", None, "Slurm's accounting (slurmdbd) ... does not answer", unreachable=True)
+    assert status.state_of(record, {"7": down}) == down  # no result yet: it may still run
+    result = run / "submitit/7_0_result.pkl"
+    result.write_bytes(pickle.dumps(("success", {"step": 8})))
+    assert status.state_of(record, {"7": down}) == status.JobState("COMPLETED", None,
+                                                                   f"as rank 0's result says; {down.note}")
+    result.write_bytes(pickle.dumps(("error", "Traceback (most recent call last):\n  ...\nValueError: bad")))
+    failed = status.state_of(record, {"7": down})
+    assert failed.state == "FAILED" and failed.note == (f"as rank 0's result says; {down.note}; rank 0 raised "
+                                                        f"ValueError: bad (traceback in {run}/submitit/7_0_log.err)")
+
+
 def test_logs_of_a_job_whose_run_folder_is_gone_say_so_and_follow_does_not_wait(tmp_path):
     """Before: 'no log yet ... once the job starts; --follow waits for it', and --follow waited forever."""
     run = tmp_path / "gone"

@@ -6,6 +6,7 @@ and leave it as they found it."""
 
 import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -212,6 +213,10 @@ def test_status_and_cancel_say_slurm_is_unreachable_not_that_the_job_is_unknown(
                                   "answer: sacct: error: Problem talking to the database: Connection refused; check "
                                   "that slurmdbd runs (`scontrol show config | grep AccountingStorageHost` names its "
                                   "host), then try again"), listed["note"]
+        (tmp_path / "old/submitit/999999_0_result.pkl").write_bytes(pickle.dumps(("success", {"step": 8})))
+        ended = json.loads(ok("status", "999999", "--json").output)[0]  # its rank 0 saved how it ended
+        assert (ended["state"], ended["note"]) == ("COMPLETED", f"as rank 0's result says; {listed['note']}")
+        (tmp_path / "old/submitit/999999_0_result.pkl").unlink()
     listed = json.loads(ok("status", "999999", "--json").output)[0]  # the fix: once Slurm answers, it says
     assert (listed["state"], listed["note"].split(";")[0]) == ("UNKNOWN", "neither squeue nor sacct knows it")
 

@@ -249,12 +249,23 @@ def state_of(record: JobRecord, slurm: dict[str, JobState] | None = None) -> Job
     else:
         slurm = slurm_states([record.job_id]) if slurm is None else slurm
         state = slurm.get(record.job_id, JobState("UNKNOWN", None, "neither squeue nor sacct knows it"))
-        state = _slurm_cancel_state(record, state)
+        state = _slurm_cancel_state(record, _ended_by_result(record, state) if state.unreachable else state)
     if state.state in FAILED:
         out_of_time = _out_of_time(record)  # a job that ended on its time limit is no failure of a rank
         state = JobState("TIMEOUT" if out_of_time else state.state, state.elapsed_s,
                          "; ".join(filter(None, [state.note, out_of_time or failure(record)])))
     return state
+
+
+def _ended_by_result(record: JobRecord, state: JobState) -> JobState:
+    """A job Slurm cannot tell of now (`state`: a daemon does not answer) whose rank 0 saved its result has ended, as
+    that result says (how long it ran is Slurm's to say)."""
+    result = _result(_result_path(record, 0))
+    if result is None:
+        return state
+    # a job whose ranks stopped on a signal saved a success too, as Slurm records it COMPLETED
+    return JobState("COMPLETED" if result[0][0] == "success" else "FAILED", None,
+                    f"as rank 0's result says; {state.note}")
 
 
 def _slurm_cancel_state(record: JobRecord, state: JobState) -> JobState:
