@@ -25,7 +25,7 @@ from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.metrics import MetricsWriter
 from vitctl.workflows import registry, status, submit
 from vitctl.workflows.errors import Interrupted
-from vitctl.workflows.process import children
+from vitctl.workflows.process import children, start_time
 
 VITCTL = str(Path(sys.executable).parent / "vitctl")
 RANK_ARGS = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "data.train_samples=64", "--set",
@@ -292,6 +292,27 @@ def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_
     log = f"{record.folder}/{record.job_id}_1_log.err"
     assert errors == [f"error: job {record.job_id} failed: rank 1 ended without reporting an error (killed, or out of "
                       f"memory?), and rank 0 then lost its connection to it; see {log}"]
+
+
+def test_ranks_whose_controller_is_killed_checkpoint_and_stop(tmp_path):
+    """Before: kill -9 of a local job's controller (its PID is the job id) left its ranks training, orphaned: status
+    said FAILED, cancel 'already ended', and --resume was refused, the ranks holding the run folder."""
+    out = tmp_path / "run"
+    job = _start(out, 4000)
+    _wait_for_step(out, 2)
+    record = registry.find_record(str(out))
+    ranks = [_rank_pid(out, rank) for rank in (0, 1)]
+    os.kill(int(record.job_id), signal.SIGKILL)
+    job.communicate(timeout=120)
+    deadline = time.monotonic() + 60
+    while any(start_time(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(start_time(pid) for pid in ranks), "the ranks train on"
+    state = status.state_of(registry.find_record(str(out)))
+    assert state.state == "INTERRUPTED" and state.note.startswith("checkpointed at step "), state
+    step = int(state.note.split()[3])
+    assert ckpt.list_checkpoints(out)[-1].name == f"step-{step:08d}"
+    ok("train", *QUICK, "--tasks-per-node", 2, "--steps", step + 1, "--out", out, "--resume")
 
 
 def _ended_local_job(run: Path) -> registry.JobRecord:

@@ -36,7 +36,7 @@ from vitctl.trainer.config import ConfigError
 from . import registry, status
 from .errors import Interrupted, LaunchError, TimeLimitReached
 from .job import TrainJob
-from .process import children, pid_space, skip_final_collection, start_time, this_process
+from .process import children, pid_space, signal_when_parent_ends, skip_final_collection, start_time, this_process
 from .registry import JobRecord
 from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
@@ -210,6 +210,10 @@ class TrainTask(submitit.helpers.Checkpointable):
         stop = StopSignals(signal.SIGUSR2, signal.SIGTERM)
         if status.cancel_marker(environment.paths.folder, environment.job_id).exists():
             stop.received = signal.SIGTERM  # cancelled while this rank started, before it could take the signal
+        # A local job's controller (its PID is the job id) that ends, even by SIGKILL, stops its ranks as a cancel
+        # does; else they trained on unseen, holding the run folder, and no cancel could reach them.
+        if environment.name() == "local" and not signal_when_parent_ends(signal.SIGTERM, int(environment.job_id)):
+            stop.received = signal.SIGTERM
         result = train_rank(self.job, stop)
         if result.get("stopped") and stop.received == signal.SIGUSR2:
             try:
