@@ -114,6 +114,19 @@ def test_whole_numbers_with_an_exponent_are_ints():
     assert (config.train.max_steps, config.data.train_samples, config.train.checkpoint_every) == (1000, 1200000, 500)
 
 
+def test_whole_numbers_with_leading_zeros_are_decimal_in_sets_and_files(tmp_path):
+    """Before: YAML 1.1 read 010 as 8 (octal) and 1:30 as 90 (base 60) without a word, and refused 08 as 'a number in
+    quotes'."""
+    config = load_config("demo_vit", ["data.batch_size=010", "train.seed=0042", "data.workers=08", "train.epochs=1_0"])
+    assert (config.data.batch_size, config.train.seed, config.data.workers, config.train.epochs) == (10, 42, 8, 10)
+    written = tmp_path / "mine.yaml"
+    written.write_text("data:\n  batch_size: 016\ntrain:\n  seed: 0x10\n")
+    config = load_config(str(written))
+    assert (config.data.batch_size, config.train.seed) == (16, 16)
+    with pytest.raises(ConfigError, match="data.workers: expected int, got '1:30'"):
+        load_config("demo_vit", ["data.workers=1:30"])
+
+
 def test_a_text_key_keeps_its_value_as_written_and_null_and_quotes_still_read_as_yaml():
     """Before: YAML made 2024-01-01 a date, 001 the int 1, yes True (each refused as no text), and cut `#1` off."""
     written = ["train.out_dir=2024-01-01", "data.path=runs/x #1", "finetune.from_ckpt=001", "parallel.plan=yes"]

@@ -304,6 +304,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.1 reads 010 as 8 (octal) and 1:30 as 90 (base 60), which no one writing a batch size or a seed means: whole
+# numbers are read as YAML 1.2 reads them, decimal (0x for hex); 1:30 stays text, which a number key refuses.
+_INT = "tag:yaml.org,2002:int"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != _INT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+)$"),
+                                       list("-+0123456789"))
+_UniqueKeyLoader.add_constructor(_INT, lambda loader, node: int(loader.construct_scalar(node).replace("_", ""),
+                                                                  16 if "x" in node.value else 10))
+
+
 def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
