@@ -127,6 +127,12 @@ def test_whole_numbers_with_leading_zeros_are_decimal_in_sets_and_files(tmp_path
         load_config("demo_vit", ["data.workers=1:30"])
 
 
+def test_spaces_around_a_text_value_are_dropped_as_around_a_number_and_quotes_keep_them():
+    """Before: `--set "optim.lr = 0.1"` worked, but `train.precision = bf16` was refused as ' bf16'."""
+    config = load_config("demo_vit", ["train.precision = bf16", "model.name= vit_micro", "train.out_dir=' a b '"])
+    assert (config.train.precision, config.model.name, config.train.out_dir) == ("bf16", "vit_micro", " a b ")
+
+
 def test_a_text_key_keeps_its_value_as_written_and_null_and_quotes_still_read_as_yaml():
     """Before: YAML made 2024-01-01 a date, 001 the int 1, yes True (each refused as no text), and cut `#1` off."""
     written = ["train.out_dir=2024-01-01", "data.path=runs/x #1", "finetune.from_ckpt=001", "parallel.plan=yes"]

@@ -328,7 +328,7 @@ def as_set_value(value: Any) -> str:
 def parse_override(text: str) -> dict[str, Any]:
     """`optim.lr=1e-3` -> {"optim": {"lr": 0.001}}; the value is read as YAML, but kept as written for a text key."""
     key, sep, raw = text.partition("=")
-    parts = [part.strip() for part in key.split(".")]
+    parts, raw = [part.strip() for part in key.split(".")], raw.strip()  # quotes keep a value's own spaces
     if not sep or not all(parts):
         raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. optim.lr=1e-3)")
     try:
