@@ -3,6 +3,7 @@ one `error: ...` line naming what, where and how to fix it (exit 1), and the fix
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -242,11 +243,12 @@ def test_an_empty_config_file_is_refused(tmp_path, content):
 def test_a_toml_config_file_is_refused_as_toml_and_other_suffixes_are_read_as_files(tmp_path, monkeypatch):
     """Before: `no preset 'my.toml'; presets: ... (or pass a .yaml path)` for a file that is there."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my.toml").write_text('[model]\nname = "vit_micro"\n')
-    _refused(vitctl("config", "show", "my.toml"), "config file my.toml is TOML, and vitctl reads YAML: write its "
-                                                  "tables as YAML sections (`[optim]` and `lr = 1e-3` become `optim:` "
-                                                  "and an indented `lr: 1e-3`), as `vitctl config show demo_vit` "
-                                                  "prints, in a .yaml file")
+    for name in ("my.toml", "MY.TOML"):
+        (tmp_path / name).write_text('[model]\nname = "vit_micro"\n')
+        _refused(vitctl("config", "show", name), f"config file {name} is TOML, and vitctl reads YAML: write its "
+                                                 "tables as YAML sections (`[optim]` and `lr = 1e-3` become `optim:` "
+                                                 "and an indented `lr: 1e-3`), as `vitctl config show demo_vit` "
+                                                 "prints, in a .yaml file")
     for name in ("my.yaml", "my.cfg"):
         (tmp_path / name).write_text("model:\n  name: vit_micro\n")
         assert yaml.safe_load(ok("config", "show", name).stdout)["model"]["name"] == "vit_micro"
@@ -259,6 +261,13 @@ def test_a_config_file_named_with_a_dot_slash_is_read_and_a_folder_is_refused(tm
     result = vitctl("config", "show", "myconf")  # read as a preset's name, which it is not: the fix is named
     assert result.exit_code == 1 and "; myconf here is a file: pass ./myconf to read it as YAML" in result.stderr
     assert yaml.safe_load(ok("config", "show", "./myconf").stdout)["model"]["name"] == "vit_micro"
+    (tmp_path / "my conf").write_text(ok("config", "show", "demo_vit").stdout)  # the fix quoted for the shell
+    result = vitctl("config", "show", "my conf")
+    fix = shlex.split(result.stderr.split("here is a file: pass ", 1)[1].split(" to read it", 1)[0])
+    assert result.exit_code == 1 and fix == ["./my conf"], result.stderr
+    assert yaml.safe_load(ok("config", "show", *fix).stdout)["model"]["name"] == "vit_micro"
+    monkeypatch.setenv("HOME", str(tmp_path))  # --config=~/x: no shell expands a ~ after "="
+    assert yaml.safe_load(ok("config", "show", "~/myconf").stdout)["model"]["name"] == "vit_micro"
     (tmp_path / "folder").mkdir()
     _refused(vitctl("config", "show", "./folder"), "config file folder is a folder; pass a YAML file in it, or a "
                                                    "preset name")

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shlex
 import types
 import typing
 import unicodedata
@@ -361,13 +362,13 @@ def preset_path(name: str) -> Path:
     """A YAML file when `name` looks like one (a suffix, e.g. .yaml, or a slash in it), else a shipped preset."""
     if not name.strip():  # an unset shell variable: training the defaults (vit_b16) instead would go unseen
         raise ConfigError("--config is empty; pass a preset name or a YAML file")
-    path = Path(name)
+    path = Path(name).expanduser()  # --config=~/x.yaml: the shell expands no ~ after "="
     if path.suffix or "/" in name:  # presets are named without a suffix; Path drops the "./" of ./my_config
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist; check the path, or pass a preset name")
         if path.is_dir():
             raise ConfigError(f"config file {path} is a folder; pass a YAML file in it, or a preset name")
-        if path.suffix == ".toml":
+        if path.suffix.lower() == ".toml":
             raise ConfigError(f"config file {path} is TOML, and vitctl reads YAML: write its tables as YAML sections "
                               f"(`[optim]` and `lr = 1e-3` become `optim:` and an indented `lr: 1e-3`), as `vitctl "
                               f"config show demo_vit` prints, in a .yaml file")
@@ -375,7 +376,8 @@ def preset_path(name: str) -> Path:
     path = PRESETS / f"{name}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in PRESETS.glob("*.yaml"))
-        here = f"; {name} here is a file: pass ./{name} to read it as YAML" if Path(name).is_file() else ""
+        here = f"; {name} here is a file: pass {shlex.quote('./' + name)} to read it as YAML" if Path(name).is_file() \
+            else ""
         raise ConfigError(f"no preset {name!r}; presets: {', '.join(known)} (or pass a .yaml path){here}")
     return path
 
