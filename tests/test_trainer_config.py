@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -131,6 +132,18 @@ def test_spaces_around_a_text_value_are_dropped_as_around_a_number_and_quotes_ke
     """Before: `--set "optim.lr = 0.1"` worked, but `train.precision = bf16` was refused as ' bf16'."""
     config = load_config("demo_vit", ["train.precision = bf16", "model.name= vit_micro", "train.out_dir=' a b '"])
     assert (config.train.precision, config.model.name, config.train.out_dir) == ("bf16", "vit_micro", " a b ")
+
+
+def test_a_mean_and_std_in_pixel_values_are_refused_with_them_as_fractions(tmp_path):
+    """Before: mmcv's (and official Swin's) [123.675, 116.28, 103.53] trained without a word, normalising every image
+    to about -500."""
+    args = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--executor", "local", "--gpus", 0,
+            "--dry-run", "--out", tmp_path / "run"]
+    result = vitctl(*args, "--set", "data.mean=[123.675, 116.28, 103.53]", "--set", "data.std=[58.395, 57.12, 57.375]")
+    assert result.exit_code == 1, result.stderr
+    fixes = re.findall(r"--set '([^']+)'", result.stderr)
+    assert fixes == ["data.mean=[0.485, 0.456, 0.406]", "data.std=[0.229, 0.224, 0.225]"], result.stderr
+    assert vitctl(*args, "--set", fixes[0], "--set", fixes[1]).exit_code == 0
 
 
 def test_a_text_key_keeps_its_value_as_written_and_null_and_quotes_still_read_as_yaml():

@@ -556,6 +556,10 @@ def _recipe_problems(c: RunConfig) -> list[str]:
         (c.data.std is None or min(c.data.std) > 0, "data.std must be positive"),
     ]
     problems = [message for ok, message in checks if not ok]
+    for key, values in (("mean", c.data.mean), ("std", c.data.std)):
+        if values is not None and max(values) > 1:  # mmcv's and official Swin's are in pixels: [123.675, ...]
+            problems.append(f"data.{key} {list(values)} is in pixel values; vitctl takes fractions of 255: "
+                            f"--set 'data.{key}=[{', '.join(f'{v / 255:.4g}' for v in values)}]'")
     problems += _one_of("augment.interpolation", a.interpolation, INTERPOLATIONS)
     problems += _one_of("augment.remode", a.remode, ERASE_MODES)
     problems += _one_of("eval.crop_mode", e.crop_mode, CROP_MODES)
