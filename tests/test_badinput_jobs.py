@@ -24,7 +24,7 @@ from conftest import ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.metrics import MetricsWriter
 from vitctl.workflows import registry, status, submit
-from vitctl.workflows.errors import Interrupted
+from vitctl.workflows.errors import Interrupted, LaunchError
 from vitctl.workflows.process import children, start_time
 
 VITCTL = str(Path(sys.executable).parent / "vitctl")
@@ -179,10 +179,11 @@ def test_a_terminal_that_hangs_up_leaves_a_checkpoint_and_vitctl_ends_as_interru
 
 
 def test_a_job_stopped_before_its_ranks_started_says_so_and_what_to_do(tmp_path, monkeypatch):
-    """Before: `interrupted: job N was stopped:  (its log: ...)`, a blank reason and a log with nothing in it."""
+    """Before: `interrupted: job N was stopped:  (its log: ...)` on Ctrl-C, and `job N was stopped (cancelled): ` on a
+    `vitctl cancel`, a blank reason (status too) and a log with nothing in it."""
     record = registry.JobRecord("1", "local", "vit_micro-run", str(tmp_path), str(tmp_path / "submitit"), 1, 2, 0,
-                                time.time())
-    follows = iter([KeyboardInterrupt, None])
+                                time.time(), cancelled=True)  # ended, no rank's result: the cancel came first
+    follows = iter([KeyboardInterrupt, None, None])
 
     def follow(*args):
         if (raised := next(follows)) is not None:
@@ -191,10 +192,12 @@ def test_a_job_stopped_before_its_ranks_started_says_so_and_what_to_do(tmp_path,
     monkeypatch.setattr(submit, "_follow", follow)
     monkeypatch.setattr(registry, "reload", lambda job: job)
     monkeypatch.setattr(status, "cancel", lambda job: None)
-    monkeypatch.setattr(submit, "state_of", lambda job: status.JobState("CANCELLED", None, ""))
-    with pytest.raises(Interrupted, match=r"^job 1 was stopped: before its ranks had started training, so it saved "
-                                          r"nothing: run the same command again \(its log: "):
+    said = "cancelled as its ranks started, before they trained: run the same command again"
+    with pytest.raises(Interrupted, match=rf"^job 1 was stopped: {said} \(its log: "):
         submit.wait_local(None, record, lambda line: None)
+    with pytest.raises(LaunchError, match=rf"^job 1 was stopped \(cancelled\): {said}$"):
+        submit.wait_local(None, record, lambda line: None)  # a `vitctl cancel` from elsewhere
+    assert status.state_of(record).note == said
 
 
 @pytest.mark.slow

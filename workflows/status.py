@@ -176,6 +176,9 @@ def _requeues(earlier: list[str], times: int) -> str:
     return f"requeued{cause}" + (f" ({times} times)" if times > 1 else "")
 
 
+STOPPED_AS_RANKS_STARTED = "cancelled as its ranks started, before they trained: run the same command again"
+
+
 def local_state(record: JobRecord) -> JobState:
     if not record.job_id:
         if record.submitter:
@@ -196,8 +199,8 @@ def local_state(record: JobRecord) -> JobState:
         return JobState("UNKNOWN", None, f"a local job that runs {away}, whose processes this machine cannot see; "
                                          f"`vitctl status {record.job_id}` there shows it")
     elapsed = _until_last_written(record)
-    if record.cancelled:
-        return JobState("CANCELLED", elapsed, killed_note(record) if record.killed else "")
+    if record.cancelled:  # no result: killed by a second cancel, or stopped before a rank took the signal
+        return JobState("CANCELLED", elapsed, killed_note(record) if record.killed else STOPPED_AS_RANKS_STARTED)
     if not Path(record.folder).is_dir():
         return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
     if (path := _result_path(record, 0)).exists():
@@ -277,7 +280,7 @@ def _slurm_cancel_state(record: JobRecord, state: JobState) -> JobState:
         return replace(state, note="; ".join(filter(None, [state.note, "cancel requested"])))
     if state.state == "FAILED" and not rank_failures(record):
         # the signal came before a rank took it (Python starting): killed before it trained
-        return JobState("CANCELLED", state.elapsed_s, "cancelled as its ranks started, before they trained")
+        return JobState("CANCELLED", state.elapsed_s, STOPPED_AS_RANKS_STARTED)
     if state.state not in ("CANCELLED", "COMPLETED"):
         return state
     stopped = _stop_note(_result(_result_path(record, 0)))

@@ -634,8 +634,7 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -
     if state.state == "COMPLETED":
         return submitted.results()[0]
     if interrupted and state.state == "CANCELLED":
-        note = state.note or "before its ranks had started training, so it saved nothing: run the same command again"
-        raise Interrupted(f"job {record.job_id} was stopped: {note} (its log: {log_paths(record, 0)[1]})")
+        raise Interrupted(f"job {record.job_id} was stopped: {state.note} (its log: {log_paths(record, 0)[1]})")
     if state.state in ("INTERRUPTED", "CANCELLED", "TIMEOUT"):
         raise LaunchError(f"job {record.job_id} was stopped ({state.state.lower()}): {state.note}")
     raise LaunchError(f"job {record.job_id} failed: {state.note}")
