@@ -337,6 +337,20 @@ def test_a_job_killed_before_it_left_a_result_shows_how_long_it_ran_until_its_la
     assert (state.state, state.elapsed_s) == ("FAILED", pytest.approx(95))
     row = next(line for line in ok("status", tmp_path / "run").output.splitlines() if line.startswith("1\t"))
     assert row.split("\t")[2:5] == ["FAILED", "1x2 CPU", "00:01:35"]
+    # where to go on: before, only `see LOG`; and a run folder moved while it ran was taken for a kill
+    assert status.state_of(record).note.endswith(f"see {log}; it had saved no checkpoint: run the same command again "
+                                                 "to start afresh")
+    saved = tmp_path / "run/checkpoints/step-00000300"
+    saved.mkdir(parents=True)
+    for name in ("meta.json", ".metadata"):
+        (saved / name).write_text("{}")
+    assert status.state_of(record).note.endswith(f"see {log}; --resume goes on from its last checkpoint "
+                                                 f"(step-00000300)")
+    shutil.move(tmp_path / "run", tmp_path / "moved")  # a Slurm job's: before, taken for a kill
+    failed = status.state_of(replace(record, executor="slurm"), {"1": status.JobState("FAILED", 95.0)})
+    assert failed.note == (f"its run folder {tmp_path / 'run'} was moved or deleted while it ran: its ranks could not "
+                           "write there; if you moved it, `vitctl status NEW_PLACE` records where, and `--out "
+                           "NEW_PLACE --resume` goes on from its last checkpoint"), failed.note
 
 
 def test_an_ended_slurm_job_is_told_by_its_result_while_slurm_cannot_say(tmp_path):
@@ -381,7 +395,8 @@ def test_logs_of_an_ended_job_that_wrote_none_say_it_never_started(tmp_path):
     assert result.exit_code == 1
     assert result.stderr.strip() == (f"error: job 1 (FAILED) ended without a log for rank 1 in {record.folder}: that "
                                      f"rank never started (no rank reported an error (killed, or out of memory?); see "
-                                     f"{record.folder}/1_0_log.err)")
+                                     f"{record.folder}/1_0_log.err; it had saved no checkpoint: run the same command "
+                                     f"again to start afresh)")
 
 
 def test_a_rank_s_own_error_is_named_before_the_peer_that_lost_it_whichever_was_saved_first(tmp_path):

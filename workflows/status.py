@@ -326,9 +326,23 @@ def failure(record: JobRecord) -> str:
         return (f"no rank could report an error: {unwritable}; make room or write access, then --resume goes on "
                 f"from its last checkpoint (the log, maybe cut short: {log_paths(record, 0)[1]})")
     log = log_paths(record, 0)[1]
+    if not Path(record.run_dir).is_dir():  # its ranks' errors, results and logs went with it
+        return (f"its run folder {record.run_dir} was moved or deleted while it ran: its ranks could not write "
+                "there; if you moved it, `vitctl status NEW_PLACE` records where, and `--out NEW_PLACE --resume` "
+                "goes on from its last checkpoint")
     if said := _slurm_said(log):
         return f"no rank reported an error, and Slurm logged: {said}; see {log}"
-    return f"no rank reported an error (killed, or out of memory?); see {log}"
+    return f"no rank reported an error (killed, or out of memory?); see {log}{_where_to_go_on(record)}"
+
+
+def _where_to_go_on(record: JobRecord) -> str:
+    """After a job that ended without a word: where --resume goes on from, unless a later job went on already."""
+    found, later = _checkpoints_of_its_time(record)
+    if later:
+        return ""
+    if found:
+        return f"; --resume goes on from its last checkpoint ({found[-1].name})"
+    return "; it had saved no checkpoint: run the same command again to start afresh"
 
 
 SLURM_ERROR = re.compile(r"^(?:srun|slurmstepd): (?:error: |unrecognized option).*", re.MULTILINE)
@@ -570,16 +584,22 @@ def killed_note(record: JobRecord) -> str:
 def what_a_kill_lost(record: JobRecord) -> str:
     """What ending a job at once cost, from the checkpoints its run held then, and where --resume goes on from (where
     no later job has gone on in its run folder)."""
-    later = _next_submission(load_records()).get((str(Path(record.run_dir).resolve()), record.submitted))
-    found = [c for c in list_checkpoints(Path(record.run_dir)) if later is None or c.stat().st_mtime < later]
-    if found and later is not None:
+    found, later = _checkpoints_of_its_time(record)
+    if found and later:
         return f"the steps since its last checkpoint ({found[-1].name}) were lost"
     if found:
         return (f"the steps since its last checkpoint are lost, and --resume goes on from that checkpoint "
                 f"({found[-1].name})")
-    if later is not None:
+    if later:
         return "its run had saved no checkpoint, so nothing of it was kept"
     return "its run had saved no checkpoint, so nothing of it was kept: run the same command again to start afresh"
+
+
+def _checkpoints_of_its_time(record: JobRecord) -> tuple[list[Path], bool]:
+    """The checkpoints the job's run folder held before the next job into it was submitted, and whether one was."""
+    later = _next_submission(load_records()).get((str(Path(record.run_dir).resolve()), record.submitted))
+    return [c for c in list_checkpoints(Path(record.run_dir)) if later is None or c.stat().st_mtime < later], \
+        later is not None
 
 
 def kill(record: JobRecord) -> bool:
