@@ -75,6 +75,13 @@ def _print_plain(statuses: list[status.JobStatus], as_json: bool, watch: bool) -
         click.echo("\t".join(row))
 
 
+def _refreshed(records: list[registry.JobRecord]) -> list[status.JobStatus]:
+    """The jobs' statuses now, from their records as they are now: a `vitctl cancel` meanwhile marks them (read from
+    the first snapshot's records, a job killed by a second cancel was shown FAILED)."""
+    now = {r.key: r for r in registry.load_records()}
+    return status.collect([now.get(r.key, r) for r in records])
+
+
 @click.command(name="status", short_help=summary("status"))
 @click.argument("job", required=False)
 @click.option("--watch", is_flag=True, help="Refresh while a job is queued or running (piped: a snapshot every "
@@ -88,13 +95,13 @@ def status_command(job: str | None, watch: bool, as_json: bool) -> None:
         _print_plain(statuses, as_json, watch)
         while watch and any(s.live for s in statuses):
             time.sleep(WATCH_INTERVAL_S)
-            statuses = status.collect(records)
+            statuses = _refreshed(records)
             _print_plain(statuses, as_json, watch)
     elif watch:
         with Live(status_table(statuses), console=console, refresh_per_second=1) as live:
             while any(s.live for s in statuses):
                 time.sleep(WATCH_INTERVAL_S)
-                statuses = status.collect(records)
+                statuses = _refreshed(records)
                 live.update(status_table(statuses))
     else:
         console.print(status_table(statuses))

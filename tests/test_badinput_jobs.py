@@ -414,6 +414,26 @@ def test_a_rank_s_own_error_is_named_before_the_peer_that_lost_it_whichever_was_
                                       f"{run}/submitit/1_0_log.err)")
 
 
+def test_status_watch_ends_on_the_state_a_cancel_meanwhile_left(tmp_path):
+    """Before: `status --watch` kept the records of its first snapshot, so a job cancelled meanwhile, and ended without
+    a rank's result, was last shown FAILED (`no rank reported an error`), where `status` said CANCELLED."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    job = subprocess.Popen(["sleep", "600"])  # the job's controller
+    record = registry.JobRecord(str(job.pid), "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0,
+                                time.time(), started=submit.start_time(job.pid))
+    registry.add_record(record)
+    watch = subprocess.Popen([VITCTL, "status", record.job_id, "--watch", "--json"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=os.environ)
+    assert json.loads(watch.stdout.readline())[0]["state"] == "RUNNING"
+    registry.update_record(record.key, cancelled=True)  # as `vitctl cancel` marks it, before its ranks took it
+    job.kill()
+    job.wait()
+    stdout, _ = watch.communicate(timeout=60)
+    last = json.loads(stdout.splitlines()[-1])[0]
+    assert (last["state"], last["note"]) == ("CANCELLED", status.STOPPED_AS_RANKS_STARTED)
+
+
 def test_logs_follow_of_a_job_that_ends_before_its_rank_starts_says_so(tmp_path):
     """Before: the header of two log files that never came, and exit 0 (a job cancelled while pending)."""
     run = tmp_path / "run"
