@@ -179,6 +179,10 @@ def cancel(job: str) -> None:
     """Cancel a job: a running one's ranks checkpoint, then stop (SIGTERM to them); a pending one leaves the queue;
     one that a first cancel did not stop (a hung rank) is ended at once by a second."""
     record = registry.find_record(job)
+    if record.cancelled and (step := status.stopped_at(record)) is not None and not status.state_of(record).finished:
+        click.echo(f"job {record.job_id} ({record.name}) has stopped: the first cancel had its ranks checkpoint at "
+                   f"step {step}, and they are ending; nothing is lost, and --resume goes on from there")
+        return
     if record.cancelled and status.kill(record):
         how = "scancel: Slurm kills ranks that have not ended within its KillWait" if record.executor == "slurm" \
             else "killed it"

@@ -434,6 +434,31 @@ def test_status_watch_ends_on_the_state_a_cancel_meanwhile_left(tmp_path):
     assert (last["state"], last["note"]) == ("CANCELLED", status.STOPPED_AS_RANKS_STARTED)
 
 
+def test_a_second_cancel_after_the_ranks_checkpointed_on_the_first_kills_nothing(tmp_path):
+    """Before: a second cancel a second after the first, while the ranks, checkpointed and stopped, were ending, killed
+    the job and said that the first had not stopped it and the steps since its last checkpoint were lost."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    controller = subprocess.Popen(["sleep", "600"])
+    record = registry.JobRecord(str(controller.pid), "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1,
+                                0, time.time(), started=submit.start_time(controller.pid), cancelled=True)
+    registry.add_record(record)
+    metrics = MetricsWriter(run, enabled=True)
+    metrics.write({"step": 72, "loss": 1.5})
+    metrics.write({"step": 72, "event": "stopped"})  # written once the checkpoint is saved
+    try:
+        said = ok("cancel", record.job_id).output
+        assert said.strip() == (f"job {record.job_id} (vit_micro-run) has stopped: the first cancel had its ranks "
+                                "checkpoint at step 72, and they are ending; nothing is lost, and --resume goes on "
+                                "from there")
+        assert controller.poll() is None  # not killed
+        metrics.write({"step": 73, "event": "resume"})  # an attempt that went on after that stop: a kill again
+        assert ok("cancel", record.job_id).output.startswith(f"ended job {record.job_id} (vit_micro-run) at once")
+    finally:
+        controller.kill()
+        controller.wait()
+
+
 def test_logs_follow_of_a_job_that_ends_before_its_rank_starts_says_so(tmp_path):
     """Before: the header of two log files that never came, and exit 0 (a job cancelled while pending)."""
     run = tmp_path / "run"

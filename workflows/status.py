@@ -602,6 +602,13 @@ def _checkpoints_of_its_time(record: JobRecord) -> tuple[list[Path], bool]:
         later is not None
 
 
+def stopped_at(record: JobRecord) -> int | None:
+    """The step at which the job's ranks checkpointed and stopped on a signal (a cancel), where that is the last
+    thing its run logged (not an earlier attempt's stop that a requeue went on from); None if they have not."""
+    logged = [m for m in read_metrics(Path(record.run_dir)) if m.get("time", 0) >= record.submitted]
+    return logged[-1].get("step") if logged and logged[-1].get("event") == "stopped" else None
+
+
 def kill(record: JobRecord) -> bool:
     """End a job that a cancel did not stop (a hung rank holds the others' stop in a collective): SIGKILL a local
     job's ranks and controller, scancel a Slurm job. Whether it was running."""
