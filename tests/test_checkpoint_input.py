@@ -120,6 +120,22 @@ def test_a_timm_model_name_is_told_how_to_save_its_weights_and_the_file_so_saved
         "--from-ckpt not_a_timm_model: no such file or folder")
 
 
+def test_a_missing_source_from_a_config_file_is_named_by_its_key_and_where_a_relative_path_is_read(tmp_path,
+                                                                                                    monkeypatch):
+    """Before: `--from-ckpt ../run1: no such file or folder` for a source no flag gave (a config file, --set), and
+    nothing said that a relative path is read from the current folder, not the config file's."""
+    (tmp_path / "cfgs").mkdir()
+    (tmp_path / "cfgs/ft.yaml").write_text("finetune:\n  from_ckpt: ../run1\n")
+    monkeypatch.chdir(tmp_path)
+    args = ["finetune", "--config", "cfgs/ft.yaml", "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, *SETS,
+            "--dry-run"]
+    result = vitctl(*args)
+    assert result.exit_code == 1 and result.stderr == (f"error: finetune.from_ckpt ../run1: no such file or folder (a "
+                                                       f"relative path is read from the current folder, {tmp_path})\n")
+    (tmp_path / "cfgs/ft.yaml").write_text("finetune:\n  from_ckpt: cfgs/../../run1\n")
+    assert vitctl(*args).stderr.startswith("error: finetune.from_ckpt cfgs/../../run1: no such file or folder")
+
+
 def test_a_torch_save_file_named_safetensors_is_told_to_be_renamed_and_that_works(weights, tmp_path):
     """torch.load goes by the suffix and handed it to safetensors: a SafetensorError traceback ('header too large')."""
     source = tmp_path / "model.safetensors"

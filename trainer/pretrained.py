@@ -49,6 +49,8 @@ def missing_source(source: str, key: str) -> str:
     """Weights that are not there; a timm model name (or hf-hub id) in their place is told how to save its weights
     where there is network, as vitctl downloads nothing."""
     said = f"{key} {source}: no such file or folder"
+    if "/" in source and not Path(source).is_absolute():  # in a config file it reads as relative to that file
+        said += f" (a relative path is read from the current folder, {Path.cwd()})"
     name = source.removeprefix("hf-hub:").removeprefix("timm/")
     if not re.fullmatch(r"[\w.-]+", name):
         return said

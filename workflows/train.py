@@ -64,7 +64,8 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
                           f"`vitctl finetune --config {preset} --from-ckpt WEIGHTS`; to train from scratch with its "
                           f"settings anyway, `vitctl config show {preset} > mine.yaml` and pass --config ./mine.yaml")
     if source and not resuming and not Path(source).exists():
-        raise ConfigError(missing_source(source, "--from-ckpt"))
+        given = flags.get("finetune", {}).get("from_ckpt") == source  # not from --set or a config file
+        raise ConfigError(missing_source(source, "--from-ckpt" if given else "finetune.from_ckpt"))
     return config
 
 
