@@ -346,18 +346,22 @@ def test_dry_run_prints_a_complete_script_byte_for_byte(tmp_path, monkeypatch):
     assert registry.load_records() == [] and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(("flag", "setting", "says"), [
+@pytest.mark.parametrize(("flag", "setting", "says", "same"), [
     (["--steps", 2], "train.max_steps=4", "train.max_steps is set twice, to 2 by --steps and to 4 by --set "
-                                          "train.max_steps=4; give it once"),
-    (["--batch", 8], "data.batch_size=4", "data.batch_size is set twice, to 8 by --batch and to 4"),
-    (["--model", "vit_micro"], "model.name=vit_mini", "model.name is set twice, to 'vit_micro' by --model"),
+                                          "train.max_steps=4; give it once", "2"),
+    (["--batch", 8], "data.batch_size=4", "data.batch_size is set twice, to 8 by --batch and to 4", "8"),
+    (["--model", "vit_micro"], "model.name=vit_mini", "model.name is set twice, to 'vit_micro' by --model",
+     "vit_micro"),
+    (["--no-compile"], "train.compile=true", "train.compile is set twice, to false by --compile/--no-compile and to "
+                                             "true by --set train.compile=true", "false"),  # before: False, True
 ])
-def test_a_flag_and_a_set_of_the_same_key_that_disagree_are_refused(tmp_path, monkeypatch, flag, setting, says):
+def test_a_flag_and_a_set_of_the_same_key_that_disagree_are_refused(tmp_path, monkeypatch, flag, setting, says,
+                                                                    same):
     """Before: the --set won and the flag was ignored without a word (--steps 2 trained 4 steps)."""
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch: the dry run is not checked
     args = ["train", "--config", "demo_vit", "--set", "data.source=synthetic", "--executor", "slurm", "--gpus", 1,
             "--out", tmp_path / "run", "--dry-run", *flag]
     result = vitctl(*args, "--set", setting)
     assert result.exit_code == 1 and f"error: {says}" in result.stderr, result.stderr
-    ok(*args, "--set", f"{setting.split('=')[0]}={flag[1]}")  # the same value twice agrees
+    ok(*args, "--set", f"{setting.split('=')[0]}={same}")  # the same value twice agrees
     ok(*args)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from vitctl.trainer import checkpoint
-from vitctl.trainer.config import FINETUNE_PRESETS, ConfigError, RunConfig, load_config, parse_override
+from vitctl.trainer.config import FINETUNE_PRESETS, ConfigError, RunConfig, as_set_value, load_config, parse_override
 from vitctl.trainer.data.shards import train_digest
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
@@ -78,9 +78,14 @@ def _flag_clashes(flags: dict[str, Any], overrides: list[str], flag_names: dict[
             flag = flags.get(section, {}).get(key)
             if flag is not None and not _same(flag, value):
                 by = flag_names.get(f"{section}.{key}", "its flag")
-                clashes.append(f"{section}.{key} is set twice, to {flag!r} by {by} and to {value!r} by --set "
-                               f"{text}; give it once")
+                clashes.append(f"{section}.{key} is set twice, to {_shown(flag)} by {by} and to {_shown(value)} by "
+                               f"--set {text}; give it once")
     return clashes
+
+
+def _shown(value: Any) -> str:
+    """A value as a message shows it: text quoted (its spaces seen), the rest as `--set` writes it (null, true)."""
+    return repr(value) if isinstance(value, str) else as_set_value(value)
 
 
 def _same(flag: Any, value: Any) -> bool:
