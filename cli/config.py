@@ -2,9 +2,10 @@
 
 import click
 
-from vitctl.trainer.config import preset_summaries
+from vitctl.trainer.config import preset_summaries, shadowed_file
 
 from .commands import Deferred, summary
+from .console import err_console
 
 wf = Deferred("vitctl.workflows.train")
 
@@ -25,6 +26,8 @@ def show(preset: str | None, overrides: tuple[str, ...]) -> None:
     if preset is not None and not preset.strip():  # an unset shell variable: the defaults would print unseen
         raise click.BadParameter("is empty (an unset shell variable?); give a preset name or a YAML file",
                                  param_hint="'PRESET'")
+    if warning := shadowed_file(preset):
+        err_console.print(f"warning: {warning}", highlight=False, markup=False, soft_wrap=True)
     text, problems = wf.resolved_yaml(preset, list(overrides))
     click.echo(text, nl=False)
     if problems:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from vitctl.trainer.config import PRECISIONS
+from vitctl.trainer.config import PRECISIONS, shadowed_file
 
 from .commands import Deferred, summary
 from .console import GivenPath, GivenText, console, err_console
@@ -107,6 +107,8 @@ def _request(o: dict) -> wf.LaunchRequest:
 
 
 def _run(o: dict, finetune: bool = False) -> None:
+    if warning := shadowed_file(o["preset"]):
+        err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]), o["resume"], FLAG_NAMES)
     if finetune and not config.finetune.from_ckpt:
         raise wf.ConfigError("vitctl finetune needs the weights to start from: pass --from-ckpt PATH (a run or "

@@ -254,6 +254,22 @@ def test_a_toml_config_file_is_refused_as_toml_and_other_suffixes_are_read_as_fi
         assert yaml.safe_load(ok("config", "show", name).stdout)["model"]["name"] == "vit_micro"
 
 
+def test_a_file_named_as_a_preset_in_the_current_folder_is_warned_of_and_the_fix_reads_it(tmp_path, monkeypatch):
+    """Before: `vitctl config show demo_vit > demo_vit`, edited, then `--config demo_vit` trained the shipped preset
+    without a word."""
+    monkeypatch.chdir(tmp_path)
+    edited = ok("config", "show", "demo_vit").stdout.replace("img_size: 32", "img_size: 64")
+    (tmp_path / "demo_vit").write_text(edited)
+    for command in (["config", "show", "demo_vit"], ["train", "--config", "demo_vit", "--set", "data.source=synthetic",
+                                                     "--executor", "local", "--gpus", 0, "--dry-run", "--out", "run"]):
+        result = ok(*command)
+        assert result.stderr.startswith("warning: --config demo_vit is the shipped preset; the file demo_vit here is "
+                                        "not read: pass ./demo_vit\n"), result.stderr
+    assert "img_size: 32" in ok("config", "show", "demo_vit").stdout
+    assert "img_size: 64" in ok("config", "show", "./demo_vit").stdout  # the fix
+    assert "warning" not in ok("config", "show", "./demo_vit").stderr
+
+
 def test_a_config_file_named_with_a_dot_slash_is_read_and_a_folder_is_refused(tmp_path, monkeypatch):
     """Before: `no preset './myconf'` for a file that is there (Path drops the ./), and the same for a folder."""
     monkeypatch.chdir(tmp_path)

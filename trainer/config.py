@@ -382,6 +382,15 @@ def preset_path(name: str) -> Path:
     return path
 
 
+def shadowed_file(name: str | None) -> str | None:
+    """Where --config NAME takes the shipped preset while a file of that name lies in the current folder: a warning
+    (a preset's output saved as `vitctl config show demo_vit > demo_vit`, then edited, was not read)."""
+    if not name or Path(name).suffix or "/" in name or not (PRESETS / f"{name}.yaml").is_file() \
+            or not Path(name).is_file():
+        return None
+    return f"--config {name} is the shipped preset; the file {name} here is not read: pass {shlex.quote('./' + name)}"
+
+
 def preset_summaries() -> dict[str, str]:
     """Each preset's name and the first sentence of the comment it opens with."""
     summaries = {}
