@@ -296,10 +296,13 @@ def test_a_run_of_another_model_is_named_before_launch_and_the_fix_works(pretrai
     result = finetune(pretrained, tmp_path / "ft", "--set", "model.name=swin_micro", "--set", "model.window_size=4")
     assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr, result.stderr
     assert result.stderr == (f"error: finetune.from_ckpt {pretrained} holds a vit_micro, and this run builds a "
-                             "swin_micro; finetune it as the model it is: --model vit_micro\n")
+                             "swin_micro; finetune it as the model it is: --model vit_micro --set "
+                             "model.window_size=null\n")
     assert not (tmp_path / "ft").exists()  # nothing was launched
+    fix = result.stderr.rstrip().split("as the model it is: ")[1].split()  # before, a second error: window_size
     ok("finetune", "--from-ckpt", pretrained, "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, "--steps",
-       1, *[a for s in BASE if not s.startswith("model.name") for a in ("--set", s)], "--model", "vit_micro")
+       1, *[a for s in BASE if not s.startswith("model.name") for a in ("--set", s)], "--set", "model.window_size=4",
+       *fix)
 
 
 def test_an_export_of_another_model_is_named_before_launch(pretrained, tmp_path):
@@ -308,7 +311,8 @@ def test_an_export_of_another_model_is_named_before_launch(pretrained, tmp_path)
     ok("export", pretrained, "--out", export)
     result = finetune(export, tmp_path / "ft", "--set", "model.name=swin_micro", "--set", "model.window_size=4")
     assert result.stderr == (f"error: finetune.from_ckpt {export} holds a vit_micro, and this run builds a "
-                             "swin_micro; finetune it as the model it is: --model vit_micro\n"), result.stderr
+                             "swin_micro; finetune it as the model it is: --model vit_micro --set "
+                             "model.window_size=null\n"), result.stderr
     assert not (tmp_path / "ft").exists()
 
 

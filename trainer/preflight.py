@@ -194,7 +194,9 @@ def _architecture_error(config: RunConfig, source: Path, meta: dict) -> str | No
     trained = meta.get("config", {}).get("model")
     if not isinstance(trained, dict) or trained.get("name") in (None, config.model.name):
         return None
-    window = f" --set model.window_size={trained['window_size']}" if trained.get("window_size") else ""
+    # the window of the model it is; none for a ViT, where this run's config (a Swin preset's) sets one
+    window = f" --set model.window_size={trained['window_size']}" if trained.get("window_size") else \
+        " --set model.window_size=null" if config.model.window_size else ""
     return f"finetune.from_ckpt {source} holds a {trained['name']}, and this run builds a {config.model.name}; " \
            f"finetune it as the model it is: --model {trained['name']}{window}"
 
