@@ -228,13 +228,17 @@ def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path, content, mess
     assert yaml.safe_load(ok("config", "show", path).stdout)["model"]["name"] == "vit_micro"
 
 
-@pytest.mark.parametrize("content", ["", "# model:\n#   name: vit_micro\n"])
-def test_an_empty_config_file_is_refused(tmp_path, content):
-    """Before, it gave the defaults: `train --config empty.yaml` trained vit_b16."""
+@pytest.mark.parametrize(("content", "held"), [
+    ("", "only comments"), ("# model:\n#   name: vit_micro\n", "only comments"),
+    ("model:\n#  name: vit_micro\noptim:\n#  lr: 1e-3\n", "only empty sections (model, optim)"),
+])
+def test_an_empty_config_file_is_refused(tmp_path, content, held):
+    """Before, it gave the defaults: `train --config empty.yaml` trained vit_b16 (also where every key under its
+    sections was commented out)."""
     path = tmp_path / "empty.yaml"
     path.write_text(content)
-    _refused(vitctl("config", "show", path), f"config file {path} is empty (or holds only comments); write its "
-                                             f"sections into it, as `vitctl config show demo_vit` prints, or pass a "
+    _refused(vitctl("config", "show", path), f"config file {path} is empty (it holds {held}); write its sections' "
+                                             f"keys into it, as `vitctl config show demo_vit` prints, or pass a "
                                              f"preset name instead")
     path.write_text(ok("config", "show", "demo_vit").stdout)
     ok("config", "show", path)

@@ -420,8 +420,10 @@ def _read_preset(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}; fix it there") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror}); pass a readable YAML file") from None
-    if values is None:  # a file cut short or saved empty: training the defaults (vit_b16) instead would go unseen
-        raise ConfigError(f"config file {path} is empty (or holds only comments); write its sections into it, as "
+    # a file cut short, saved empty, or with every key commented out: training the defaults (vit_b16) would go unseen
+    if values is None or (isinstance(values, dict) and values and not any(values.values())):
+        held = "only comments" if values is None else f"only empty sections ({', '.join(map(str, values))})"
+        raise ConfigError(f"config file {path} is empty (it holds {held}); write its sections' keys into it, as "
                           f"`vitctl config show demo_vit` prints, or pass a preset name instead")
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} holds a {type(values).__name__} at its top level, not a mapping of "
