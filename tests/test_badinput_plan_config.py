@@ -217,9 +217,12 @@ def test_a_profile_that_is_another_json_file_is_named_so(tmp_path, content, reas
      "first: keep one"),
     ("model:\n  name: vit_micro\n  img_size: 32\n  img_size: 64\n",
      "line 4, column 3: key 'img_size' appears twice in one mapping (first on line 3)"),
-], ids=["section", "key"])
-def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path, content, message):
-    """Before, YAML kept the second: a second `model:` block dropped model.name, which trained vit_b16."""
+    ("model:\n\tname: vit_micro\n", "line 2, column 1: found character '\\t' that cannot start any token (a tab: "
+                                     "YAML takes spaces there)"),
+], ids=["section", "key", "tab"])
+def test_a_key_written_twice_or_a_tab_in_a_config_file_is_refused(tmp_path, content, message):
+    """Before, YAML kept the second: a second `model:` block dropped model.name, which trained vit_b16; a tab said
+    only that it `cannot start any token`."""
     path = tmp_path / "twice.yaml"
     path.write_text(content)
     result = vitctl("config", "show", path)

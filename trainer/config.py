@@ -405,6 +405,8 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     """What the YAML parser objects to, and where (line and column counted from 1)."""
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None) or str(e)
+    if "'\\t'" in problem:  # YAML takes no tab for indentation or after a key's colon
+        problem += " (a tab: YAML takes spaces there)"
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
 
 
