@@ -130,8 +130,10 @@ def logs(job: str, rank: int, follow: bool) -> None:
         _wait_for_log(record, rank, paths)
     click.echo(f"==> rank {rank} of job {record.job_id}: {paths[0]} and {paths[1].name}, merged by time <==")
     tail = status.LogTail(list(paths))
+    live = False
     while True:
-        state = status.state_of(record)
+        state = status.state_of(registry.reload(record))  # reloaded: a cancel meanwhile marks the record
+        live = live or state.live
         ended = not follow or not state.live  # UNKNOWN too: nothing will write to it
         click.echo(tail.read(final=ended), nl=False)
         if ended:
@@ -141,6 +143,11 @@ def logs(job: str, rank: int, follow: bool) -> None:
         err_console.print(f"note: not following: job {record.job_id} is a local job that runs {away}, whose "
                           f"processes this machine cannot see; `vitctl logs {record.job_id} --follow` there follows "
                           "it", highlight=False, soft_wrap=True)
+    elif live:  # followed to its end: how it ended, which the log's last lines need not say (a rank killed)
+        ending = f"job {record.job_id} ended {state.state}" + (f": {state.note}" if state.note else "")
+        if state.state == "FAILED":
+            raise LaunchError(ending)
+        err_console.print(f"note: {ending}", highlight=False, soft_wrap=True)
 
 
 def _wait_for_log(record: registry.JobRecord, rank: int, paths: tuple[Path, Path]) -> None:

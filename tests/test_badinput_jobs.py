@@ -459,6 +459,27 @@ def test_a_second_cancel_after_the_ranks_checkpointed_on_the_first_kills_nothing
         controller.wait()
 
 
+def test_logs_follow_ends_saying_how_the_job_ended(tmp_path):
+    """Before: following a job whose rank was killed, the output stopped after the rank's last lines, exit 0, as for a
+    job that completed."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    (run / "submitit/0_0_log.err").write_text("2026-11-30 10:00:35,661 [rank 0] vitctl.metrics: step=300\n")
+    controller = subprocess.Popen(["sleep", "600"])
+    record = registry.JobRecord(str(controller.pid), "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1,
+                                0, time.time(), started=submit.start_time(controller.pid))
+    (run / "submitit/0_0_log.err").rename(run / f"submitit/{record.job_id}_0_log.err")
+    registry.add_record(record)
+    follower = subprocess.Popen([VITCTL, "logs", record.job_id, "--follow"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=os.environ)
+    assert "step=300" in follower.stdout.readline() + follower.stdout.readline()
+    controller.kill()  # as the OOM killer would
+    controller.wait()
+    _, stderr = follower.communicate(timeout=60)
+    assert follower.returncode == 1 and stderr.startswith(f"error: job {record.job_id} ended FAILED: no rank reported "
+                                                          "an error (killed, or out of memory?)"), stderr
+
+
 def test_logs_follow_of_a_job_that_ends_before_its_rank_starts_says_so(tmp_path):
     """Before: the header of two log files that never came, and exit 0 (a job cancelled while pending)."""
     run = tmp_path / "run"
