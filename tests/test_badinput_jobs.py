@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -444,7 +445,7 @@ def test_a_second_cancel_after_the_ranks_checkpointed_on_the_first_kills_nothing
                                 0, time.time(), started=submit.start_time(controller.pid), cancelled=True)
     registry.add_record(record)
     metrics = MetricsWriter(run, enabled=True)
-    metrics.write({"step": 72, "loss": 1.5})
+    metrics.write({"step": 72, "loss": 1.5, "images_per_s": 200.0})
     metrics.write({"step": 72, "event": "stopped"})  # written once the checkpoint is saved
     try:
         said = ok("cancel", record.job_id).output
@@ -478,6 +479,18 @@ def test_logs_follow_ends_saying_how_the_job_ended(tmp_path):
     _, stderr = follower.communicate(timeout=60)
     assert follower.returncode == 1 and stderr.startswith(f"error: job {record.job_id} ended FAILED: no rank reported "
                                                           "an error (killed, or out of memory?)"), stderr
+
+
+def test_a_metrics_line_without_a_step_s_rate_is_left_out_of_the_progress(tmp_path):
+    """Before: a hand-edited metrics.jsonl line with a loss but no images_per_s ended `vitctl status` (of every job) in
+    a KeyError traceback."""
+    record = _ended_local_job(tmp_path / "run")
+    metrics = MetricsWriter(tmp_path / "run", enabled=True)
+    metrics.write({"step": 3, "loss": 1.2, "images_per_s": 10.0, "total_steps": 10, "step_time_s": 0.5})
+    metrics.write({"step": 4, "loss": 1.1})
+    done = status.progress(record)
+    assert (done["step"], done["images_per_s"], done["eta_s"]) == (3, [10.0], 3.5)
+    assert "Traceback" not in ok("status").output
 
 
 def test_logs_follow_of_a_job_that_ends_before_its_rank_starts_says_so(tmp_path):
@@ -746,7 +759,7 @@ def test_a_job_killed_before_its_first_checkpoint_is_not_said_to_resume_from_one
     (saved / ".metadata").write_text("")
     assert status.killed_note(record).endswith("--resume goes on from that checkpoint (step-00000004)")
     registry.add_record(record)  # a later job went on in the run folder and saved step 8: the kill lost what it lost
-    registry.add_record(replace(record, job_id="2", submitted=record.submitted + 60))
+    registry.add_record(replace(record, job_id="2", submitted=record.submitted + 60, key=uuid.uuid4().hex))
     later = run / "checkpoints/step-00000008"
     shutil.copytree(saved, later)
     os.utime(later, (record.submitted + 120, record.submitted + 120))

@@ -384,10 +384,10 @@ def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
     was submitted (a job's row would otherwise show the progress of later jobs there)."""
     metrics = [m for m in read_metrics(Path(record.run_dir))
                if record.submitted <= m.get("time", record.submitted) < (until or math.inf)]
-    steps = [m for m in metrics if "loss" in m]
+    steps = [m for m in metrics if {"step", "loss", "images_per_s"} <= m.keys()]  # not a hand-edited line's part
     last = steps[-1] if steps else {}
     eta = None
-    if last and last.get("total_steps") and last["step"] < last["total_steps"]:
+    if last.get("total_steps") and last.get("step_time_s") and last["step"] < last["total_steps"]:
         eta = (last["total_steps"] - last["step"]) * last["step_time_s"]
     checkpoints = [c for c in list_checkpoints(Path(record.run_dir)) if until is None or c.stat().st_mtime < until]
     return {"step": last.get("step"), "total_steps": last.get("total_steps"), "loss": last.get("loss"),
