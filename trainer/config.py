@@ -358,12 +358,18 @@ def _plain_text(raw: str) -> bool:
     return raw.strip() not in ("", "null", "Null", "NULL", "~") and raw[:1] not in ("'", '"')
 
 
+def _names_a_file(name: str) -> bool:
+    """Whether --config NAME is a file's path: presets are named without a suffix, and Path drops the "./" of
+    ./my_config."""
+    return bool(Path(name).suffix) or "/" in name
+
+
 def preset_path(name: str) -> Path:
     """A YAML file when `name` looks like one (a suffix, e.g. .yaml, or a slash in it), else a shipped preset."""
     if not name.strip():  # an unset shell variable: training the defaults (vit_b16) instead would go unseen
         raise ConfigError("--config is empty; pass a preset name or a YAML file")
     path = Path(name).expanduser()  # --config=~/x.yaml: the shell expands no ~ after "="
-    if path.suffix or "/" in name:  # presets are named without a suffix; Path drops the "./" of ./my_config
+    if _names_a_file(name):
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist; check the path, or pass a preset name")
         if path.is_dir():
@@ -385,8 +391,7 @@ def preset_path(name: str) -> Path:
 def shadowed_file(name: str | None) -> str | None:
     """Where --config NAME takes the shipped preset while a file of that name lies in the current folder: a warning
     (a preset's output saved as `vitctl config show demo_vit > demo_vit`, then edited, was not read)."""
-    if not name or Path(name).suffix or "/" in name or not (PRESETS / f"{name}.yaml").is_file() \
-            or not Path(name).is_file():
+    if not name or _names_a_file(name) or not (PRESETS / f"{name}.yaml").is_file() or not Path(name).is_file():
         return None
     return f"--config {name} is the shipped preset; the file {name} here is not read: pass {shlex.quote('./' + name)}"
 

@@ -17,7 +17,7 @@ from vitctl.datasets.index import index_path
 from vitctl.datasets.manifest import MANIFEST
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
-from .checkpoint import checkpoint_dir, is_checkpoint, read_meta, resolve_checkpoint
+from .checkpoint import checkpoint_dir, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.images import gpu_decode_available
@@ -234,10 +234,10 @@ def _out_dir_error(out_dir: str) -> str | None:
 def _foreign_metrics(run: Path) -> bool:
     """A non-empty metrics log in a folder no vitctl job ran in (rank 0 leaves its lock file, a run of a vitctl
     before the lock its checkpoints): another tool's, or a copy, which the run's fresh start would cut to step 0."""
-    metrics, checkpoints = run / METRICS_FILE, checkpoint_dir(run)
+    metrics = run / METRICS_FILE
     if not metrics.is_file() or not metrics.stat().st_size or (run / LOCK).exists():
         return False
-    return not (checkpoints.is_dir() and any(is_checkpoint(p) for p in checkpoints.iterdir()))
+    return not list_checkpoints(run)
 
 
 def _of_another_kind(folders: list[Path], files: list[Path]) -> str:
