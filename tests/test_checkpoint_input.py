@@ -396,6 +396,13 @@ def test_a_new_head_is_not_the_pretraining_runs_initial_head(pretrained):
     assert not torch.equal(other.head.weight, heads[0].weight)
 
 
+def test_the_log_names_the_checkpoint_and_step_a_run_folder_stood_for(pretrained, caplog):
+    with caplog.at_level("INFO", logger="vitctl.finetune"):
+        load_pretrained(micro_model(), pretrained, True, "vit_micro")
+    last = ckpt.list_checkpoints(pretrained)[-1]
+    assert any(r.getMessage().startswith(f"loaded {last} (step 3, ") for r in caplog.records), caplog.text
+
+
 def test_resized_tables_are_logged_once(pretrained, tmp_path, caplog):
     swin = build_model(ModelConfig(name="swin_micro", img_size=64, window_size=4, drop_path=0.0),
                        resolve("none", torch.device("cpu")))

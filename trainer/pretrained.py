@@ -16,7 +16,7 @@ import math
 import pickle
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -301,7 +301,8 @@ class Pretrained:
             own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
             if own and set(own) <= set(self.fresh):
                 init_module(module, name, head_seed)
-        log.info("loaded %s (%d tensors); initialised afresh: %s", self.path, len(self.state),
+        step = f"step {read_meta(self.path)['step']}, " if self.path.is_dir() else ""
+        log.info("loaded %s (%s%d tensors); initialised afresh: %s", self.path, step, len(self.state),
                  ", ".join(self.fresh) or "nothing")
 
 
@@ -309,7 +310,8 @@ def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model
                     trust: bool = False) -> Pretrained:
     """`path`'s weights fitted to `model`, whole (on the meta device: only its names and shapes are read); raises
     ConfigError naming the keys when the architectures do not match, or when the source is unusable."""
-    return fit(read_state_dict(path, trust), path, model, reset_head, model_name)
+    source = resolve_checkpoint(path) if path.is_dir() else path  # the log names the checkpoint a run folder meant
+    return replace(fit(read_state_dict(source, trust), path, model, reset_head, model_name), path=source)
 
 
 def shapes_only(path: Path, kind: str) -> dict[str, torch.Tensor] | None:
