@@ -28,8 +28,10 @@ def show(preset: str | None, overrides: tuple[str, ...]) -> None:
                                  param_hint="'PRESET'")
     if warning := shadowed_file(preset):
         err_console.print(f"warning: {warning}", highlight=False, markup=False, soft_wrap=True)
-    text, problems = wf.resolved_yaml(preset, list(overrides))
+    text, problems, unread = wf.resolved_yaml(preset, list(overrides))
     click.echo(text, nl=False)
+    for warning in unread:
+        err_console.print(f"warning: {warning}", highlight=False, markup=False, soft_wrap=True)
     if problems:
         raise wf.ConfigError(f"vitctl train would refuse this config: {'; '.join(problems)}")
 

@@ -350,6 +350,16 @@ def test_a_part_of_the_run_folder_this_user_cannot_write_is_refused_before_launc
                                              "there, or choose another --out")
 
 
+def test_a_key_the_run_would_not_read_is_warned_of_by_train_and_config_show(tmp_path):
+    """Before: `--set augment.recount=3` without random erasing was taken without a word."""
+    said = "warning: augment.recount=3 applies with augment.reprob above 0 (random erasing) only: it has no effect here"
+    result = ok(*DRY_RUN, "--set", "augment.recount=3", "--out", tmp_path / "run")
+    assert said in result.stderr, result.stderr
+    assert said in ok("config", "show", "demo_vit", "--set", "augment.recount=3").stderr
+    assert "warning" not in ok(*DRY_RUN, "--set", "augment.recount=3", "--set", "augment.reprob=0.25", "--out",
+                               tmp_path / "run").stderr
+
+
 def test_a_submitit_folder_this_user_cannot_write_is_named_with_the_fix(tmp_path, immutable):
     """Before: `submission failed: [Errno 1] Operation not permitted: '.../submitit/<hash>.pkl'`, and no fix."""
     run = tmp_path / "run"

@@ -5,7 +5,7 @@ import typing
 import pytest
 
 from conftest import vitctl
-from vitctl.trainer.config import PRESETS, ConfigError, RunConfig, load_config, parse_override
+from vitctl.trainer.config import PRESETS, ConfigError, RunConfig, load_config, parse_override, unread_settings
 from vitctl.trainer.preflight import preflight
 
 
@@ -13,6 +13,26 @@ from vitctl.trainer.preflight import preflight
 def test_every_preset_loads_and_validates(preset):
     config = load_config(preset, ["data.path=/somewhere"])
     assert config.model.name and config.train.out_dir
+    assert not unread_settings(config)  # a preset sets no key its runs do not read
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    (["data.path=/d", "data.train_samples=64"], "data.train_samples=64 is the epoch of synthetic data only"),
+    (["train.fp8_recipe=rowwise"], "train.fp8_recipe=rowwise applies under train.precision=fp8 only"),
+    (["train.fp8_min_width=0"], "train.fp8_min_width=0 applies under train.precision=fp8 only"),
+    (["finetune.reset_head=false"], "finetune.reset_head=false applies with finetune.from_ckpt only"),
+    (["finetune.trust_checkpoint=true"], "finetune.trust_checkpoint=true applies with finetune.from_ckpt only"),
+    (["augment.recount=3"], "augment.recount=3 applies with augment.reprob above 0 (random erasing) only"),
+    (["augment.remode=const"], "augment.remode=const applies with augment.reprob above 0 (random erasing) only"),
+    (["augment.mixup=0", "augment.mixup_switch_prob=0.2"], "augment.mixup_switch_prob=0.2 applies with both"),
+])
+def test_a_key_the_config_never_reads_is_named_and_where_it_applies_it_is_not(overrides, said):
+    unread = unread_settings(load_config(None, overrides))
+    assert len(unread) == 1 and unread[0].startswith(said) and unread[0].endswith(": it has no effect here"), unread
+    read = {"data.path=/d": "data.source=synthetic", "augment.mixup=0": "augment.mixup=0.8"}
+    applied = [read.get(o, o) for o in overrides] + ["train.precision=fp8", "finetune.from_ckpt=/w.safetensors",
+                                                      "augment.reprob=0.25"]
+    assert not unread_settings(load_config(None, applied))
 
 
 # The published recipes, as their sources give them; lr, warmup_lr and min_lr per global batch of 512 as ours.

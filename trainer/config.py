@@ -478,6 +478,32 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
 LOADER_BRANCHES = ("pil", "pil-crop", "nvjpeg")  # data.decode's values
 
 
+def unread_settings(c: RunConfig) -> list[str]:
+    """Keys set away from their defaults that this config never reads, each with what would read it."""
+    d, a = RunConfig(), c.augment
+    unread = [
+        (c.data.source != "synthetic" and c.data.train_samples != d.data.train_samples,
+         f"data.train_samples={c.data.train_samples} is the epoch of synthetic data only (data.source=synthetic); "
+         "other sources' epoch is their train split"),
+        (c.train.precision != "fp8" and c.train.fp8_recipe != d.train.fp8_recipe,
+         f"train.fp8_recipe={c.train.fp8_recipe} applies under train.precision=fp8 only"),
+        (c.train.precision != "fp8" and c.train.fp8_min_width != d.train.fp8_min_width,
+         f"train.fp8_min_width={c.train.fp8_min_width} applies under train.precision=fp8 only"),
+        (not c.finetune.from_ckpt and c.finetune.reset_head is not None,
+         f"finetune.reset_head={str(c.finetune.reset_head).lower()} applies with finetune.from_ckpt only"),
+        (not c.finetune.from_ckpt and c.finetune.trust_checkpoint,
+         "finetune.trust_checkpoint=true applies with finetune.from_ckpt only"),
+        (a.reprob == 0 and a.recount != d.augment.recount,
+         f"augment.recount={a.recount} applies with augment.reprob above 0 (random erasing) only"),
+        (a.reprob == 0 and a.remode != d.augment.remode,
+         f"augment.remode={a.remode} applies with augment.reprob above 0 (random erasing) only"),
+        ((a.mixup == 0 or a.cutmix == 0) and a.mixup_switch_prob != d.augment.mixup_switch_prob,
+         f"augment.mixup_switch_prob={a.mixup_switch_prob:g} applies with both augment.mixup and augment.cutmix "
+         "above 0 only"),
+    ]
+    return [f"{note}: it has no effect here" for applies, note in unread if applies]
+
+
 def validate(c: RunConfig) -> None:
     checks = [
         (c.train.precision in PRECISIONS,

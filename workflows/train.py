@@ -8,7 +8,15 @@ from typing import Any
 import torch
 
 from vitctl.trainer import checkpoint
-from vitctl.trainer.config import FINETUNE_PRESETS, ConfigError, RunConfig, as_set_value, load_config, parse_override
+from vitctl.trainer.config import (
+    FINETUNE_PRESETS,
+    ConfigError,
+    RunConfig,
+    as_set_value,
+    load_config,
+    parse_override,
+    unread_settings,
+)
 from vitctl.trainer.data.shards import train_digest
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
@@ -95,11 +103,11 @@ def _same(flag: Any, value: Any) -> bool:
     return flag == value and isinstance(flag, bool) == isinstance(value, bool)
 
 
-def resolved_yaml(preset: str | None, overrides: list[str]) -> tuple[str, list[str]]:
-    """The config `vitctl train --config PRESET --set ...` would run, every key included, as YAML; and the problems
-    `vitctl train` would refuse it for whatever the ranks, devices and data."""
+def resolved_yaml(preset: str | None, overrides: list[str]) -> tuple[str, list[str], list[str]]:
+    """The config `vitctl train --config PRESET --set ...` would run, every key included, as YAML; the problems
+    `vitctl train` would refuse it for whatever the ranks, devices and data; and the keys it would not read."""
     config = load_config(preset, overrides)
-    return config.to_yaml(), config_problems(config)
+    return config.to_yaml(), config_problems(config), unread_settings(config)
 
 
 def visible_gpus() -> int:
@@ -156,7 +164,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
     strategy = preflight(config, request.nodes * request.tasks, local_device, resuming)
     plan = schedule(config, request.nodes * request.tasks, strategy)
-    if warning := steps_warning(config, plan):
+    for warning in filter(None, [steps_warning(config, plan), *unread_settings(config)]):
         echo(f"warning: {warning}")
     if request.tasks % strategy.tp:  # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
         raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
