@@ -81,6 +81,93 @@ def master_step_ms(world: int) -> dict[str, float]:
             for way, f in (("written, step", written), ("in the step", in_kernel))}
 
 
+def copy_engine_ms(world: int) -> dict[str, float]:
+    """ZeRO-1's exchange through symmetric memory, each rank's copy engines writing into its peers' buffers (no SMs),
+    against NCCL's, around the step of the share: in one piece, and pipelined over chunks of the share (the gradients
+    of chunk k land while chunk k - 1 steps; its weights leave while chunk k + 1 steps)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    rank, group = dist.get_rank(), dist.group.WORLD.group_name
+    sizes = [-(-(torch.Size(s).numel() // world or 1) // 32) * 32 for s in SHAPES]
+    starts, length = [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
+    received = symm_mem.empty(world * length, dtype=torch.bfloat16, device="cuda")
+    gathered = symm_mem.empty(world * length, dtype=torch.bfloat16, device="cuda")
+    handles = symm_mem.rendezvous(received, group), symm_mem.rendezvous(gathered, group)
+    sent = torch.randn(world * length, device="cuda").bfloat16()  # this rank's gradients, the part for rank p at p L
+    masters = [torch.nn.Parameter(torch.randn(size, device="cuda")) for size in sizes]
+    own = gathered[rank * length:(rank + 1) * length]
+    triples = [(received[a:a + n], own[a:a + n], m) for a, n, m in zip(starts, sizes, masters, strict=True)]
+    optimizer = MasterAdamW([{"params": masters, "weight_decay": 0.05}], lr=1e-4)
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    optimizer.step()
+    nccl_received = torch.empty_like(sent)
+    nccl_triples = [(nccl_received[a:a + n], w, m) for (_, w, m), a, n in zip(triples, starts, sizes, strict=True)]
+    peers = [p for p in range(world) if p != rank]
+    grads_out, weights_out = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def chunks(n: int) -> list[tuple[int, int, list]]:
+        """Up to `n` runs of whole tensors, each ending at the first tensor past k/n of the share: (start, end,
+        triples)."""
+        out, first = [], 0
+        for k in range(n):
+            last = first
+            while last < len(sizes) and (starts[last] < length * (k + 1) // n or k == n - 1):
+                last += 1
+            if last > first:
+                out.append((starts[first], starts[last - 1] + sizes[last - 1], triples[first:last]))
+            first = last
+        return out
+
+    def nccl(clip: bool) -> None:
+        dist.all_to_all_single(nccl_received, sent)
+        factor = clip_coefficient(parts_sum_of_squares(nccl_received, world).sqrt(), 5.0) if clip else None
+        optimizer.step_master_weights(nccl_triples, factor, nccl_received, world)
+        dist.all_gather_into_tensor(gathered, own)
+
+    def pipelined(n: int, clip: bool) -> None:
+        main_stream = torch.cuda.current_stream()
+        pieces = chunks(n)
+        received[rank * length:(rank + 1) * length].copy_(sent[rank * length:(rank + 1) * length])
+        grads_out.wait_stream(main_stream)
+        with torch.cuda.stream(grads_out):
+            for k, (a, b, _) in enumerate(pieces):
+                for p in peers:  # into part `rank` of peer p's received buffer
+                    handles[0].get_buffer(p, (b - a,), torch.bfloat16, rank * length + a).copy_(
+                        sent[p * length + a:p * length + b])
+                    handles[0].put_signal(p, 1 + k)
+        factor = None
+        if clip:
+            for k in range(len(pieces)):
+                for p in peers:
+                    handles[0].wait_signal(p, 1 + k)
+            factor = clip_coefficient(parts_sum_of_squares(received, world).sqrt(), 5.0)
+        weights_out.wait_stream(main_stream)
+        for k, (a, b, chunk) in enumerate(pieces):
+            if not clip:
+                for p in peers:
+                    handles[0].wait_signal(p, 1 + k)
+            optimizer.step_master_weights(chunk, factor, received, world)
+            stepped = torch.cuda.Event()
+            stepped.record()
+            with torch.cuda.stream(weights_out):
+                weights_out.wait_event(stepped)
+                for p in peers:
+                    handles[1].get_buffer(p, (b - a,), torch.bfloat16, rank * length + a).copy_(own[a:b])
+        main_stream.wait_stream(grads_out)
+        main_stream.wait_stream(weights_out)
+        handles[1].barrier(0)  # the peers' weights have landed here
+
+    results = {}
+    for clip in (False, True):
+        results[f"exchange: NCCL all-to-all, step, all-gather{', clipped' if clip else ''}"] = median_ms(
+            lambda clip=clip: nccl(clip))
+        for n in (1, 2, 3, 4, 6, 8):
+            label = f"exchange: copy engines, {n} chunk{'s' * (n > 1)}{', clipped' if clip else ''}"
+            results[label] = median_ms(lambda n=n, clip=clip: pipelined(n, clip))
+    return results
+
+
 def main() -> None:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,6 +185,7 @@ def main() -> None:
         "fused AdamW, all weights": adamw_ms(1),
         "fused AdamW, half of each": adamw_ms(2),
         **master_step_ms(world),
+        **copy_engine_ms(world),
     }
     if rank == 0:
         print(f"{world} x {torch.cuda.get_device_name()}, {n / 1e6:.1f} M elements")
