@@ -1,10 +1,11 @@
 """ZeRO-1 (`parallel.grad_reduce=zero1`) on CPU gloo ranks: the partition, the gradient exchange and the gathers; a
 bf16-pure run trains bitwise as the fp32 all-reduce after the backward does at two ranks, and its checkpoints hold
 every weight's optimizer state, resuming under another reduction and onto another number of ranks. On two GPUs
-(`gpu`): the same under CUDA graphs over NCCL."""
+(`gpu`): the same under CUDA graphs over NCCL, and the exchange through the copy engines as through NCCL."""
 
 import copy
 import json
+import os
 import shutil
 
 import pytest
@@ -20,6 +21,7 @@ from vitctl.trainer.config import ConfigError, ModelConfig, TrainConfig
 from vitctl.trainer.models import build_model
 from vitctl.trainer.ops import resolve
 from vitctl.trainer.parallel import ParallelDims, build_mesh, parallelize
+from vitctl.trainer.parallel.peer_copies import runs_of
 from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
 from vitctl.trainer.parallel.zero import ALIGN, Zero1, partition
 from vitctl.trainer.precision import MasterWeights, Precision
@@ -42,6 +44,17 @@ def test_the_partition_balances_whole_tensors_and_aligns_them():
             assert mine and all(offset % ALIGN == 0 for offset, _ in mine)
             assert all(a + size <= b for (a, size), (b, _) in zip(mine, mine[1:], strict=False))
             assert mine[-1][0] + mine[-1][1] <= length
+
+
+def test_a_share_is_cut_into_runs_of_whole_tensors_in_order():
+    tensors = [(0, 96), (96, 32), (128, 4096), (4224, 64), (4288, 1024), (5312, 32)]
+    for count in (1, 2, 3, 8):
+        runs = runs_of(tensors, count)
+        assert 1 <= len(runs) <= count and runs[0][0] == 0 and runs[-1][1] == 5344
+        assert all(a < b == c for (a, b), (c, _) in zip(runs, runs[1:], strict=False))
+        assert {a for a, _ in runs} <= {offset for offset, _ in tensors}  # a run starts where a tensor does
+    assert runs_of(tensors, 3) == [(0, 4224), (4224, 5344)]  # no run of a third: the third tensor is half
+    assert runs_of([], 3) == []
 
 
 def test_fewer_weights_than_ranks_is_a_clear_error():
@@ -247,6 +260,49 @@ def test_zero1_on_two_gpus_under_cuda_graphs_follows_the_all_reduce(prepared_sha
     ok("train", "--out", tmp_path / "zero1", "--steps", 12, "--resume", *common,
        *sets("parallel.grad_reduce=after_backward"))
     assert ckpt.read_meta(ckpt.list_checkpoints(tmp_path / "zero1")[-1])["step"] == 12
+
+
+def _exchange_both_ways_rank(rank: int, init: str, results: dict, max_norm: float) -> None:
+    from vitctl.trainer.optim import param_groups
+
+    cuda = torch.device("cuda", rank)
+    torch.cuda.set_device(cuda)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2, device_id=cuda)
+    out = {}
+    for exchange in ("copy_engines", "nccl"):
+        os.environ["VITCTL_ZERO1_EXCHANGE"] = exchange
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64), *[nn.Linear(64, 64) for _ in range(6)]).to(cuda)
+        master = MasterWeights(model)
+        zero = Zero1(master, None, rank, 2, torch.bfloat16)
+        optimizer = resolve("all", cuda).optimizer(param_groups(master.module, 0.05, None), 1e-3, (0.9, 0.999), 1e-8)
+        torch.manual_seed(1 + rank)
+        for _ in range(4):  # the first step is torch's (it makes the state), the others the kernel's, run by run
+            model(torch.randn(32, 64, device=cuda).bfloat16()).float().square().mean().backward()
+            zero.reduce()
+            zero.step(master, optimizer, max_norm)
+            zero.gather_weights()
+        zero.gather([(m, m.detach()) for _, m in master.pairs])
+        out[exchange] = (zero.copies is not None, len(zero.runs) if zero.copies else 0,
+                         [p.detach().cpu() for p in model.parameters()], [m.detach().cpu() for _, m in master.pairs])
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+@pytest.mark.parametrize("max_norm", [0.0, 1e-3])
+def test_the_exchange_through_the_copy_engines_steps_bitwise_as_nccl_s(tmp_path, max_norm):
+    """Two GPUs, the master AdamW kernel stepping each rank's share in runs as their gradients land, unclipped and
+    clipped: every rank ends with the bf16 weights and fp32 masters that NCCL's all-to-all and all-gather give."""
+    results = mp.Manager().dict()
+    spawn_ranks(_exchange_both_ways_rank, 2, tmp_path, results, max_norm)
+    for rank in range(2):
+        copies, nccl = results[rank]["copy_engines"], results[rank]["nccl"]
+        assert copies[0] and copies[1] >= 2 and not nccl[0]  # stepped in runs
+        for a, b in zip(copies[2] + copies[3], nccl[2] + nccl[3], strict=True):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(copies[2], results[0]["copy_engines"][2], strict=True))
 
 
 def _train_one_rank(zero: bool, steps: int = 6) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -6,8 +6,9 @@ After the backward each rank sends every other rank the gradients of the weights
 fp32 (at two ranks the fp32 all-reduce's very sum): where the optimizer is the master AdamW kernel (ops/cuda.py), the
 kernel takes that mean as it reads the received bf16 parts, which saves a pass that writes it. After its step it
 all-gathers the bf16 weights, which live in one flat buffer laid out by owner, so that the gather writes them in
-place. The masters of the weights another rank steps go stale here, as do their EMA: `gather` brings such fp32
-copies up to date before anything reads them.
+place. Within one node both transfers go through the copy engines instead, overlapping the step (peer_copies.py).
+The masters of the weights another rank steps go stale here, as do their EMA: `gather` brings such fp32 copies up to
+date before anything reads them.
 """
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from ..config import ConfigError
 from ..ops.cuda import parts_sum_of_squares
 from ..precision import MasterWeights, clip_coefficient, summed_norm
+from .peer_copies import PeerCopies, copy_engines_apply, runs_of, symmetric_zeros
 
 ALIGN = 32  # elements: each weight starts 64-byte aligned in the buffers (Inductor copies misaligned inputs)
 # torch 2.14 renamed it and warns at each call of the old name, the only one torch 2.11 has
@@ -38,9 +40,11 @@ class Zero1:
         self.sources = [r if group is None else dist.get_global_rank(group, r) for r in range(size)]
         starts = [owner * self.length + offset for owner, offset in zip(owners, offsets, strict=True)]
         device = self.pairs[0][0].device
-        self.weights = torch.zeros(size * self.length, dtype=torch.bfloat16, device=device)
+        peers = copy_engines_apply(group, size, device)
+        buffer = symmetric_zeros if peers else lambda n, dtype, device: torch.zeros(n, dtype=dtype, device=device)
+        self.weights = buffer(size * self.length, torch.bfloat16, device)
         self.sent = torch.zeros(size * self.length, dtype=exchange, device=device)
-        self.received = torch.empty_like(self.sent)
+        self.received = buffer(size * self.length, exchange, device)
         self.grads = torch.empty(self.length, dtype=torch.float32, device=device)
         self.sent_views = _views(self.sent, starts, shapes)
         self.grad_views = _views(self.grads, [offsets[i] for i in self.owned], [shapes[i] for i in self.owned])
@@ -50,6 +54,14 @@ class Zero1:
             for view, (p, _) in zip(_views(self.weights, starts, shapes), self.pairs, strict=True):
                 view.copy_(p)
                 p.data = view
+        self.copies = None
+        if peers:
+            runs = [runs_of([(offsets[i], shapes[i].numel()) for i in range(len(shapes)) if owners[i] == r])
+                    for r in range(size)]
+            self.copies = PeerCopies(self.received, self.weights, group, rank, size, self.length, runs)
+            # the triples this rank steps, by run
+            self.runs = [[i for i in self.owned if a <= offsets[i] < b] for a, b in runs[rank]]
+        self.weights_sent = False
 
     def steps(self, master: nn.Parameter) -> bool:
         """Whether this rank steps `master`."""
@@ -69,7 +81,10 @@ class Zero1:
             torch._foreach_add_([v for v, _ in earlier], [g for _, g in earlier])
         for p, m in self.pairs:
             p.grad = m.grad = None
-        dist.all_to_all_single(self.received, self.sent, group=self.group)
+        if self.copies is not None:
+            self.copies.send_gradients(self.sent)
+        else:
+            dist.all_to_all_single(self.received, self.sent, group=self.group)
 
     @torch.no_grad()
     def step(self, master: MasterWeights, optimizer: torch.optim.Optimizer, max_norm: float = 0.0,
@@ -77,15 +92,29 @@ class Zero1:
         """Step this rank's share from the mean of what `reduce` received, clipped to `max_norm` (when set) by the norm
         over every rank's share; returns that norm when clipping. The master AdamW kernel takes the mean of the bf16
         parts as it reads them; otherwise it is written in fp32 first."""
-        triples = [(first, *self.pairs[i]) for i, first in zip(self.owned, self.first_parts, strict=True)]
+        first_part = dict(zip(self.owned, self.first_parts, strict=True))
+        triples = [(first_part[i], *self.pairs[i]) for i in self.owned]
         applies = getattr(optimizer, "applies", None)
         if self.received.dtype != torch.bfloat16 or applies is None or not applies(triples):
+            if self.copies is not None:
+                self.copies.wait_gradients()
             self.average()
             return master.step(optimizer, max_norm, norm_groups)
+        if self.copies is not None and max_norm:  # the norm needs every gradient before any run steps
+            self.copies.wait_gradients()
         # the gaps between the weights are zeros in every part, so the whole share's sum is the weights'
         norm = summed_norm(parts_sum_of_squares(self.received, self.size), norm_groups) if max_norm else None
-        optimizer.step_master_weights(triples, None if norm is None else clip_coefficient(norm, max_norm),
-                                      self.received, self.size)
+        clip = None if norm is None else clip_coefficient(norm, max_norm)
+        if self.copies is None:
+            optimizer.step_master_weights(triples, clip, self.received, self.size)
+            return norm
+        for k, run in enumerate(self.runs):
+            if not max_norm:
+                self.copies.wait_gradients(k)
+            optimizer.step_master_weights([(first_part[i], *self.pairs[i]) for i in run], clip, self.received,
+                                          self.size)
+            self.copies.send_weights(k)
+        self.weights_sent = True
         return norm
 
     @torch.no_grad()
@@ -98,8 +127,15 @@ class Zero1:
     @torch.no_grad()
     def gather_weights(self) -> None:
         """After the step: every rank's stepped bf16 weights to every rank."""
-        mine = self.weights[self.rank * self.length:(self.rank + 1) * self.length]
-        ALL_GATHER(self.weights, mine, group=self.group)
+        if self.copies is None:
+            mine = self.weights[self.rank * self.length:(self.rank + 1) * self.length]
+            ALL_GATHER(self.weights, mine, group=self.group)
+            return
+        if not self.weights_sent:  # stepped by torch's optimizer, in one piece
+            for k in range(len(self.runs)):
+                self.copies.send_weights(k)
+        self.copies.finish()
+        self.weights_sent = False
 
     @torch.no_grad()
     def gather(self, copies: list[tuple[nn.Parameter, Tensor]]) -> None:
