@@ -205,6 +205,9 @@ def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shard
     (["parallel.pp=2", "parallel.microbatches=2", "parallel.grad_reduce=overlap"],
      "parallel.grad_reduce=overlap (DDP) does not run with tensor or pipeline parallel"),
     (["parallel.plan=missing.json"], "missing.json does not exist; write one with `vitctl plan"),
+    (["train.precision=fp16", "parallel.pp=2", "parallel.microbatches=2"],  # before: torch's GradScaler assertion
+     "train.precision=fp16 does not run with tensor or pipeline parallel: its loss scaler"),  # in the ranks
+    (["train.precision=fp16", "parallel.tp=2"], "use train.precision=bf16, which needs no loss scaling"),
     ([*INTERLEAVED, "parallel.microbatches=2", "parallel.virtual_stages=4"],
      "8 pipeline stages need at least as many blocks; the model has 4; lower parallel.virtual_stages"),
 ])

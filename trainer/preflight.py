@@ -111,6 +111,10 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
     if precision in ("bf16-pure", "fp8") and (mixed or s.tp > 1 and not s.fsdp):
         problems.append(f"train.precision={precision} needs every block sharded (FSDP2 keeps the fp32 weights) or, "
                         f"with parallel.tp=1, none; use train.precision=bf16 for this strategy")
+    if precision == "fp16" and (s.tp > 1 or s.pp > 1):
+        problems.append("train.precision=fp16 does not run with tensor or pipeline parallel: its loss scaler neither "
+                        "scales the loss a pipeline schedule's backward starts from nor unscales split (DTensor) "
+                        "gradients; use train.precision=bf16, which needs no loss scaling")
     if precision == "fp8" and s.tp > 1:
         problems.append("train.precision=fp8 does not run with tensor parallel yet (its split layers have no float8 "
                         "path); use parallel.tp=1 or train.precision=bf16-pure")
