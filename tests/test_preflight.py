@@ -52,6 +52,20 @@ def test_bad_requests_are_refused_before_launch(prepared_shards, tmp_path, overr
     assert not (tmp_path / "run" / "submitit").exists()  # nothing was launched
 
 
+def test_a_strategy_with_problems_still_counts_its_data_parallel_ranks(prepared_shards):
+    """Before: with tp=2 refused for vit_micro's 3 heads, the batch was counted over all 4 ranks as data parallel."""
+    config = load_config("demo_vit", [f"data.path={prepared_shards}", "data.batch_size=40", "parallel.tp=2",
+                                      f"model.num_classes={CLASSES}"])
+    with pytest.raises(ConfigError) as refused:
+        preflight(config, 4, None)
+    assert "parallel.tp=2 must divide every block's attention heads" in str(refused.value)
+    assert "data.batch_size 40 x 2 data-parallel ranks = 80 samples a step" in str(refused.value)
+    config.parallel.tp = 3  # 3 does not divide 4 ranks: the data-parallel ranks are not known, nor said
+    with pytest.raises(ConfigError) as refused:
+        preflight(config, 4, None)
+    assert "data-parallel ranks" not in str(refused.value)
+
+
 def test_a_named_implementation_that_cannot_run_is_refused_and_the_fix_runs(prepared_shards, tmp_path):
     """Named, an implementation is not swapped for the reference behind the user's back; without the name it is."""
     args = ["train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run", "--executor",

@@ -49,10 +49,18 @@ def preflight(config: RunConfig, world_size: int, device: torch.device | None, r
             problems += filter(None, [_zero1_weights_error(config, dims.dp_size)])
     if device is not None:
         problems += _device_problems(config, device)
-    problems += _data_problems(config, dims.dp_size if dims else world_size)
+    problems += _data_problems(config, dims.dp_size if dims else _dp_size_guess(strategy, world_size))
     if problems:
         raise ConfigError("; ".join(problems))
     return strategy
+
+
+def _dp_size_guess(strategy: Strategy | None, world_size: int) -> int | None:
+    """The data-parallel ranks of a strategy that has problems, where its tp x pp still divides the ranks."""
+    if strategy is None:
+        return world_size
+    model_ranks = strategy.tp * strategy.pp
+    return world_size // model_ranks if world_size % model_ranks == 0 else None
 
 
 def config_problems(config: RunConfig) -> list[str]:
@@ -373,8 +381,9 @@ def _train_samples(config: RunConfig) -> tuple[int, int | None]:
     return sum(e["samples"] for e in shards), len(class_list)
 
 
-def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
-    c, global_batch = config.data, config.data.batch_size * dp_size
+def _data_problems(config: RunConfig, dp_size: int | None) -> list[str]:
+    """The data's problems; those of a step's samples only where the data-parallel ranks are known (`dp_size`)."""
+    c, global_batch = config.data, config.data.batch_size * (dp_size or 1)
     if c.source != "synthetic" and c.path is None:  # here, not when loading: `config show` prints a preset without data
         return ["data.path is required (or data.source=synthetic)"]
     try:
@@ -386,6 +395,8 @@ def _data_problems(config: RunConfig, dp_size: int) -> list[str]:
         problems.append(f"model.num_classes is {config.model.num_classes} but the shards hold {classes} classes; "
                         f"pass --set model.num_classes={classes}")
     accum = config.optim.accum_steps
+    if dp_size is None:
+        return problems
     if samples < global_batch:
         problems.append(f"data.batch_size {c.batch_size} x {dp_size} data-parallel ranks = {global_batch} samples "
                         f"a step, more than the {samples} train samples; lower data.batch_size or use fewer ranks")
