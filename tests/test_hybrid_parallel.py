@@ -209,7 +209,7 @@ def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shard
      "train.precision=fp16 does not run with tensor or pipeline parallel: its loss scaler"),  # in the ranks
     (["train.precision=fp16", "parallel.tp=2"], "use train.precision=bf16, which needs no loss scaling"),
     ([*INTERLEAVED, "parallel.microbatches=2", "parallel.virtual_stages=4"],
-     "8 pipeline stages need at least as many blocks; the model has 4; lower parallel.virtual_stages"),
+     "8 pipeline stages need at least as many blocks; the model has 4; lower parallel.virtual_stages to 2"),
 ])
 def test_strategies_that_cannot_run_are_refused_before_launch(prepared_shards, tmp_path, overrides, message):
     result = vitctl("train", "--config", "demo_vit", "--data", prepared_shards, "--out", tmp_path / "run",
@@ -229,9 +229,13 @@ VIT_MINI = model_shape(ModelConfig(name="vit_mini"))  # 4 blocks
      "parallel.virtual_stages=2 needs parallel.schedule=interleaved_1f1b; 1f1b runs one stage per pipeline rank"),
     (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=5),
      "the interleaved_1f1b schedule runs parallel.microbatches=5 in max(1, microbatches // pp) = 2 rounds of equal "
-     "size, which 5 does not divide into; use a multiple of parallel.pp=2 (e.g. 4 or 6) or fewer than 4"),
+     "size, which 5 does not divide into; use a multiple of parallel.pp=2 that data.batch_size 60 divides into "
+     "(e.g. 4 or 6), or fewer than 4"),
     (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=3, microbatches=2),
-     "6 pipeline stages need at least as many blocks; the model has 4; lower parallel.virtual_stages"),
+     "6 pipeline stages need at least as many blocks; the model has 4; lower parallel.virtual_stages to 2"),
+    (Strategy(pp=4, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4),  # before: "lower
+     "8 pipeline stages need at least as many blocks; the model has 4; use parallel.schedule=1f1b, "  # virtual_stages",
+     "parallel.virtual_stages=1 (interleaving needs 2 stages per pipeline rank)"),  # which 1 cannot be for interleaving
     (Strategy(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=2, stages=(2, 2)),
      "parallel.stages [2, 2] must give 4 stages (parallel.pp=2 x parallel.virtual_stages=2) of at least one block "
      "each, 4 blocks in all"),

@@ -282,6 +282,17 @@ def strategy_problems(s: Strategy, model: ModelShape, world_size: int, batch_siz
     return problems
 
 
+def _fewer_stages(s: Strategy, n_blocks: int) -> str:
+    """How to fit the stages to `n_blocks` blocks: an interleaved schedule needs 2 stages per pipeline rank or more."""
+    if s.virtual_stages > 1 and n_blocks >= 2 * s.pp:
+        return f"lower parallel.virtual_stages to {n_blocks // s.pp}"
+    fixes = [f"parallel.pp={n_blocks} or less"] if n_blocks < s.pp else []
+    if s.virtual_stages > 1:
+        fixes += ["parallel.schedule=1f1b", "parallel.virtual_stages=1"]
+        return f"use {', '.join(fixes)} (interleaving needs 2 stages per pipeline rank)"
+    return f"use {fixes[0]}"
+
+
 def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]:
     divides = [] if batch_size % s.microbatches == 0 else \
         [f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}"]
@@ -291,17 +302,17 @@ def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]
     count = s.n_stages
     described = f"{count} stages (parallel.pp={s.pp} x parallel.virtual_stages={s.virtual_stages})" \
         if s.virtual_stages > 1 else f"{count} stages"
-    problems = _schedule_problems(s)
+    problems = _schedule_problems(s, batch_size)
     if n_blocks < count:
-        problems.append(f"{count} pipeline stages need at least as many blocks; the model has {n_blocks}"
-                        + ("; lower parallel.virtual_stages" if s.virtual_stages > 1 else ""))
+        problems.append(f"{count} pipeline stages need at least as many blocks; the model has {n_blocks}; "
+                        + _fewer_stages(s, n_blocks))
     if s.stages and (len(s.stages) != count or sum(s.stages) != n_blocks or min(s.stages) < 1):
         problems.append(f"parallel.stages {list(s.stages)} must give {described} of at least one block each, "
                         f"{n_blocks} blocks in all")
     return problems + divides
 
 
-def _schedule_problems(s: Strategy) -> list[str]:
+def _schedule_problems(s: Strategy, batch_size: int) -> list[str]:
     """The micro-batch counts and stages per rank the pipeline schedule runs with (torch's own checks, ahead)."""
     m, pp = s.microbatches, s.pp
     if s.schedule == INTERLEAVED and s.virtual_stages < 2:
@@ -315,8 +326,10 @@ def _schedule_problems(s: Strategy) -> list[str]:
                 f"raise it to {pp} or more"]
     rounds = max(1, m // pp)  # torch's ScheduleInterleaved1F1B runs the micro-batches in this many equal rounds
     if s.schedule == INTERLEAVED and m % rounds:
-        lower = m // pp * pp
+        # multiples of pp that the batch divides into, the nearest first
+        fits = sorted((c for c in range(pp, batch_size + 1, pp) if batch_size % c == 0), key=lambda c: abs(c - m))
+        some = f" (e.g. {' or '.join(map(str, sorted(fits[:2])))})" if fits else ""
         return [f"the {INTERLEAVED} schedule runs parallel.microbatches={m} in max(1, microbatches // pp) = {rounds} "
-                f"rounds of equal size, which {m} does not divide into; use a multiple of parallel.pp={pp} (e.g. "
-                f"{lower} or {lower + pp}) or fewer than {2 * pp}"]
+                f"rounds of equal size, which {m} does not divide into; use a multiple of parallel.pp={pp} that "
+                f"data.batch_size {batch_size} divides into{some}, or fewer than {2 * pp}"]
     return []
