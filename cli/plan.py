@@ -84,8 +84,16 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     if outcome.result.least is None:  # no layout runs: more memory would not help, as write_plan would advise
         raise wf.ConfigError(_indivisible_batch(outcome))
     wf.write_plan(outcome, out)
-    console.print(f"plan: {out}  (train with --plan {shlex.quote(str(out))} --batch "
-                  f"{wf.per_rank_batch(outcome)})", highlight=False, soft_wrap=True)
+    console.print(f"plan: {out}  (train with {_train_flags(outcome, out)})", highlight=False, soft_wrap=True)
+
+
+def _train_flags(outcome: wf.PlanOutcome, out: Path) -> str:
+    """The `vitctl train` flags that run the plan: its model, image size, ranks and per-rank batch."""
+    r = outcome.request
+    flags = [f"--model {r.model}", f"--plan {shlex.quote(str(out))}", f"--batch {wf.per_rank_batch(outcome)}"]
+    flags += [f"--nodes {r.nodes}"] * (r.nodes > 1) + [f"--gpus {r.gpus}"]
+    flags += [f"--set model.img_size={r.img_size}"] * (r.img_size != 224)
+    return " ".join(flags)
 
 
 def _indivisible_batch(outcome: wf.PlanOutcome) -> str:

@@ -261,7 +261,8 @@ def test_a_plan_for_another_model_and_a_plan_beside_strategy_keys_are_refused(pr
             4, "--batch", 6, *COMMON, "--set", f"parallel.plan={plan}"]
     result = vitctl(*base)
     assert result.exit_code == 1 and "gives strategies for 12 blocks but model has 4; it was planned for " \
-        "'vit_b16'" in result.stderr
+        "'vit_b16': train vit_b16 with it (--model vit_b16), or plan this model (vitctl plan --model vit_micro" \
+        in result.stderr, result.stderr
     result = vitctl(*base, "--set", "parallel.tp=2")
     assert result.exit_code == 1 and "sets the strategy, so parallel.tp cannot be given beside it" in result.stderr
 

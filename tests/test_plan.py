@@ -540,6 +540,19 @@ def test_cli_given_a_plan_as_its_profile_says_so_and_the_profile_works(tmp_path)
     ok(*_plan_args(profile_path, tmp_path / "again.json", 80))
 
 
+def test_the_printed_train_flags_run_the_plan(tmp_path, prepared_shards):
+    """Before: `train with --plan plan.json --batch 16`, which trained the default vit_b16 at 224 and was refused."""
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    said = re.search(r"\(train with (.+)\)", ok(*_plan_args(profile_path, out, 80)).stdout.replace("\n", ""))
+    flags = said.group(1).split()
+    assert flags[:2] == ["--model", "vit_mini"] and "--gpus" in flags and "model.img_size=32" in flags, flags
+    gpus = flags.index("--gpus")  # this machine's ranks are CPU ones
+    flags[gpus:gpus + 2] = ["--gpus", "0", "--tasks-per-node", flags[gpus + 1]]
+    ok("train", *flags, "--config", "demo_vit", "--data", prepared_shards, "--set", "model.num_classes=5",
+       "--set", "train.precision=fp32", "--executor", "local", "--dry-run", "--out", tmp_path / "run")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the missing profile is measured")
 def test_cli_without_a_profile_on_a_cpu_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -146,7 +146,8 @@ def _block_count_error(where: str, planned: int, n_blocks: int, planned_for: str
     replan = f"vitctl plan --model {model or 'MODEL'} ... --out {shlex.quote(str(path))}"
     if planned_for and planned_for != model:
         return (f"{where} gives strategies for {planned} blocks but model has {n_blocks}; it was planned for "
-                f"{planned_for!r}; plan this model ({replan})")
+                f"{planned_for!r}: train {planned_for} with it (--model {planned_for}), or plan this model "
+                f"({replan})")
     return (f"{where} gives strategies for {planned} blocks (the \"blocks\" of its groups add up to {planned}) but "
             f"{f'model {model}' if model else 'the model'} has {n_blocks}; make them add up to {n_blocks}, or write "
             f"the plan again with `{replan}`")
