@@ -667,9 +667,14 @@ def _first_stop(handler: Callable[[int, Any], None], signum: int, frame: Any) ->
 def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str], None]) -> None:
     """Echo the log's new lines without tracebacks until the job ends. Once a rank has failed, the others get
     FAILED_RANK_GRACE_S to end before they are killed (they may be waiting for it in a collective)."""
-    hide, stop_at = TracebackFilter(), None
+    hide, stop_at, orphaned = TracebackFilter(), None, False
     while True:
         done = submitted.done()
+        if done and _ranks_run_on(record):  # the controller was killed: its ranks got SIGTERM (signal_when_parent_ends)
+            if not orphaned:
+                echo(f"job {record.job_id}: its controller process ended while its ranks ran on; they checkpoint "
+                     "after the step they are in, then stop")
+            orphaned, done = True, False
         shown = hide.shown(log.read(final=done).splitlines(), final=done)
         if shown:
             echo("\n".join(shown))
@@ -682,6 +687,12 @@ def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str
                 os.kill(rank, signal.SIGKILL)
             stop_at = float("inf")
         time.sleep(0.5)
+
+
+def _ranks_run_on(record: JobRecord) -> bool:
+    """Whether rank 0 of the job still holds its run folder's lock."""
+    holder = runlock.holder(Path(record.run_dir))
+    return holder is not None and holder.get("job") in (record.job_id, None)
 
 
 def command_line() -> list[str]:
