@@ -110,6 +110,8 @@ def _run(o: dict, finetune: bool = False) -> None:
     if warning := shadowed_file(o["preset"]):
         err_console.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     config = wf.build_config(o["preset"], _flags(o), list(o["overrides"]), o["resume"], FLAG_NAMES)
+    if finetune and not config.finetune.from_ckpt and o["resume"]:  # its checkpoints say what it started from
+        config.finetune.from_ckpt = wf.resumed_finetune_source(config)
     if finetune and not config.finetune.from_ckpt:
         raise wf.ConfigError("vitctl finetune needs the weights to start from: pass --from-ckpt PATH (a run or "
                              "checkpoint folder, a `vitctl export` file, a timm or official Swin checkpoint)")

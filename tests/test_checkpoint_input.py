@@ -433,6 +433,20 @@ def test_a_resumed_finetune_needs_its_source_no_more(weights, tmp_path):
     assert resumed["step"] == 3
 
 
+def test_finetune_resume_takes_the_source_its_checkpoints_name_and_a_link_to_it(weights, tmp_path):
+    """Before: `finetune --resume` without --from-ckpt was told to pass one, and a link to the same file was refused
+    as another source."""
+    source, link = tmp_path / "source.pth", tmp_path / "link.pth"
+    torch.save(weights, source)
+    link.symlink_to(source)
+    assert finetune(source, tmp_path / "ft").exit_code == 0
+    base = ["finetune", "--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, *SETS, "--resume"]
+    for steps, given in ((2, []), (3, ["--from-ckpt", link])):
+        result = vitctl(*base, "--steps", steps, *given)
+        assert result.exit_code == 0, result.stderr
+        assert ckpt.read_meta(ckpt.list_checkpoints(tmp_path / "ft")[-1])["step"] == steps
+
+
 def test_a_ctrl_c_inside_dcp_s_read_is_an_interrupt_not_a_bug_to_report(tmp_path, monkeypatch):
     """DCP wraps a KeyboardInterrupt in its CheckpointException: `export` said 'please report it' (exit 1)."""
     import traceback

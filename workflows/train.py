@@ -1,5 +1,6 @@
 """Turn CLI choices into a validated run config and a launch: Slurm or this machine, both through submitit."""
 
+import os
 import shlex
 import shutil
 from pathlib import Path
@@ -48,7 +49,8 @@ from .submit import (
 )
 
 __all__ = ["ConfigError", "JobRecord", "LaunchError", "LaunchRequest", "RunConfig", "build_config", "checkpoint",
-           "default_executor", "launch", "read_metrics", "resolved_yaml", "run_one_rank", "visible_gpus"]
+           "default_executor", "launch", "read_metrics", "resolved_yaml", "resumed_finetune_source", "run_one_rank",
+           "visible_gpus"]
 
 
 def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str], resume: bool = False,
@@ -263,6 +265,21 @@ def _other_data(last: Path, saved: dict, config: RunConfig) -> str | None:
             "command)")
 
 
+def resumed_finetune_source(config: RunConfig) -> str | None:
+    """The weights the finetune in train.out_dir started from, where --resume goes on from its checkpoints."""
+    if found := checkpoint.list_checkpoints(Path(config.train.out_dir)):
+        return checkpoint.read_meta(found[-1])["config"].get("finetune", {}).get("from_ckpt")
+    return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    """By the file system where both exist (a link and its target agree), else by name."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).absolute() == Path(b).absolute()
+
+
 def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
     """ConfigError if --resume would continue a pretraining run as a finetune or the reverse (finetune.from_ckpt would
     be ignored without a word), or with other model settings than it saved (the ranks would refuse, on Slurm only
@@ -273,7 +290,7 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
     source = saved.get("finetune", {}).get("from_ckpt")
     wanted = config.finetune.from_ckpt
     run_dir = checkpoints[-1].parent.parent
-    if source and wanted and Path(source) != Path(wanted):
+    if source and wanted and not _same_file(source, wanted):
         raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: --resume would continue it "
                           f"and ignore --from-ckpt {wanted}; continue it with --from-ckpt "
                           f"{shlex.quote(str(source))}, or choose another --out to finetune from {wanted}")
