@@ -80,6 +80,13 @@ def _torch_zip_cut_short(path: Path, weights: dict) -> None:
     path.write_bytes(path.read_bytes()[:-4000])
 
 
+def _safetensors_cut_short(path: Path, weights: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, path)
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
 @pytest.mark.parametrize(("name", "make", "message"), [
     ("empty.pt", lambda p, w: p.write_bytes(b""), "is empty (0 bytes), not a checkpoint"),
     ("notes.pt", lambda p, w: p.write_text("epoch 3: top-1 71.2\n"),
@@ -90,7 +97,8 @@ def _torch_zip_cut_short(path: Path, weights: dict) -> None:
     ("cut.pt", _torch_zip_cut_short, "is damaged or not a torch.save file (PytorchStreamReader failed reading zip"),
     ("model.safetensors", lambda p, w: p.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}"),
      "is not a readable safetensors file"),
-])
+    ("cut.safetensors", _safetensors_cut_short, "is cut short: it holds "),  # before: 'incomplete metadata, file not
+])  # fully covered', blamed on its header
 def test_a_file_that_is_no_checkpoint_is_refused_before_launch(weights, tmp_path, name, make, message):
     source = tmp_path / name
     make(source, weights)
@@ -99,7 +107,7 @@ def test_a_file_that_is_no_checkpoint_is_refused_before_launch(weights, tmp_path
     assert f"error: finetune.from_ckpt {source} {message}" in result.stderr, result.stderr
     assert "Traceback" not in result.output + result.stderr and "full unpickling" not in result.stderr
     assert not (tmp_path / "ft").exists()  # nothing was launched
-    if name != "model.safetensors":
+    if not name.endswith(".safetensors"):
         assert ACCEPTED in result.stderr
 
 
@@ -401,6 +409,19 @@ def test_the_log_names_the_checkpoint_and_step_a_run_folder_stood_for(pretrained
         load_pretrained(micro_model(), pretrained, True, "vit_micro")
     last = ckpt.list_checkpoints(pretrained)[-1]
     assert any(r.getMessage().startswith(f"loaded {last} (step 3, ") for r in caplog.records), caplog.text
+
+
+def test_the_log_names_an_export_s_step_and_why_the_head_is_new(pretrained, tmp_path, caplog):
+    exported = tmp_path / "w.safetensors"
+    assert vitctl("export", pretrained, "--out", exported).exit_code == 0
+    model = build_model(ModelConfig(name="vit_micro", num_classes=3, img_size=32, drop_path=0.0),
+                        resolve("none", torch.device("cpu")))
+    with caplog.at_level("INFO", logger="vitctl.finetune"):
+        load_pretrained(model, exported, None, "vit_micro")
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"loaded {exported} (exported from step 3 of ") for m in said), said
+    assert any(m.startswith("a new head: the file's does not fit the model (") and "head.weight (5, " in m
+               and "-> (3, " in m for m in said), said
 
 
 def test_resized_tables_are_logged_once(pretrained, tmp_path, caplog):

@@ -9,6 +9,7 @@ Swaps the head when the class count differs (a new head is seeded apart from the
 MLP head, and interpolates ViT position embeddings and Swin relative-position tables to the new resolution or window.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -148,7 +149,7 @@ def _safetensors_metadata(path: Path) -> dict[str, str]:
         with safe_open(path, "pt") as f:
             return f.metadata() or {}
     except SafetensorError as e:
-        raise ConfigError(f"finetune.from_ckpt {path} is not a readable safetensors file ({e}); {ACCEPTED}") from None
+        raise ConfigError(_unreadable_safetensors(path, e)) from None
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -156,7 +157,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = load_file(path)
     except SafetensorError as e:
-        raise ConfigError(f"finetune.from_ckpt {path} is not a readable safetensors file ({e}); {ACCEPTED}") from None
+        raise ConfigError(_unreadable_safetensors(path, e)) from None
     if EXPORT_SHA256 in metadata and tensors_sha256(state) != metadata[EXPORT_SHA256]:
         again = shlex.join(["vitctl", "export", str(metadata.get("vitctl_checkpoint", "RUN")), "--out", str(path)])
         if metadata.get("vitctl_weights") == "ema":
@@ -164,6 +165,20 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"finetune.from_ckpt {path} is damaged: its tensors do not match the sha256 `vitctl export` "
                           f"recorded in it; export it again ({again})")
     return state
+
+
+def _unreadable_safetensors(path: Path, error: Exception) -> str:
+    """Why safetensors could not read `path`: cut short (its header gives the length it needs), or else its words."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError, IndexError):
+        with open(path, "rb") as f:
+            header_length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_length))
+        needed = 8 + header_length + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                                         default=0)
+        if (size := path.stat().st_size) < needed:
+            return (f"finetune.from_ckpt {path} is cut short: it holds {size:,} of the {needed:,} bytes its header "
+                    "lists (a copy or download that stopped); copy it again")
+    return f"finetune.from_ckpt {path} is not a readable safetensors file ({error}); {ACCEPTED}"
 
 
 def _read_torch(path: Path, trust: bool) -> Any:
@@ -274,6 +289,11 @@ def adapt(state: dict[str, torch.Tensor], model: nn.Module, reset_head: bool | N
     head_differs = any(k.startswith(HEAD_PREFIXES) and (k not in target or state[k].shape != target[k].shape)
                        for k in state)
     if reset_head or (reset_head is None and head_differs):
+        if not any(v.is_meta for v in state.values()):  # as above: logged by the load, not the check before launch
+            misfits = [f"{k} {tuple(v.shape)} -> {tuple(target[k].shape)}" for k, v in state.items()
+                       if k.startswith(HEAD_PREFIXES) and k in target and v.shape != target[k].shape]
+            log.info("a new head: %s", "finetune.reset_head=true" if reset_head else
+                     f"the file's does not fit the model ({', '.join(misfits) or 'other keys'})")
         state = {k: v for k, v in state.items() if not k.startswith(HEAD_PREFIXES)}
         fresh = sorted(k for k in target if k.startswith(HEAD_PREFIXES))
     return state, fresh
@@ -301,9 +321,18 @@ class Pretrained:
             own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
             if own and set(own) <= set(self.fresh):
                 init_module(module, name, head_seed)
-        step = f"step {read_meta(self.path)['step']}, " if self.path.is_dir() else ""
-        log.info("loaded %s (%s%d tensors); initialised afresh: %s", self.path, step, len(self.state),
+        log.info("loaded %s (%s%d tensors); initialised afresh: %s", self.path, _origin(self.path), len(self.state),
                  ", ".join(self.fresh) or "nothing")
+
+
+def _origin(path: Path) -> str:
+    """The step a checkpoint folder holds, or the step and checkpoint a `vitctl export` recorded, for the log."""
+    if path.is_dir():
+        return f"step {read_meta(path)['step']}, "
+    with contextlib.suppress(ConfigError):
+        if looks_like_safetensors(path) and "vitctl_step" in (meta := _safetensors_metadata(path)):
+            return f"exported from step {meta['vitctl_step']} of {meta.get('vitctl_checkpoint', 'a run')}, "
+    return ""
 
 
 def read_pretrained(model: nn.Module, path: Path, reset_head: bool | None, model_name: str, *,
