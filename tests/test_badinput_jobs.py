@@ -574,6 +574,19 @@ def _last_step(run: Path) -> int:
     return max(json.loads(line).get("step", 0) for line in (run / "metrics.jsonl").read_text().splitlines())
 
 
+def test_resume_onto_other_data_parallel_ranks_names_the_global_batch_and_the_fix_keeps_it(tmp_path):
+    """Before: 2 ranks resumed on 1 (or 4) trained at another global batch and learning rate without a word."""
+    run = tmp_path / "run"
+    ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 1, "--out", run)  # 2 x 4 samples a step
+    resumed = ok("train", *QUICK, "--steps", 2, "--out", run, "--resume", "--dry-run")
+    saved = ckpt.list_checkpoints(run)[-1]
+    assert (f"warning: --resume at a global batch of 4 samples a step, where {saved} trained at 8: the learning rate "
+            "scales with it (peak 3.125e-05 -> 1.5625e-05), and so do the steps of an epoch; --batch 8 keeps the saved "
+            "one") in resumed.stderr, resumed.stderr
+    kept = ok("train", *QUICK, "--batch", 8, "--steps", 2, "--out", run, "--resume")  # the last --batch counts
+    assert "global batch" not in kept.stderr, kept.stderr
+
+
 def test_resume_with_other_settings_than_the_checkpoint_s_names_them(tmp_path):
     """Before: `--resume` without the run's --set options went on in fp32, without clipping, in silence; and a saved
     null was named as Python's None, which --set refuses."""

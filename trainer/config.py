@@ -89,9 +89,12 @@ class EvalConfig:
     interpolation: str | None = None
 
 
+LR_REFERENCE_BATCH = 512  # optim.lr is for this global batch and scales linearly (DeiT, Swin)
+
+
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3  # for a global batch of 512 (loop.LR_REFERENCE_BATCH); scaled linearly with the real one
+    lr: float = 1e-3  # for a global batch of LR_REFERENCE_BATCH; scaled linearly with the real one
     min_lr: float = 1e-5
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)

@@ -28,7 +28,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from . import checkpoint as ckpt
 from . import runlock
-from .config import ConfigError, RunConfig, config_from_dict
+from .config import LR_REFERENCE_BATCH, ConfigError, RunConfig, config_from_dict
 from .data import Batch, build_data
 from .fp8 import convert_to_float8
 from .metrics import MetricsWriter, mfu
@@ -52,7 +52,6 @@ from .preflight import preflight
 from .pretrained import Pretrained, read_pretrained
 
 log = logging.getLogger("vitctl.train")
-LR_REFERENCE_BATCH = 512  # optim.lr is for this global batch and scales linearly (DeiT, Swin)
 
 
 class Diverged(ConfigError):

@@ -11,6 +11,7 @@ import torch
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import (
     FINETUNE_PRESETS,
+    LR_REFERENCE_BATCH,
     ConfigError,
     RunConfig,
     as_set_value,
@@ -212,8 +213,24 @@ def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule |
     if changed := checkpoint.settings_change(meta["config"], config.to_dict()):
         echo(f"warning: --resume with other settings than {last} was saved with: {', '.join(changed)}; the run "
              "goes on with the new ones (--set the saved values to keep them)")
-    if warning := _other_samples(run_dir, meta, config):
+    for warning in filter(None, [_other_samples(run_dir, meta, config), _other_batch(last, meta, config, plan)]):
         echo(f"warning: {warning}")
+
+
+def _other_batch(last: Path, meta: dict, config: RunConfig, plan: Schedule | None) -> str | None:
+    """A resume at another global batch (other data-parallel ranks, batch or accumulation): the learning rate, which
+    scales with it, and the steps of an epoch change with it."""
+    saved = meta["config"]
+    dp = meta["mesh"]["dp_replicate"] * meta["mesh"]["dp_shard"]
+    before = saved["data"]["batch_size"] * dp * saved["optim"]["accum_steps"]
+    if plan is None or (now := plan.global_batch * config.optim.accum_steps) == before:
+        return None
+    ranks = plan.global_batch // config.data.batch_size
+    keep = before // (ranks * config.optim.accum_steps)
+    fix = f"; --batch {keep} keeps the saved one" if keep * ranks * config.optim.accum_steps == before else ""
+    return (f"--resume at a global batch of {now} samples a step, where {last} trained at {before}: the learning "
+            f"rate scales with it (peak {config.optim.lr * before / LR_REFERENCE_BATCH:g} -> "
+            f"{config.optim.lr * now / LR_REFERENCE_BATCH:g}), and so do the steps of an epoch{fix}")
 
 
 def _other_samples(run_dir: Path, meta: dict, config: RunConfig) -> str | None:
