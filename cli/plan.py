@@ -18,9 +18,6 @@ from .console import GivenPath, console, err_console
 wf = Deferred("vitctl.workflows.plan")
 
 
-MOST_GIB = 1024  # above any GPU's memory (the largest, in 2026, hold under 300 GiB)
-
-
 class GiB(click.FloatRange):
     """A positive, finite memory budget: nan passes FloatRange's comparisons, and the search divides it into steps."""
 
@@ -31,9 +28,9 @@ class GiB(click.FloatRange):
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number; give the memory of one GPU in GiB, e.g. 80", param, ctx)
-        if number > MOST_GIB:  # nvidia-smi shows MiB: 81559 for an 80 GB GPU
-            self.fail(f"{number:g} GiB is more than any GPU holds (this takes {MOST_GIB} at most); if that figure is "
-                      f"MiB, as nvidia-smi shows it, pass --memory-gib {math.floor(number / 1024)}", param, ctx)
+        if number > wf.MOST_GIB:  # nvidia-smi shows MiB: 81559 for an 80 GB GPU
+            self.fail(f"{number:g} GiB is more than any GPU holds (this takes {wf.MOST_GIB} at most); if that figure "
+                      f"is MiB, as nvidia-smi shows it, pass --memory-gib {math.floor(number / 1024)}", param, ctx)
         return number
 
 

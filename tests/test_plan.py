@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import ok, spawn_ranks, vitctl
-from vitctl.trainer.config import ParallelConfig
+from vitctl.trainer.config import ConfigError, ParallelConfig
 from vitctl.trainer.parallel.strategy import (
     CHECKPOINT,
     INTERLEAVED,
@@ -36,6 +36,7 @@ from vitctl.trainer.planner.cost import (
     Setting,
     block_costs,
     held_bytes,
+    link,
     parts_before,
     predict,
     stage_fixed,
@@ -578,6 +579,27 @@ def test_across_nodes_the_search_shards_within_a_node(tmp_path):
     path.write_text(best.strategy.to_json("vit_mini", cluster.world))
     loaded = read_plan(path, ParallelConfig(), len(LAYOUT.blocks))
     assert loaded == best.strategy and strategy_problems(loaded, LAYOUT.shape(), 8, batch // 8) == []
+
+
+def test_a_profile_without_collectives_across_nodes_names_the_command_that_measures_them():
+    """Before: the command lacked the profile's image size and the rendezvous torchrun needs across nodes."""
+    profile = hand_made_profile()
+    one_node = replace(profile, collectives=[c for c in profile.collectives if c.nodes == 1])
+    with pytest.raises(ConfigError) as refused:
+        link(one_node, "all_reduce", 8, crosses_nodes=True)
+    assert (f"--rdzv-endpoint HOST:29500 -m vitctl.cli plan --profile-only --model vit_mini --img-size "
+            f"{profile.img_size}`") in str(refused.value)
+
+
+def test_cli_where_no_gpu_could_hold_a_plan_names_no_memory_to_pass(tmp_path):
+    """Before: `pass --memory-gib 12258509799.3 or more`, which --memory-gib refuses (1024 at most)."""
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    result = vitctl("plan", "--model", "vit_mini", "--img-size", 32, "--gpus", 2, "--memory-gib", 80, "--batch",
+                    999_999_999_998, "--out", tmp_path / "plan.json", "--profile", profile_path)
+    assert result.exit_code == 1 and "pass --memory-gib" not in result.stderr, result.stderr
+    assert re.search(r"the least any searched strategy needs is [\d,.]+ GiB a GPU, more than any GPU holds: add GPUs "
+                     r"\(--nodes, --gpus\) or lower --batch", result.stderr), result.stderr
 
 
 @pytest.mark.parametrize("budget", ["nan", "inf"])

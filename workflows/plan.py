@@ -38,6 +38,7 @@ from vitctl.trainer.planner.profile import (
 from vitctl.trainer.planner.search import SearchResult, search
 
 PROFILE_BATCH = {"cuda": 32, "cpu": 4}  # samples per measurement (and a quarter of it); lines are fitted through both
+MOST_GIB = 1024  # --memory-gib at most: above any GPU's memory (the largest, in 2026, hold under 300 GiB)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,10 @@ def _no_fit(outcome: PlanOutcome) -> str:
         return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
                 f"--memory-gib {r.memory_gib:g}; raise --memory-gib, add GPUs (--nodes, --gpus) or lower --batch")
     least_gib = math.ceil(least.prediction.needs_bytes / 2**30 * 10) / 10  # rounded up: the figure given then fits
+    if least_gib > MOST_GIB:
+        return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
+                f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:,.1f} GiB a GPU, "
+                f"more than any GPU holds: add GPUs (--nodes, --gpus) or lower --batch")
     return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
             f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:.1f} GiB "
             f"({least.strategy.layout(outcome.world)}, every block FSDP and fully checkpointed): pass --memory-gib "

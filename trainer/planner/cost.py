@@ -151,9 +151,10 @@ def link(profile: Profile, op: str, ranks: int, crosses_nodes: bool) -> tuple[Li
     measured = [c for c in profile.collectives if (c.nodes > 1) == crosses_nodes]
     if not measured:
         where = "across nodes" if crosses_nodes else "among the GPUs of one node"
-        how = ("on two nodes: `torchrun --nnodes 2 --nproc-per-node G -m vitctl.cli plan --profile-only "
-               f"--model {profile.model}` (or plan for --nodes 1)") if crosses_nodes else \
-            f"on a node with several GPUs: `vitctl plan --profile-only --model {profile.model}`"
+        args = f"--profile-only --model {profile.model} --img-size {profile.img_size}"
+        how = ("on two nodes, each running `torchrun --nnodes 2 --nproc-per-node G --rdzv-backend c10d "
+               f"--rdzv-endpoint HOST:29500 -m vitctl.cli plan {args}` (G: a node's GPUs; HOST: the first node), or "
+               "plan for --nodes 1") if crosses_nodes else f"on a node with several GPUs: `vitctl plan {args}`"
         raise ConfigError(f"the {profile.device} profile of {profile.model} has no collectives measured {where}; "
                           f"measure them {how}")
     nearest = min(measured, key=lambda c: (abs(c.ranks - ranks), -c.ranks))
