@@ -591,6 +591,17 @@ def test_a_profile_without_collectives_across_nodes_names_the_command_that_measu
             f"{profile.img_size}`") in str(refused.value)
 
 
+def test_cli_warns_where_the_plan_extrapolates_collectives_past_the_gpus_measured(tmp_path):
+    """Before: a plan for 1,000 GPUs from collectives measured among 2 was printed without a word."""
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(hand_made_profile().to_json())  # collectives measured among 8 and 16 GPUs
+    args = ["plan", "--model", "vit_mini", "--img-size", 32, "--memory-gib", 80, "--profile", profile_path]
+    wide = ok(*args, "--nodes", 4, "--gpus", 8, "--batch", 320, "--out", tmp_path / "wide.json")
+    assert "warning: the profile measured collectives among 16 GPUs at most; the times of 32 are extrapolated" \
+        in wide.stderr, wide.stderr
+    assert "warning" not in ok(*args, "--nodes", 2, "--gpus", 8, "--batch", 320, "--out", tmp_path / "n.json").stderr
+
+
 def test_cli_where_no_gpu_could_hold_a_plan_names_no_memory_to_pass(tmp_path):
     """Before: `pass --memory-gib 12258509799.3 or more`, which --memory-gib refuses (1024 at most)."""
     profile_path = tmp_path / "profile.json"

@@ -82,8 +82,20 @@ def plan(request: PlanRequest, echo: Callable[[str], None]) -> PlanOutcome:
     layout = model_layout(request.model, request.img_size)
     profile, path = load_profile(request.model, request.img_size, request.profile, echo)
     cluster = Cluster(request.nodes, request.gpus, ALLOCATOR_ROOM)
+    if warning := _extrapolated(profile, cluster):
+        echo(f"warning: {warning}")
     return PlanOutcome(request, layout, profile, path,
                        search(layout, profile, cluster, request.batch, request.memory_gib * 2**30))
+
+
+def _extrapolated(profile: Profile, cluster: Cluster) -> str | None:
+    """More ranks than the profile measured collectives among: their times are the fits' extrapolation."""
+    measured = max((c.ranks for c in profile.collectives), default=0)
+    if cluster.world <= measured:
+        return None
+    return (f"the profile measured collectives among {measured} GPUs at most; the times of {cluster.world} are "
+            "extrapolated from them (a profile measured on more GPUs, `vitctl plan --profile-only` across their "
+            "nodes, gives a closer plan)")
 
 
 def write_plan(outcome: PlanOutcome, out: Path) -> None:
@@ -154,7 +166,8 @@ def load_profile(model: str, img_size: int, path: Path | None,
 def _missing(model: str, img_size: int, name: str) -> str:
     shipped = sorted(SHIPPED.glob(f"*-{model}-{img_size}.json"))
     known = f"; profiles shipped for it: {', '.join(map(str, shipped))} (pass one with --profile)" if shipped else ""
-    return (f"no profile {name} in {cache_dir()} or {SHIPPED}, and this machine has no GPU to measure one{known}; "
+    return (f"no profile {name} in {cache_dir()} or {SHIPPED}, and this machine has no GPU to measure one "
+            f"(`--profile-only` here measures this CPU){known}; "
             f"measure it on a GPU node with `vitctl plan --profile-only --model {model} --img-size {img_size}` and "
             f"pass the file it writes with --profile")
 
