@@ -383,7 +383,7 @@ def _train_samples(config: RunConfig) -> tuple[int, int | None]:
 
 def _data_problems(config: RunConfig, dp_size: int | None) -> list[str]:
     """The data's problems; those of a step's samples only where the data-parallel ranks are known (`dp_size`)."""
-    c, global_batch = config.data, config.data.batch_size * (dp_size or 1)
+    c = config.data
     if c.source != "synthetic" and c.path is None:  # here, not when loading: `config show` prints a preset without data
         return ["data.path is required (or data.source=synthetic)"]
     try:
@@ -397,6 +397,7 @@ def _data_problems(config: RunConfig, dp_size: int | None) -> list[str]:
     accum = config.optim.accum_steps
     if dp_size is None:
         return problems
+    global_batch = c.batch_size * dp_size
     if samples < global_batch:
         problems.append(f"data.batch_size {c.batch_size} x {dp_size} data-parallel ranks = {global_batch} samples "
                         f"a step, more than the {samples} train samples; lower data.batch_size or use fewer ranks")

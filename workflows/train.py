@@ -229,7 +229,7 @@ def _other_batch(last: Path, meta: dict, config: RunConfig, plan: Schedule | Non
     keep = before // (ranks * config.optim.accum_steps)
     fix = f"; --batch {keep} keeps the saved one" if keep * ranks * config.optim.accum_steps == before else ""
     return (f"--resume at a global batch of {now} samples a step, where {last} trained at {before}: the learning "
-            f"rate scales with it (peak {config.optim.lr * before / LR_REFERENCE_BATCH:g} -> "
+            f"rate scales with it (peak {saved['optim']['lr'] * before / LR_REFERENCE_BATCH:g} -> "
             f"{config.optim.lr * now / LR_REFERENCE_BATCH:g}), and so do the steps of an epoch{fix}")
 
 
