@@ -746,7 +746,7 @@ def test_a_plan_records_its_image_size_and_batch_and_train_refuses_others_until_
     profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
     profile_path.write_text(hand_made_profile().to_json())
     printed = ok(*_plan_args(profile_path, out, 80)).output
-    batch = int(re.search(r"--batch (\d+)\)", printed)[1])
+    batch = int(re.search(r"--batch (\d+)", printed)[1])
     plan = json.loads(out.read_text())
     assert (plan["img_size"], plan["batch_size"]) == (32, batch)
     train = ["train", "--config", "demo_vit", "--model", "vit_mini", "--set", "data.source=synthetic", "--executor",
