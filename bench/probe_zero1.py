@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vitctl.trainer.ops.cuda import MasterAdamW, parts_sum_of_squares
+from vitctl.trainer.parallel.peer_copies import runs_of
 from vitctl.trainer.precision import clip_coefficient, total_norm
 
 N = 86_600_000
@@ -107,17 +108,9 @@ def copy_engine_ms(world: int) -> dict[str, float]:
     grads_out, weights_out = torch.cuda.Stream(), torch.cuda.Stream()
 
     def chunks(n: int) -> list[tuple[int, int, list]]:
-        """Up to `n` runs of whole tensors, each ending at the first tensor past k/n of the share: (start, end,
-        triples)."""
-        out, first = [], 0
-        for k in range(n):
-            last = first
-            while last < len(sizes) and (starts[last] < length * (k + 1) // n or k == n - 1):
-                last += 1
-            if last > first:
-                out.append((starts[first], starts[last - 1] + sizes[last - 1], triples[first:last]))
-            first = last
-        return out
+        """runs_of's runs of the share, each with its triples: (start, end, triples)."""
+        return [(a, b, [t for t, start in zip(triples, starts, strict=True) if a <= start < b])
+                for a, b in runs_of(list(zip(starts, sizes, strict=True)), n)]
 
     def nccl(clip: bool) -> None:
         dist.all_to_all_single(nccl_received, sent)

@@ -58,6 +58,9 @@ class PeerCopies:
         self.handles = symm_mem.rendezvous(received, name), symm_mem.rendezvous(weights, name)
         self.peers = [p for p in range(size) if p != rank]
         self.gradients_out, self.weights_out = torch.cuda.Stream(), torch.cuda.Stream()
+        # views of this rank's part of each peer's buffers, by run: mapped once, not at every step
+        self.peer_gradients = {p: [self._peer_view(0, p, a, b) for a, b in runs[p]] for p in self.peers}
+        self.peer_weights = {p: [self._peer_view(1, p, a, b) for a, b in runs[rank]] for p in self.peers}
 
     def send_gradients(self, sent: Tensor) -> None:
         """Each peer's part of `sent` into its received buffer, run by run, each run signalled on channel 1 + k."""
@@ -69,7 +72,7 @@ class PeerCopies:
                 for p in self.peers:
                     if k < len(self.runs[p]):
                         a, b = self.runs[p][k]
-                        self._peer_view(0, p, a, b).copy_(sent[p * self.length + a:p * self.length + b])
+                        self.peer_gradients[p][k].copy_(sent[p * self.length + a:p * self.length + b])
                         self.handles[0].put_signal(p, 1 + k, TIMEOUT_MS)
 
     def wait_gradients(self, run: int | None = None) -> None:
@@ -85,7 +88,7 @@ class PeerCopies:
         with torch.cuda.stream(self.weights_out):
             self.weights_out.wait_event(stepped)
             for p in self.peers:
-                self._peer_view(1, p, a, b).copy_(self.weights[self.rank * self.length + a:self.rank * self.length + b])
+                self.peer_weights[p][run].copy_(self.weights[self.rank * self.length + a:self.rank * self.length + b])
 
     def finish(self) -> None:
         """The current stream waits for this rank's transfers, then for its peers': their weights have landed."""
