@@ -23,7 +23,7 @@ import pytest
 
 from conftest import ok, vitctl
 from vitctl.trainer import checkpoint as ckpt
-from vitctl.trainer.metrics import MetricsWriter
+from vitctl.trainer.metrics import MetricsWriter, read_metrics
 from vitctl.workflows import registry, status, submit
 from vitctl.workflows.errors import Interrupted, LaunchError
 from vitctl.workflows.process import children, start_time
@@ -689,6 +689,32 @@ def test_a_job_shows_only_its_own_progress_not_that_of_later_jobs_in_its_run_fol
     steps = {s.job_id: s.step for s in status.collect([first, second])}
     assert steps == {"1": 2, "2": 6}
     assert status.collect([first])[0].step == 2  # also when the later job is not listed
+
+
+def test_a_killed_job_keeps_the_steps_it_trained_past_its_checkpoint_after_a_later_resume(tmp_path):
+    """Before: the resume dropped the killed job's records past its checkpoint, and its row fell back to that step."""
+    run, now = tmp_path / "run", time.time()
+    (run / "submitit").mkdir(parents=True)
+    killed, resumed = (registry.JobRecord(job, "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0,
+                                          now - age, started=-1) for job, age in (("1", 100), ("2", 50)))
+    for record in (killed, resumed):
+        registry.add_record(record)
+
+    def logged(age: float, step: int) -> str:
+        return json.dumps({"time": now - age, "step": step, "loss": 1.0, "images_per_s": 5.0, "step_time_s": 0.1,
+                           "total_steps": 8}) + "\n"
+
+    before = "".join(logged(age, step) for age, step in ((95, 2), (90, 3), (85, 4), (80, 5)))
+    (run / "metrics.jsonl").write_text(before)
+    MetricsWriter(run, enabled=True).drop_after(3)  # the resume from step 3's checkpoint
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(logged(40, 4))
+    assert [r["step"] for r in read_metrics(run)] == [2, 3, 4]
+    assert {s.job_id: s.step for s in status.collect([killed, resumed])} == {"1": 5, "2": 4}
+    # A crash between keeping the dropped records and rewriting the log leaves them in both; a rerun keeps them again.
+    (run / "metrics.jsonl").write_text(before)
+    MetricsWriter(run, enabled=True).drop_after(3)
+    assert [r["step"] for r in read_metrics(run, superseded=True)] == [2, 3, 4, 5]
 
 
 def test_status_json_of_a_diverged_run_is_json_every_parser_reads(tmp_path):

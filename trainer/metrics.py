@@ -14,6 +14,9 @@ if TYPE_CHECKING:  # `vitctl status` reads metrics without importing torch, whic
 
 log = logging.getLogger("vitctl.metrics")
 METRICS_FILE = "metrics.jsonl"
+# The records an attempt logged past its last checkpoint, which a later attempt trains and logs again: out of the run's
+# curve, kept for the row of the job that trained them (`vitctl status`).
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 # Dense bf16 peak per GPU, from the vendors' datasheets; MFU is reported against it.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
@@ -51,8 +54,12 @@ class MetricsWriter:
         if not self.enabled or not self.path.exists():
             return
         lines = self.path.read_text(errors="replace").splitlines()  # a damaged line is dropped as a cut one
-        kept = [line for line, at in zip(lines, map(_step_of, lines), strict=True) if at is not None and at <= step]
+        steps = list(map(_step_of, lines))
+        kept = [line for line, at in zip(lines, steps, strict=True) if at is not None and at <= step]
         if len(kept) < len(lines):
+            # Kept first: a crash before the rewrite leaves them in both files, which the reader takes once.
+            with open(self.path.with_name(SUPERSEDED_FILE), "a") as f:
+                f.writelines(f"{line}\n" for line, at in zip(lines, steps, strict=True) if at is not None and at > step)
             write_text_atomic(self.path, "".join(f"{line}\n" for line in kept))
             log.warning("%s: dropped %d records past step %d, which this run writes again", self.path,
                         len(lines) - len(kept), step)
@@ -84,14 +91,22 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records; a line that does not parse (being written now, cut short by a crash, damaged) is left out."""
-    try:
-        text = (run_dir / METRICS_FILE).read_text(errors="replace")
-    except OSError:  # none yet, or not a file that can be read: no records (a launch says why)
-        return []
+def read_metrics(run_dir: Path, superseded: bool = False) -> list[dict[str, Any]]:
+    """The records; a line that does not parse (being written now, cut short by a crash, damaged) is left out. With
+    `superseded`, also those a later attempt logged again, all in the order they were written."""
+    lines = _lines(run_dir / METRICS_FILE)
+    if superseded:
+        lines = list(dict.fromkeys(_lines(run_dir / SUPERSEDED_FILE) + lines))
     records = []
-    for line in text.splitlines():
+    for line in lines:
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
-    return [r for r in records if isinstance(r, dict)]
+    records = [r for r in records if isinstance(r, dict)]
+    return sorted(records, key=lambda r: r.get("time", 0)) if superseded else records
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:  # none yet, or not a file that can be read: no records (a launch says why)
+        return []

@@ -23,7 +23,7 @@ from .data import dali_installed
 from .data.images import gpu_decode_available
 from .data.shards import SplitMissing, split_shards
 from .fp8 import fp8_problems, has_float8
-from .metrics import METRICS_FILE
+from .metrics import METRICS_FILE, SUPERSEDED_FILE
 from .models import block_widths, build_model, model_error, model_shape
 from .ops import parse_fused, resolve, unavailable_asked
 from .parallel import parallel_dims
@@ -230,13 +230,14 @@ def _out_dir_error(out_dir: str) -> str | None:
         return f"run folder {out_dir} (--out) is the checkpoints folder of the run {run.absolute().parent}; to go " \
                f"on with that run, pass its folder: --out {shlex.quote(str(run.absolute().parent))} --resume; else " \
                "choose another --out"
-    if in_the_way := _of_another_kind(folders=[checkpoint_dir(run)], files=[run / METRICS_FILE, run / LOCK]):
+    logs = [run / METRICS_FILE, run / SUPERSEDED_FILE]
+    if in_the_way := _of_another_kind(folders=[checkpoint_dir(run)], files=[*logs, run / LOCK]):
         return f"run folder {out_dir}: {in_the_way}: move it away, or choose another --out"
     if _foreign_metrics(run):
         return f"run folder {out_dir} (--out) holds a {METRICS_FILE} that no vitctl run wrote there (no {LOCK} or " \
                f"checkpoint beside it), which a run would rewrite: move {run / METRICS_FILE} away, or choose " \
                "another --out"
-    parts = [run, checkpoint_dir(run), run / METRICS_FILE, run / LOCK]
+    parts = [run, checkpoint_dir(run), *logs, run / LOCK]
     if locked := [p for p in parts if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))]:
         return f"run folder {out_dir} (--out): this user cannot write {', '.join(map(str, locked))} (its " \
                "permissions, or read-only or immutable); give this user write access there, or choose another --out"

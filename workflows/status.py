@@ -382,7 +382,7 @@ def _result_path(record: JobRecord, rank: int) -> Path:
 def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
     """What the job wrote into its run folder: from its submission until `until`, when the next job into that folder
     was submitted (a job's row would otherwise show the progress of later jobs there)."""
-    metrics = [m for m in read_metrics(Path(record.run_dir))
+    metrics = [m for m in read_metrics(Path(record.run_dir), superseded=True)
                if record.submitted <= m.get("time", record.submitted) < (until or math.inf)]
     steps = [m for m in metrics if {"step", "loss", "images_per_s"} <= m.keys()]  # not a hand-edited line's part
     last = steps[-1] if steps else {}
