@@ -571,6 +571,8 @@ def test_across_nodes_the_search_shards_within_a_node(tmp_path):
     rows = {u.name: u for u in search(LAYOUT, profile, cluster, batch, 80 * GIB).uniform}
     hsdp, fsdp = rows["HSDP"], rows["FSDP"]
     assert hsdp.strategy.layout(8) == "dp2·fsdp4" and fsdp.strategy.layout(8) == "fsdp8"
+    mixed = replace(fsdp.strategy, blocks=(BlockStrategy(fsdp=True),) * 3 + (BlockStrategy(),))
+    assert mixed.layout(8) == "fsdp8 on 3/4 blocks"  # was "fsdp8", as if every block were sharded
     assert hsdp.prediction.step_s < min(fsdp.prediction.step_s, rows["DDP"].prediction.step_s)
     assert hsdp.prediction.peak_bytes > fsdp.prediction.peak_bytes
     best = search(LAYOUT, profile, cluster, batch, 0.5 * rows["DDP"].prediction.peak_bytes).best

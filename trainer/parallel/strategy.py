@@ -48,13 +48,16 @@ class Strategy:
 
     def layout(self, world_size: int) -> str:
         """Short form for tables and `vitctl status`, e.g. `pp2·tp2·fsdp4` (`pp2v2`: 2 stages per pipeline rank;
-        `dp2·fsdp8`: HSDP, shards of 8 ranks replicated twice)."""
+        `dp2·fsdp8`: HSDP, shards of 8 ranks replicated twice; `fsdp4 on 7/12 blocks`: a plan's mix)."""
         dp = world_size // (self.tp * self.pp)
         pipeline = f"pp{self.pp}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         shard = (dp if self.dp_shard == -1 else self.dp_shard) if self.fsdp else 1
         parts = [pipeline if self.pp > 1 else "", f"tp{self.tp}" if self.tp > 1 else "",
                  f"dp{dp // shard}" if dp // shard > 1 else "", f"fsdp{shard}" if self.fsdp and shard > 1 else ""]
-        return "·".join(p for p in parts if p) or "1 rank"
+        sharded = sum(b.fsdp for b in self.blocks)
+        mixed = shard > 1 and sharded < len(self.blocks)
+        return "·".join(p for p in parts if p) + (f" on {sharded}/{len(self.blocks)} blocks" if mixed else "") \
+            or "1 rank"
 
     def stage_blocks(self, n_blocks: int) -> tuple[int, ...]:
         """Blocks per stage: the given division, or an even one (earlier stages one more)."""
