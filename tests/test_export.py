@@ -164,10 +164,19 @@ def test_out_in_a_folder_this_user_may_not_write_is_one_clear_line(micro_run, tm
         patch.setattr(atomic, "open", refuse, raising=False)
         result = vitctl("export", micro_run, "--out", out)
     assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
-    assert (f"error: --out {out}: cannot write in {out.parent}: permission denied; choose another --out, in a folder "
-            "this user may write to") in result.stderr, result.stderr
+    assert (f"error: --out {out}: cannot write in {out.parent}: permission denied; give this user write access "
+            "there, or choose another --out") in result.stderr, result.stderr
     assert list(out.parent.iterdir()) == []
     ok("export", micro_run, "--out", tmp_path / "w.safetensors")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_out_on_a_file_system_that_takes_no_files_says_so(micro_run):
+    """Before: `No such file or directory` for a folder that exists, with a fix naming permissions and free space."""
+    result = vitctl("export", micro_run, "--out", "/proc/w.safetensors")
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert ("error: --out /proc/w.safetensors: cannot write in /proc: its file system takes no new files (a virtual "
+            "one, as /proc and /sys are); choose another --out") in result.stderr, result.stderr
 
 
 def _diverged_checkpoint(run: Path, step: int) -> None:

@@ -1,6 +1,7 @@
 """Consolidated weights out of a run: one safetensors file with timm's parameter names and shapes and a sha256 of its
 tensors, which `finetune --from-ckpt` verifies."""
 
+import errno
 import json
 import shlex
 from dataclasses import dataclass
@@ -128,6 +129,15 @@ def _is_export(path: Path) -> bool:
     return isinstance(header, dict) and EXPORT_SHA256 in (header.get("__metadata__") or {})
 
 
+WRITE_FIXES = {
+    errno.EACCES: "give this user write access there, or choose another --out",
+    errno.EPERM: "give this user write access there, or choose another --out",
+    errno.EROFS: "choose an --out on a writable file system",
+    errno.ENOSPC: "free space there, or choose an --out on another device",
+    errno.EDQUOT: "free space within your quota, or choose an --out elsewhere",
+}
+
+
 def _write(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """The safetensors file, under a temporary name until complete and durable; an OS refusal as one line."""
     try:
@@ -135,9 +145,10 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         with atomic_open(out) as f:
             f.write(save(tensors, metadata))
     except OSError as e:
-        what = as_data_error(e, out.parent).what
-        raise ConfigError(f"--out {out}: cannot write in {out.parent}: {what}; choose another --out, in a folder "
-                          "this user may write to on a file system with free space") from None
+        what, fix = as_data_error(e, out.parent).what, WRITE_FIXES.get(e.errno, "choose another --out")
+        if e.errno == errno.ENOENT and out.parent.is_dir():
+            what = "its file system takes no new files (a virtual one, as /proc and /sys are)"
+        raise ConfigError(f"--out {out}: cannot write in {out.parent}: {what}; {fix}") from None
 
 
 def _nonfinite(source: Path, part: str, bad: tuple[str, int], out: Path) -> str:
