@@ -5,10 +5,13 @@ batches (with the whole recipe on: RandAugment, colour jitter, random erasing); 
 import gc
 import importlib.util
 import itertools
+import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +24,7 @@ from vitctl.trainer.data.augment import Recipe
 from vitctl.trainer.data.loader import EvalBatches, LoaderSpec, TrainBatches
 from vitctl.trainer.data.plan import EpochPlan, eval_rows
 from vitctl.trainer.data.shards import SampleTable, read_table, split_shards
+from vitctl.workflows.process import start_time
 
 RANKS, BATCH = 3, 7  # 60 train samples in shards of 16, 16, 16, 12: 2 global batches of 21 per epoch, 18 left out
 
@@ -119,6 +123,57 @@ def test_dali_workers_end_with_a_rank_killed_outright(prepared_shards):
         assert not survivors_of_killing(rank, workers, within=10)
     finally:
         survivors_of_killing(rank, workers, within=0)
+
+
+SIGNALLED_RANK = """
+import signal, sys
+from pathlib import Path
+import torch
+from vitctl.trainer.data.augment import Recipe
+from vitctl.trainer.data.dali import DaliTrainBatches
+from vitctl.trainer.data.loader import LoaderSpec, TrainBatches
+from vitctl.trainer.data.plan import EpochPlan
+from vitctl.trainer.data.shards import read_table, split_shards
+
+received = []
+for signum in (signal.SIGTERM, signal.SIGUSR2):  # as a rank's StopSignals: noted, acted on at the next step
+    signal.signal(signum, lambda s, frame: received.append(s))
+shards, _ = split_shards(Path(sys.argv[1]), "train")
+table = read_table(Path(sys.argv[1]), shards)
+spec = LoaderSpec(Recipe(32), seed=5, workers=2, device=torch.device("cpu"), branch="pil")
+plan = EpochPlan(len(table), 7, 0, 1, seed=5)
+kind = DaliTrainBatches(table, spec, plan, threads=1) if sys.argv[2] == "dali" else TrainBatches(table, spec, plan)
+batches = kind(0, 0)
+next(batches)
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(4):
+    next(batches)
+print("trained on; the rank took", sorted(received), flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["index", "dali"])
+def test_loader_workers_leave_slurms_stop_signals_to_their_rank(prepared_shards, kind):
+    """Slurm signals every process of a job: USR2 before its time limit, TERM for a requeue or a cancel. Before, the
+    signals killed the loader workers, and the rank failed (DataLoader) or hung (DALI) instead of checkpointing."""
+    rank = subprocess.Popen([sys.executable, "-c", SIGNALLED_RANK, str(prepared_shards), kind], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        assert rank.stdout.readline().strip() == "ready", rank.stderr.read()
+        workers = live_children(rank.pid)
+        assert len(workers) >= 2
+        for pid in [rank.pid, *workers]:
+            for signum in (signal.SIGUSR2, signal.SIGTERM):
+                os.kill(pid, signum)
+        time.sleep(1)
+        assert all(start_time(w) is not None for w in workers)
+        out, err = rank.communicate("\n", timeout=60)
+        assert rank.returncode == 0, err  # it ended its workers (multiprocessing's exit sends them TERM), not hung
+        assert out.strip() == f"trained on; the rank took {sorted([int(signal.SIGTERM), int(signal.SIGUSR2)])}", err
+    finally:
+        survivors_of_killing(rank, workers, within=10)
 
 
 def test_what_dali_sends_each_worker_stays_small_however_many_samples(table):

@@ -42,8 +42,11 @@ def wait_for(job_id: str, states: set[str], timeout: float = 240) -> str:
     raise AssertionError(f"job {job_id} did not reach {states} (last: {state})")
 
 
-def submit(shards: Path, out: Path, *extra: object) -> str:
-    result = ok("train", "--data", shards, "--out", out, *RUN, *SLURM_2x2, *extra)
+def submit(shards: Path, out: Path, *extra: object, workers: int = 0) -> str:
+    """A 2x2-rank job; with `workers`, each rank reads through that many loader worker processes, which Slurm's
+    signals reach too."""
+    run = [f"data.workers={workers}" if arg == "data.workers=0" else arg for arg in RUN]
+    result = ok("train", "--data", shards, "--out", out, *run, *SLURM_2x2, *extra)
     assert "submitted job" in result.output
     return registry.load_records()[-1].job_id
 
@@ -108,7 +111,8 @@ def test_a_pipeline_of_tensor_parallel_pairs_spans_two_nodes_like_four_local_ran
 
 @pytest.mark.parametrize("interrupt", ["usr2", "scontrol-requeue"])
 def test_requeued_job_resumes_and_ends_with_the_same_weights(prepared_shards, tmp_path, local_reference, interrupt):
-    job = submit(prepared_shards, tmp_path / "run")
+    """With a loader worker a rank: before, USR2 killed DALI's workers and the ranks hung instead of checkpointing."""
+    job = submit(prepared_shards, tmp_path / "run", workers=1)
     deadline = time.monotonic() + 120
     while logged_steps(tmp_path / "run") < (4 if interrupt == "usr2" else 5) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -161,8 +165,9 @@ def vitctl_state(job: str) -> status.JobState:
 
 def test_cancel_signals_the_ranks_so_that_kill_wait_cannot_cut_their_checkpoint_short(prepared_shards, tmp_path):
     """scancel gives the ranks KillWait (5 s on the dev cluster) to checkpoint before SIGKILL; the ranks are signalled
-    instead, and the job ends once they have checkpointed: to Slurm it completed, to vitctl it was cancelled."""
-    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
+    instead, and the job ends once they have checkpointed: to Slurm it completed, to vitctl it was cancelled. Before,
+    the signal also killed the ranks' loader workers, and a rank failed ("DataLoader worker ... killed by signal")."""
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200, workers=1)
     wait_for_steps(tmp_path / "run", 2)
     assert "cancel requested" in ok("cancel", job).output
     assert wait_for(job, status.TERMINAL) == "COMPLETED"  # Slurm never cancelled it

@@ -36,6 +36,7 @@ from .images import sample_rng
 from .loader import Batch, LoaderSpec, ShardReader
 from .plan import EpochPlan
 from .shards import SampleTable
+from .workers import leave_stop_signals_to_the_rank, stop_signals_blocked
 
 _PREFETCH = 2  # batches the pipeline decodes ahead of the one run() returns
 _DALI_TYPES = {np.uint8: "UINT8", np.int32: "INT32", np.int64: "INT64", np.float32: "FLOAT"}
@@ -98,6 +99,7 @@ class BatchSource:
         self.reader = ShardReader(self.table.table)
         if multiprocessing.parent_process() is not None:  # unpickled in one of DALI's worker processes
             _exit_with_parent()
+            leave_stop_signals_to_the_rank()
 
     def draws(self, iteration: int) -> tuple[int, np.ndarray]:
         """Batch `iteration`'s epoch and draws (plan.py: a draw is a row or one of its repeats)."""
@@ -177,7 +179,8 @@ class DaliTrainBatches:
     def __call__(self, epoch: int, sample: int) -> Iterator[Batch]:
         source = BatchSource(self.table, self.plan, self.spec, epoch, sample)
         pipe = _train_pipeline(source, self.plan.batch, self.spec, self.threads)
-        pipe.build()
+        with stop_signals_blocked():  # the Python workers start here
+            pipe.build()
         names = _passed_through(self.spec.recipe)
         for iteration in itertools.count():
             try:

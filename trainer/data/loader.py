@@ -31,6 +31,7 @@ from .gpu_augment import model_input
 from .images import decode_jpegs, decode_pil, eval_view_pil, sample_rng, train_view_pil, views_gpu
 from .plan import EpochPlan, eval_rows
 from .shards import SampleTable
+from .workers import leave_stop_signals_to_the_rank, stop_signals_blocked
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -212,15 +213,18 @@ def _run(dataset: ShardImages, batches, spec: LoaderSpec) -> Iterator[Batch]:
     # Its own generator: a DataLoader otherwise draws a seed from the global RNG whenever it starts, which would
     # shift the model's random stream (drop path) differently in a resumed run.
     loader = DataLoader(dataset, batch_sampler=batches, num_workers=spec.workers, collate_fn=_collate,
-                        pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed))
+                        pin_memory=spec.device.type == "cuda", generator=torch.Generator().manual_seed(spec.seed),
+                        worker_init_fn=leave_stop_signals_to_the_rank)
+    with stop_signals_blocked():  # the workers start here
+        loaded = iter(loader)
     if spec.branch == "nvjpeg":
-        loader = _decoded_ahead(loader, spec.device, dataset.reader)
-    for images, labels, keys, draws in loader:
+        loaded = _decoded_ahead(loaded, spec.device, dataset.reader)
+    for images, labels, keys, draws in loaded:
         rows = torch.tensor(np.array([row for _, row, _ in keys]))
         yield _on_device(images, draws, spec), labels.to(spec.device, non_blocking=True), rows
 
 
-def _decoded_ahead(loader: DataLoader, device: torch.device, reader: ShardReader) -> Iterator[tuple]:
+def _decoded_ahead(loader: Iterable, device: torch.device, reader: ShardReader) -> Iterator[tuple]:
     """The loader's batches with their JPEGs decoded, the next batch's decode running in a thread while this one is
     used: decode_jpeg holds its caller until its batch is decoded."""
 
