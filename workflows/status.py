@@ -640,9 +640,14 @@ def slurm_command(args: list[str], fix: str) -> subprocess.CompletedProcess[str]
 
 def _ranks_started(job_id: str) -> bool:
     """Whether the job's srun step (its ranks) has started: before, the batch script alone runs."""
-    steps = slurm_command(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"],
-                          f"run `vitctl cancel {job_id}` again (from a machine with Slurm)").stdout.split()
-    return any(re.fullmatch(rf"{re.escape(job_id)}\.\d+", step) for step in steps)
+    listed = slurm_command(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"],
+                           f"run `vitctl cancel {job_id}` again (from a machine with Slurm)")
+    if listed.returncode:  # not "no step": a plain scancel would kill running ranks before their checkpoint
+        said = listed.stderr.strip() or f"exit status {listed.returncode}"
+        raise LaunchError(f"cannot cancel job {job_id}: squeue failed ({said}), so whether its ranks run, and need "
+                          f"the signal that lets them checkpoint, is unknown; check `scontrol ping`, then run "
+                          f"`vitctl cancel {job_id}` again")
+    return any(re.fullmatch(rf"{re.escape(job_id)}\.\d+", step) for step in listed.stdout.split())
 
 
 def _scancel(job_id: str, *options: str) -> None:
