@@ -64,10 +64,16 @@ def _same_archive(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _check_same_archive(recorded: dict[str, Any], identity: dict[str, Any], folder: Path) -> None:
-    if not _same_archive(recorded, identity):
-        raise DataError(f"holds what was extracted from another archive ({recorded['name']}, {recorded['bytes']:,} "
-                        f"bytes), not from this one ({identity['name']}, {identity['bytes']:,} bytes)", str(folder),
-                        f"extract this archive into another --out, or remove {folder} and rerun")
+    if _same_archive(recorded, identity):
+        return
+    if (recorded["name"], recorded["bytes"]) == (identity["name"], identity["bytes"]):
+        what = (f"holds what was extracted from another copy of {identity['name']}: the same name and size "
+                f"({identity['bytes']:,} bytes), other contents (the SHA-256 of its first and last MiB differs; a new "
+                "download, or one of the two damaged)")
+    else:
+        what = (f"holds what was extracted from another archive ({recorded['name']}, {recorded['bytes']:,} bytes), "
+                f"not from this one ({identity['name']}, {identity['bytes']:,} bytes)")
+    raise DataError(what, str(folder), f"extract this archive into another --out, or remove {folder} and rerun")
 
 
 def _damaged(known: str, then: str = "rerun") -> str:
@@ -311,6 +317,11 @@ def _count_files(path: Path) -> int:
     return sum(1 for e in path.iterdir() if not e.name.startswith(".")) if path.is_dir() else -1
 
 
+def _images_under(folder: Path) -> int:
+    """The files in `folder` and the folders below it (valprep's class folders), hidden ones left out."""
+    return sum(1 for _, _, files in os.walk(folder) for name in files if not name.startswith("."))
+
+
 def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_total: Progress) -> int:
     """Extract the flat val tar into `root/val/`; returns the image count."""
     with os_errors_explained(root):
@@ -333,10 +344,17 @@ def _extract_val(archive: Path, root: Path, members: list[TarMember] | None, wor
         if ledger["val"] is None or not ledger["val"].get("complete", True):
             raise DataError(f"{dest} exists but was not written by `vitctl data extract`", str(root),
                             "move it away or extract into an empty folder")
-        _check_same_archive(ledger["val"]["archive"], archive_identity(archive), dest)
-        on_total(archive.stat().st_size)  # already done: the whole archive counts as read
-        progress(archive.stat().st_size)
-        return ledger["val"]["images"]
+        identity = archive_identity(archive)
+        if not _same_archive(ledger["val"]["archive"], identity):
+            _val_images(archive)  # not a val archive at all: that, before advice to remove val/
+        _check_same_archive(ledger["val"]["archive"], identity, dest)
+        found = _images_under(dest)
+        if found or dest.is_symlink() or not dest.is_dir():
+            check_val_intact(root, found)  # some lost since: extracting them again would mix into valprep's folders
+            on_total(archive.stat().st_size)  # already done: the whole archive counts as read
+            progress(archive.stat().st_size)
+            return ledger["val"]["images"]
+        shutil.rmtree(dest)  # every image gone (folders at most): nothing to keep, extracted again below
     members = _val_images(archive) if members is None else members
     on_total(sum(m.size for m in members))
     shutil.rmtree(partial, ignore_errors=True)

@@ -347,6 +347,52 @@ def test_another_archive_into_the_same_out_is_refused_until_its_folder_is_remove
     assert _tree(out / split) == _tree(small_extracted / split)
 
 
+def test_the_train_archive_given_as_val_after_val_was_extracted_is_named_before_another_archive(small_archives,
+                                                                                               small_extracted,
+                                                                                               tmp_path):
+    """Before: "holds what was extracted from another archive ... remove val and rerun"; followed, it lost the good
+    val/ and only then said the archive was the train one."""
+    out = Path(shutil.copytree(small_extracted, tmp_path / "r"))
+    result = vitctl("data", "extract", "--val-tar", small_archives / TRAIN_TAR, "--out", out)
+    assert result.exit_code == 1 and "is not a validation image ILSVRC2012_val_<8 digits>.JPEG" in result.stderr
+    assert "pass ILSVRC2012_img_val.tar" in result.stderr and "remove" not in result.stderr, result.stderr
+    assert _tree(out) == _tree(small_extracted)
+
+
+def test_another_copy_of_an_archive_of_the_same_name_and_size_says_its_contents_differ(small_archives, tmp_path):
+    """Before: "another archive (X.tar, N bytes), not from this one (X.tar, N bytes)", the two described alike."""
+    out, copy = tmp_path / "r", tmp_path / "copy" / VAL_TAR
+    ok("data", "extract", "--val-tar", small_archives / VAL_TAR, "--out", out)
+    copy.parent.mkdir()
+    members = _members((small_archives / VAL_TAR).read_bytes())
+    copy.write_bytes(_tar([(name, data[::-1]) for name, data in members]))  # same names and sizes, other bytes
+    assert copy.stat().st_size == (small_archives / VAL_TAR).stat().st_size
+    result = vitctl("data", "extract", "--val-tar", copy, "--out", out)
+    assert result.exit_code == 1 and (f"holds what was extracted from another copy of {VAL_TAR}: the same name and "
+                                      "size") in result.stderr and "other contents" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("lost", ["all", "some"])
+def test_a_rerun_after_val_images_were_lost_extracts_them_again_or_says_how(small_archives, small_extracted, tmp_path,
+                                                                            lost):
+    """Before: the rerun printed the recorded count and wrote nothing; valprep's fix (extract again) went round."""
+    out = Path(shutil.copytree(small_extracted, tmp_path / "r"))
+    images = sorted((out / "val").iterdir())
+    for image in images if lost == "all" else images[:2]:
+        image.unlink()
+    result = vitctl("data", "extract", "--val-tar", small_archives / VAL_TAR, "--out", out)
+    if lost == "all":  # nothing left to keep: extracted again
+        assert result.exit_code == 0, result.stderr
+        assert _tree(out / "val") == _tree(small_extracted / "val")
+        return
+    assert result.exit_code == 1 and (f"val holds {len(images) - 2} of the {len(images)} images `vitctl data "
+                                      "extract` wrote: 2 were lost since") in result.stderr, result.stderr
+    fix = re.search(r"extract val again: `(rm -r \S+)`, then `(vitctl data extract [^`]+)`", result.stderr)
+    subprocess.run(fix[1], shell=True, check=True)
+    ok(*shlex.split(fix[2])[1:])
+    assert _tree(out / "val") == _tree(small_extracted / "val")
+
+
 def test_a_copy_of_the_same_archive_resumes(archives, tmp_path):
     copy = tmp_path / "elsewhere.tar"
     shutil.copyfile(archives / TRAIN_TAR, copy)  # another name and mtime, the same bytes
