@@ -20,7 +20,10 @@ _PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")
 TYPE_NAMES = {ord("1"): "hard link", ord("2"): "symbolic link", ord("3"): "character device",
               ord("4"): "block device", DIRECTORY: "directory", ord("6"): "FIFO", SPARSE: "GNU sparse file"}
 _CORRUPT_FIX = "check that this is the right file and that it is not damaged"
-_GZIP_MAGIC = b"\x1f\x8b"
+# What a compressed tar begins with: (magic bytes, compressor, file suffix, the command that decompresses a copy)
+_COMPRESSED = [(b"\x1f\x8b", "gzip", ".gz", "gunzip --keep"), (b"BZh", "bzip2", ".bz2", "bunzip2 --keep"),
+               (b"\xfd7zXZ\x00", "xz", ".xz", "unxz --keep"), (b"\x28\xb5\x2f\xfd", "zstd", ".zst", "unzstd --keep")]
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
 class TarMember(NamedTuple):  # a NamedTuple: built once per member on the hot path, cheaper than a dataclass
@@ -46,14 +49,23 @@ def _corrupt(what: str, where: str, pos: int) -> DataError:
     return DataError(f"not a tar archive or corrupt header at byte {pos} ({what})", where, _CORRUPT_FIX)
 
 
-def _gzip_error(where: str) -> DataError:
-    """A gzip-compressed tar (`.tar.gz`) where an uncompressed one is read in place."""
-    if where.endswith(".gz"):
-        how, unzipped = f"`gunzip --keep {shlex.quote(where)}` writes {where[:-3]}", where[:-3]
-    else:
-        how, unzipped = "e.g. with `gunzip --keep`", "the .tar"
-    return DataError("the file is gzip-compressed (it begins with the gzip bytes 1f 8b), not an uncompressed tar",
-                     where, f"decompress it ({how}) and pass {unzipped}: vitctl reads tar members in place")
+def _not_a_plain_tar(header: bytes, where: str) -> DataError | None:
+    """A compressed tar (`.tar.gz`, `.tar.xz` ...) or a zip archive where an uncompressed tar is read in place."""
+    if header.startswith(_ZIP_MAGIC):
+        return DataError("the file is a zip archive (it begins with the zip bytes 50 4b 03 04), not a tar", where,
+                         "pass the tar archive itself (if this zip holds it, unzip it first): vitctl reads tar "
+                         "members in place")
+    for magic, name, suffix, command in _COMPRESSED:
+        if header.startswith(magic):
+            if where.endswith(suffix):
+                plain = where[:-len(suffix)]
+                how = f"`{command} {shlex.quote(where)}` writes {plain}"
+            else:
+                how, plain = f"e.g. with `{command}`", "the .tar"
+            return DataError(f"the file is {name}-compressed (it begins with the {name} bytes {magic.hex(' ')}), not "
+                             "an uncompressed tar", where,
+                             f"decompress it ({how}) and pass {plain}: vitctl reads tar members in place")
+    return None
 
 
 def _octal(field: bytes, where: str, pos: int) -> int:
@@ -139,8 +151,8 @@ def scan(f: BinaryIO, file_size: int, where: str) -> Iterator[TarMember]:
         if len(header) < BLOCK:
             raise DataError(f"truncated: ends at byte {file_size} inside or before a tar header "
                             "(no end-of-archive marker)", where, "the file is incomplete; copy or download it again")
-        if pos == 0 and header.startswith(_GZIP_MAGIC):
-            raise _gzip_error(where)
+        if pos == 0 and (error := _not_a_plain_tar(header, where)):
+            raise error
         if header == zero:
             if extensions:
                 raise _corrupt("an extended header is followed by no member", where, pos)

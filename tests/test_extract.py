@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -553,18 +554,36 @@ def test_a_tree_extract_did_not_write_shards_as_before(small_extracted, tmp_path
     ok("data", "shard", root, "--out", tmp_path / "s", "--split", "train")
 
 
+def test_a_zip_archive_is_named_as_such(small_archives, tmp_path):
+    packed = tmp_path / "val.zip"
+    with zipfile.ZipFile(packed, "w") as z:
+        z.write(small_archives / VAL_TAR, VAL_TAR)
+    result = vitctl("data", "extract", "--val-tar", packed, "--out", tmp_path / "r")
+    assert result.exit_code == 1 and (f"{packed}: the file is a zip archive (it begins with the zip bytes 50 4b 03 "
+                                      "04), not a tar") in result.stderr, result.stderr
+    assert "unzip it first" in result.stderr and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("flag, name", [("--train-tar", TRAIN_TAR), ("--val-tar", VAL_TAR)])
-def test_a_gzip_compressed_archive_is_named_as_such_and_the_fix_works(small_archives, small_extracted, tmp_path,
-                                                                      flag, name):
-    gz = tmp_path / f"{name}.gz"
-    gz.write_bytes(gzip.compress((small_archives / name).read_bytes()))
+@pytest.mark.parametrize("compressor, suffix, magic, command", [
+    ("gzip", ".gz", "1f 8b", "gunzip --keep"), ("bzip2", ".bz2", "42 5a 68", "bunzip2 --keep"),
+    ("xz", ".xz", "fd 37 7a 58 5a 00", "unxz --keep"), ("zstd", ".zst", "28 b5 2f fd", "unzstd --keep")])
+def test_a_compressed_archive_is_named_as_such_and_the_fix_works(small_archives, small_extracted, tmp_path, flag, name,
+                                                                 compressor, suffix, magic, command):
+    """Before, bzip2, xz and zstd: `not a tar archive or corrupt header at byte 0 (bad number ...)`."""
+    if shutil.which(command.split()[0]) is None:
+        pytest.skip(f"{command.split()[0]} is not installed")
+    packed = tmp_path / f"{name}{suffix}"
+    shutil.copyfile(small_archives / name, tmp_path / name)
+    subprocess.run([compressor, tmp_path / name], check=True)  # writes `packed`
+    (tmp_path / name).unlink(missing_ok=True)  # zstd keeps its input
     out = tmp_path / "r"
-    result = vitctl("data", "extract", flag, gz, "--out", out)
-    assert result.exit_code == 1 and f"{gz}: the file is gzip-compressed (it begins with the gzip bytes 1f 8b), " \
-        "not an uncompressed tar" in result.stderr
+    result = vitctl("data", "extract", flag, packed, "--out", out)
+    assert result.exit_code == 1 and f"{packed}: the file is {compressor}-compressed (it begins with the " \
+        f"{compressor} bytes {magic}), not an uncompressed tar" in result.stderr, result.stderr
     assert not out.exists()
     fix = result.stderr.split("fix: decompress it (`")[1].split("`")[0]
-    assert fix == f"gunzip --keep {gz}" and f"and pass {tmp_path / name}:" in result.stderr
+    assert fix == f"{command} {packed}" and f"and pass {tmp_path / name}:" in result.stderr
     subprocess.run(shlex.split(fix), check=True)
     ok("data", "extract", flag, tmp_path / name, "--out", out)
     split = "train" if flag == "--train-tar" else "val"
