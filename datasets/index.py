@@ -126,8 +126,7 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
     with os_errors_explained(folder), writing_in(folder):
         manifest = mf.load(folder)
         if manifest is None:
-            raise DataError("no manifest.json: this folder was not written by `vitctl data shard`", str(folder),
-                            "pass the folder given to `vitctl data shard --out`")
+            raise mf.no_manifest(folder)
         entries = [entry for _, entry in mf.all_shards(manifest)]
         paths = [folder / entry["name"] for entry in entries]
         missing = [p.name for p in paths if not p.is_file()]

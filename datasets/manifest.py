@@ -55,6 +55,19 @@ def load(out: Path) -> dict[str, Any] | None:
     return manifest
 
 
+def no_manifest(folder: Path) -> DataError:
+    """A folder given as shards that has no manifest.json: not a shard folder, or one whose manifest was lost."""
+    shards = sorted(p.name for p in folder.glob("imagenet-*.tar") if SHARD_NAME.fullmatch(p.name)) \
+        if folder.is_dir() else []
+    if not shards:
+        return DataError(f"no {MANIFEST}: this folder was not written by `vitctl data shard`", str(folder),
+                         "pass the folder given to `vitctl data shard --out`")
+    return DataError(f"no {MANIFEST} beside its {len(shards)} shards ({shards[0]}, ...): it records what `vitctl data "
+                     "shard` wrote here (their sizes, checksums and labels), and was moved or deleted", str(folder),
+                     f"put {MANIFEST} back; else move the shards away and run the same `vitctl data shard ... --out "
+                     f"{shlex.quote(str(folder))}` again, which writes them again")
+
+
 _TOP = {"label_convention": str, "classes": list, "splits": dict}
 _SPLIT = {"plan": str, "maxsize": int, "maxcount": int, "seed": int, "on_bad_image": str, "planned_shards": int,
           "complete": bool, "shards": list, "source": str}

@@ -170,8 +170,7 @@ def _verify(folder: Path, decode: int, workers: int, progress: Callable[[int], N
             on_total: Callable[[int], None], seed: int) -> VerifyReport:
     manifest = mf.load(folder)
     if manifest is None:
-        raise DataError("no manifest.json: this folder was not written by `vitctl data shard`", str(folder),
-                        "pass the folder given to `vitctl data shard --out`")
+        raise mf.no_manifest(folder)
     entries = [entry for _, entry in mf.all_shards(manifest)]
     splits = manifest["splits"]
     problems: dict[str, list[str]] = {}

@@ -338,3 +338,21 @@ def test_index_of_an_unfinished_split_warns_with_the_command_that_finishes_it(pr
     ok(*shlex.split(finish[1])[1:])
     assert "warning" not in ok("data", "index", out).stderr
     assert "OK" in ok("data", "verify", out).output
+
+
+@pytest.mark.parametrize("command", ["verify", "index"])
+def test_shards_whose_manifest_was_moved_away_say_so_and_putting_it_back_works(shards_copy, tmp_path, command):
+    """Before: "this folder was not written by `vitctl data shard`; pass the folder given to --out", which it was."""
+    moved = tmp_path / "manifest.json"
+    shutil.move(shards_copy / "manifest.json", moved)
+    result = vitctl("data", command, shards_copy)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert re.search(r"no manifest\.json beside its \d+ shards \(imagenet-train-000000\.tar, \.\.\.\): it records what "
+                     r"`vitctl data shard` wrote here", result.stderr), result.stderr
+    assert "fix: put manifest.json back; else move the shards away and run the same `vitctl data shard ... --out" \
+        in result.stderr
+    shutil.move(moved, shards_copy / "manifest.json")
+    ok("data", command, shards_copy)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "this folder was not written by `vitctl data shard`" in vitctl("data", command, empty).stderr
