@@ -143,6 +143,10 @@ def logs(job: str, rank: int, follow: bool) -> None:
         err_console.print(f"note: not following: job {record.job_id} is a local job that runs {away}, whose "
                           f"processes this machine cannot see; `vitctl logs {record.job_id} --follow` there follows "
                           "it", highlight=False, soft_wrap=True)
+    elif state.live:  # not followed: it goes on
+        err_console.print(f"note: job {record.job_id} is {state.state}" + (f" ({state.note})" if state.note else "")
+                          + f"; `vitctl logs {record.job_id} --follow` prints on until it ends", highlight=False,
+                          soft_wrap=True)
     elif live:  # followed to its end: how it ended, which the log's last lines need not say (a rank killed)
         ending = f"job {record.job_id} ended {state.state}" + (f": {state.note}" if state.note else "")
         if state.state == "FAILED":

@@ -481,6 +481,24 @@ def test_logs_follow_ends_saying_how_the_job_ended(tmp_path):
                                                           "an error (killed, or out of memory?)"), stderr
 
 
+def test_logs_of_a_live_job_without_follow_says_it_runs_on_not_that_it_ended(tmp_path):
+    """Before: `note: job N ended RUNNING` (and `ended PENDING` for a job waiting in the queue)."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    controller = subprocess.Popen(["sleep", "600"])
+    try:
+        record = registry.JobRecord(str(controller.pid), "local", "vit_micro-run", str(run), str(run / "submitit"), 1,
+                                    1, 0, time.time(), started=submit.start_time(controller.pid))
+        (run / f"submitit/{record.job_id}_0_log.err").write_text("2026-11-30 10:00:35,661 [rank 0] step=3\n")
+        registry.add_record(record)
+        result = ok("logs", record.job_id)
+    finally:
+        controller.kill()
+    assert "step=3" in result.output and "ended" not in result.stderr, result.stderr
+    assert result.stderr == (f"note: job {record.job_id} is RUNNING; `vitctl logs {record.job_id} --follow` prints on "
+                             "until it ends\n")
+
+
 def test_a_metrics_line_without_a_step_s_rate_is_left_out_of_the_progress(tmp_path):
     """Before: a hand-edited metrics.jsonl line with a loss but no images_per_s ended `vitctl status` (of every job) in
     a KeyError traceback."""
