@@ -661,12 +661,13 @@ def test_resume_across_pretraining_and_finetuning_is_refused_before_launch(tmp_p
     finetune at another resolution, resumed by `train`, was refused first for its model settings, then (with them)
     for being a finetune."""
     pretrain, _, finetune = _pretrained_and_finetuned(tmp_path, "pretrain", "--set", "model.img_size=48")
-    result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, "--resume",
-                    "--set", "model.img_size=48")
-    assert result.exit_code == 1 and result.stderr.strip() == (
-        f"error: {pretrain} holds the checkpoints of a pretraining run (`vitctl train`): --resume would continue that "
-        f"run and ignore --from-ckpt {finetune}; choose another --out to finetune, or continue that run with "
-        f"`vitctl train --resume --set model.img_size=32`")
+    for resume in (["--resume"], []):  # without it, before: "pass --resume", which this refused
+        result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, *resume,
+                        "--set", "model.img_size=48")
+        assert result.exit_code == 1 and result.stderr.strip() == (
+            f"error: {pretrain} holds the checkpoints of a pretraining run (`vitctl train`): --resume would continue "
+            f"that run and ignore --from-ckpt {finetune}; choose another --out to finetune, or continue that run with "
+            f"`vitctl train --resume --set model.img_size=32`")
     result = vitctl("train", *ONE_RANK, "--steps", 2, "--out", finetune, "--resume")
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: {finetune} holds the checkpoints of a finetune from {pretrain}: continue it with `vitctl finetune "

@@ -76,14 +76,17 @@ def _refuse_incomplete(run_dir: Path, found: list[Path]) -> None:
         raise ConfigError(_damaged(named[-1], _lacks(named[-1])))
 
 
+def fresh_start_refused(run_dir: Path, last: Path) -> ConfigError:
+    return ConfigError(f"{run_dir} already holds checkpoints (last: {last.name}); pass --resume to continue that run, "
+                       "or choose another --out")
+
+
 def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
     """The run folder's checkpoints; refuses to start afresh over them (that would mix two runs)."""
     found, legacy = list_checkpoints(run_dir), legacy_checkpoints(run_dir)
     _refuse_incomplete(run_dir, found)
     if (found or legacy) and not resume:
-        last = (found or legacy)[-1]
-        raise ConfigError(f"{run_dir} already holds checkpoints (last: {last.name}); pass --resume to continue that "
-                          "run, or choose another --out")
+        raise fresh_start_refused(run_dir, (found or legacy)[-1])
     if legacy and not found:
         raise ConfigError(f"{run_dir} holds only single-file checkpoints of an earlier vitctl ({legacy[-1].name}), "
                           f"which --resume cannot continue; start a new run from its weights with --out NEW "

@@ -377,8 +377,8 @@ def availability_warning(request: LaunchRequest, partition: str) -> str | None:
             f"job and submit to another --partition")
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
-    """Make the run folder and check it is writable; its checkpoints to resume (ConfigError if not `resume`)."""
+def check_run_dir(run_dir: Path) -> list[Path]:
+    """Make the run folder and check it is writable; the checkpoints a --resume would go on from."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".vitctl-write-test"
@@ -386,7 +386,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"run folder {run_dir} is not writable ({e.strerror}); choose another --out") from None
-    return checkpoint.checkpoints_to_resume(run_dir, resume)
+    return checkpoint.checkpoints_to_resume(run_dir, resume=True)
 
 
 def refuse_entries_of_another_kind(run_dir: Path) -> None:

@@ -176,15 +176,17 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     existed = run_dir.exists()
     refuse_entries_of_another_kind(run_dir)
     if dry_run:
-        found = checkpoint.checkpoints_to_resume(run_dir, resume)
+        found = checkpoint.checkpoints_to_resume(run_dir, resume=True)
         try:  # the script is still printed: it may be meant for later, once that job has ended
             refuse_busy_run_dir(run_dir, registry.load_records())
         except ConfigError as e:
             echo(f"warning: {e}; submitted now, the script's job would be refused by its rank 0")
     else:
         refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
-        found = check_run_dir(run_dir, resume)
-    check_resumable(found, config)
+        found = check_run_dir(run_dir)
+    check_resumable(found, config)  # first: where it refuses --resume, "pass --resume" is no fix
+    if found and not resume:
+        raise checkpoint.fresh_start_refused(run_dir, found[-1])
     if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
