@@ -350,6 +350,17 @@ def test_a_part_of_the_run_folder_this_user_cannot_write_is_refused_before_launc
                                              "there, or choose another --out")
 
 
+def test_a_dry_run_into_a_folder_that_cannot_be_made_is_refused(tmp_path, immutable):
+    """Before: exit 0, while the job (and a real submission, at once) would fail to make it."""
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    immutable(parent)
+    _refused(vitctl(*DRY_RUN, "--out", parent / "a/run"), f"run folder {parent / 'a/run'} (--out): this user cannot "
+                                                          f"write {parent} (its permissions, or read-only or "
+                                                          "immutable); give this user write access there, or choose "
+                                                          "another --out")
+
+
 def test_a_key_the_run_would_not_read_is_warned_of_by_train_and_config_show(tmp_path):
     """Before: `--set augment.recount=3` without random erasing was taken without a word."""
     said = "warning: augment.recount=3 applies with augment.reprob above 0 (random erasing) only: it has no effect here"

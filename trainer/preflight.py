@@ -238,6 +238,8 @@ def _out_dir_error(out_dir: str) -> str | None:
                f"checkpoint beside it), which a run would rewrite: move {run / METRICS_FILE} away, or choose " \
                "another --out"
     parts = [run, checkpoint_dir(run), *logs, run / LOCK]
+    if not run.exists():  # the folder it would be made in (a dry run makes nothing)
+        parts.append(next((p for p in run.absolute().parents if p.exists()), Path("/")))
     if locked := [p for p in parts if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))]:
         return f"run folder {out_dir} (--out): this user cannot write {', '.join(map(str, locked))} (its " \
                "permissions, or read-only or immutable); give this user write access there, or choose another --out"
