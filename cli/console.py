@@ -1,5 +1,7 @@
 """Rich consoles, progress bars and value types shared by the commands."""
 
+import errno
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +22,15 @@ from rich.progress import (
 )
 from rich.text import Text
 
-console = Console()
+
+class _StdoutConsole(Console):
+    def on_broken_pipe(self) -> None:
+        """Rich exits 1 here; raised on, a reader gone (`| head`) ends the command as such (cli/main.py)."""
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+console = _StdoutConsole()
 err_console = Console(stderr=True)
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

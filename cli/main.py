@@ -62,12 +62,15 @@ class VitctlGroup(click.Group):
         except OSError as e:
             if _output_lost(e):
                 _say_output_lost(e)
-                ctx.exit(1)
+                ctx.exit(READER_LEFT if e.errno == errno.EPIPE else 1)
             if e.errno != errno.ENAMETOOLONG:  # a path (--out, --data, a config file) that no file system takes
                 raise
             err_console.print(f"[bold red]error:[/] a name in {escape(str(e.filename))} is longer than the file "
                               "system allows (255 bytes a name): shorten it", highlight=False, soft_wrap=True)
             ctx.exit(1)
+
+
+READER_LEFT = 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader (`| head`) left: not a failure
 
 
 def _output_lost(e: OSError) -> bool:
