@@ -81,6 +81,16 @@ def test_a_container_image_on_a_cluster_without_pyxis_is_refused_before_submissi
     ok("train", *SLURM, "--time", 10, "--out", tmp_path / "run", "--dry-run")  # the fix, followed
 
 
+@pytest.mark.parametrize("executor", [LOCAL, SLURM])
+def test_container_mounts_without_an_image_are_refused(tmp_path, executor):
+    """Before: dropped without a word, the script's srun line without them."""
+    said = refused(*executor, "--time", 10, "--out", tmp_path / "run", "--container-mounts", "/data:/data",
+                   "--dry-run")
+    assert said == ("error: --container-mounts /data:/data mounts folders into the image of --container-image, and "
+                    "none is given: pass --container-image IMAGE, or drop --container-mounts (without an image the "
+                    "ranks see this machine's folders as they are)\n"), said
+
+
 def test_a_local_time_limit_within_the_warning_is_refused(tmp_path):
     """The local executor never signalled a limit of 90 s or less: at the limit it killed the ranks, no checkpoint
     kept, and `vitctl train` blamed 'killed, or out of memory?'."""

@@ -80,6 +80,10 @@ def resolve_container_image(request: LaunchRequest) -> LaunchRequest:
     image (nvcr.io#nvidia/pytorch:TAG) is left to pyxis to pull."""
     image = request.container_image
     if not image:
+        if request.container_mounts:  # pyxis mounts into an image: without one, nothing would read them
+            raise ConfigError(f"--container-mounts {request.container_mounts} mounts folders into the image of "
+                              "--container-image, and none is given: pass --container-image IMAGE, or drop "
+                              "--container-mounts (without an image the ranks see this machine's folders as they are)")
         return request
     if request.executor == "local":
         raise ConfigError("--container-image runs every rank in the image through pyxis (srun): use it with "
