@@ -175,7 +175,7 @@ def test_logs_merge_a_rank_s_stdout_and_stderr_in_time_and_name_the_ranks(finish
     assert stamps == sorted(stamps) and shown[-1].endswith("Exiting after successful completion")
     result = vitctl("logs", finished_job.job_id, "--rank", 9)
     assert result.exit_code == 1
-    assert f"error: job {finished_job.job_id} has no rank 9: its ranks are 0-1 (1 node(s) x 2 tasks)" in result.stderr
+    assert f"error: job {finished_job.job_id} has no rank 9: its ranks are 0-1 (1 node x 2 tasks)" in result.stderr
 
 
 @pytest.mark.slow
