@@ -62,6 +62,17 @@ def _year_hint(tar: tarfile.TarFile) -> str:
     return f" (it names ILSVRC{', ILSVRC'.join(years)})" if years else ""
 
 
+def _image_archive(tar: tarfile.TarFile, where: str) -> DataError | None:
+    """The val or train image archive given as the devkit: named as such, with where it goes."""
+    names = [Path(name).name for name in tar.getnames()[:100]]
+    for split, pattern in (("val", VAL_PATTERN), ("train", re.compile(r"n\d{8}\.tar"))):
+        if names and all(pattern.fullmatch(name) for name in names):
+            archive = f"ILSVRC2012_img_{split}.tar"
+            return DataError(f"this is {archive} (the {split} images), not the devkit", where,
+                             f"pass it to `vitctl data extract --{split}-tar`, and {DEVKIT_NAME} as --devkit")
+    return None
+
+
 def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
     """Synsets from meta.mat and the ILSVRC2012_ID of each validation image, in filename order."""
     where = str(path)
@@ -74,6 +85,8 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
         with tarfile.open(path, "r:*") as tar:
             meta, truth = _find(tar, META_MAT), _find(tar, GROUND_TRUTH)
             if meta is None or truth is None:
+                if wrong := _image_archive(tar, where):
+                    raise wrong
                 missing = META_MAT if meta is None else GROUND_TRUTH
                 raise DataError(f"not an ILSVRC2012 devkit: no {missing}{_year_hint(tar)}", where,
                                 "use ILSVRC2012_devkit_t12.tar.gz (md5 fa75699e90414af021442c21a62c3abf)")
@@ -82,8 +95,10 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
         if _is_solution_csv(path):
             raise DataError(f"this is Kaggle's {SOLUTION_CSV}, not the devkit", where,
                             f"pass it with --solution {shlex.quote(str(path))} instead of --devkit") from None
-        raise DataError(f"cannot read the devkit archive ({e})", where,
-                        "the file is damaged or truncated; download it again") from None
+        # tarfile lists why each of its methods (gz, bz2, xz, tar) failed: none of them read it
+        said = "not a tar archive, plain or compressed" if str(e).startswith("file could not be opened") else str(e)
+        raise DataError(f"cannot read the devkit archive ({said})", where,
+                        f"the file is damaged or truncated, or not the devkit; download {DEVKIT_NAME} again") from None
     try:
         truth_text = truth_bytes.decode()
     except UnicodeDecodeError as e:

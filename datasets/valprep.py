@@ -12,7 +12,15 @@ from .oserrors import os_errors_explained
 
 def _check_exists(val_dir: Path) -> None:
     if not val_dir.is_dir():
-        raise DataError("validation folder not found", str(val_dir), "run `vitctl data extract` first")
+        raise DataError("validation folder not found", str(val_dir), f"{_extract_into(val_dir)} first")
+
+
+def _extract_into(val_dir: Path) -> str:
+    """How to write `val_dir`: the extract command, where it is a root's val/."""
+    if val_dir.name == "val":
+        return f"extract the val archive into it: `{extract_command(val_dir.parent, ['val'])}`"
+    return ("extract the val archive (`vitctl data extract --val-tar ILSVRC2012_img_val.tar --out ROOT`) and pass "
+            "ROOT/val")
 
 
 def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
@@ -48,11 +56,8 @@ def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
         raise DataError(f"unexpected entries (not images, not WNID folders): {listed(foreign)}", str(val_dir),
                         "move them out of the validation folder; nothing was moved")
     if not flat and not placed:  # the labels would all be "missing", and the fix would blame them
-        fix = f"extract the val archive into it: `{extract_command(val_dir.parent, ['val'])}`" \
-            if val_dir.name == "val" else "extract the val archive (`vitctl data extract --val-tar " \
-            "ILSVRC2012_img_val.tar --out ROOT`) and pass ROOT/val"
         raise DataError("holds no images: the val archive has not been extracted into it", str(val_dir),
-                        f"{fix}, then run valprep again")
+                        f"{_extract_into(val_dir)}, then run valprep again")
     others = sorted(name for name in flat | placed.keys() if not VAL_PATTERN.fullmatch(name))
     if others and len(others) == len(flat) + len(placed):  # the train folder, the archives' folder
         val = val_dir.parent / "val"

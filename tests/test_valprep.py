@@ -1,5 +1,6 @@
 import io
 import os
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -109,6 +110,18 @@ def test_an_empty_val_folder_is_said_to_need_the_archive_and_the_fix_works(archi
     assert len(_layout(val)) == len(_truth(archives))
 
 
+def test_a_missing_val_folder_is_given_the_extract_command_and_it_works(archives, tmp_path):
+    """Before: `run vitctl data extract first`, with no command (its siblings name one)."""
+    root = tmp_path / "r"
+    ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", root)
+    result = vitctl("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1 and "validation folder not found" in result.stderr
+    fix = result.stderr.split("`")[1]
+    assert fix == f"vitctl data extract --val-tar {archives / VAL_TAR} --out {root}", result.stderr
+    ok(*shlex.split(fix)[1:])
+    ok("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+
+
 def test_images_that_are_symbolic_links_are_refused_and_the_copied_images_sort(archives, prepared_root, tmp_path):
     """Before: `unexpected entries (not images, not WNID folders)` and `move them out`, which emptied the folder."""
     files, val = _val_dir(archives, tmp_path), tmp_path / "links/val"
@@ -166,11 +179,26 @@ def test_devkit_or_solution_is_required(tmp_path):
     assert vitctl("data", "valprep", tmp_path / "val").exit_code == 2
 
 
-def test_wrong_archive_as_devkit_is_refused(archives, tmp_path):
+@pytest.mark.parametrize(("split", "archive"), [("train", TRAIN_TAR), ("val", VAL_TAR)])
+def test_an_image_archive_as_devkit_is_named_with_where_it_goes(archives, tmp_path, split, archive):
+    """Before: `not an ILSVRC2012 devkit: no data/meta.mat (it names ILSVRC2012)`, the val archive's image names."""
     val = _val_dir(archives, tmp_path)
-    shutil.copy(archives / TRAIN_TAR, tmp_path / "devkit.tar.gz")
+    shutil.copy(archives / archive, tmp_path / "devkit.tar.gz")
     result = vitctl("data", "valprep", val, "--devkit", tmp_path / "devkit.tar.gz")
-    assert result.exit_code == 1 and "not an ILSVRC2012 devkit" in result.stderr
+    assert result.exit_code == 1 and (f"devkit.tar.gz: this is ILSVRC2012_img_{split}.tar (the {split} images), not "
+                                      "the devkit") in result.stderr, result.stderr
+    assert f"fix: pass it to `vitctl data extract --{split}-tar`, and ILSVRC2012_devkit_t12.tar.gz as --devkit" \
+        in result.stderr
+
+
+@pytest.mark.parametrize("content", [b"", b"not an archive at all\n" * 40])
+def test_a_file_that_is_no_archive_as_devkit_says_so_in_one_line(archives, tmp_path, content):
+    """Before: tarfile's list of why each of its methods failed, over five lines."""
+    val = _val_dir(archives, tmp_path)
+    (tmp_path / "devkit.tar.gz").write_bytes(content)
+    result = vitctl("data", "valprep", val, "--devkit", tmp_path / "devkit.tar.gz")
+    assert result.exit_code == 1 and "cannot read the devkit archive (not a tar archive, plain or compressed)" \
+        in result.stderr and "method gz" not in result.stderr, result.stderr
 
 
 def _solution(val_labels: dict[str, str]) -> str:
