@@ -1,6 +1,7 @@
 """Move flat validation images into WNID folders, checking everything before moving anything."""
 
 import os
+import shlex
 from pathlib import Path
 
 from .errors import DataError, listed
@@ -102,16 +103,26 @@ def plan_moves(val_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
         problems.append(f"{len(wrong)} images sit in the wrong WNID folder: {listed(wrong)}")
     if problems:
         raise DataError(f"labels ({len(labels)} images) do not match the folder ({len(present)} images): "
-                        + "; ".join(problems), str(val_dir), _mismatch_fix(val_dir, labels, wrong, missing))
+                        + "; ".join(problems), str(val_dir), _mismatch_fix(val_dir, labels, wrong, missing, extra))
     return sorted((name, labels[name]) for name in flat)
 
 
-def _mismatch_fix(val_dir: Path, labels: dict[str, str], wrong: set[str], missing: set[str]) -> str:
-    """A few images moved or deleted by hand, as often as labels of another archive: the fix names both."""
+def _mismatch_fix(val_dir: Path, labels: dict[str, str], wrong: set[str], missing: set[str], extra: set[str]) -> str:
+    """A few images moved, deleted or added by hand, as often as labels of another archive (or an earlier valprep
+    with them): the fix names each, and how to start over."""
+    strays = {name for name in extra if not VAL_PATTERN.fullmatch(name)}
+    fixes = [f"move {listed(strays)} out of {val_dir}: not validation images"] if strays else []
     example = f" ({min(wrong)} belongs in {val_dir / labels[min(wrong)]})" if wrong else \
         f" ({min(missing)}, of {labels[min(missing)]}, is in ILSVRC2012_img_val.tar)" if missing else ""
-    return (f"if images were moved, removed or added here by hand, put them back as the labels have them{example}; "
-            "else check that the devkit/solution file and the val archive belong together; nothing was moved")
+    if wrong or missing or extra - strays:
+        fixes.append(f"if images were moved, removed or added here by hand, put them back as the labels have "
+                     f"them{example}")
+    again = f"`{extract_command(val_dir.parent, ['val'])}`" if val_dir.name == "val" else "`vitctl data extract " \
+        "--val-tar ILSVRC2012_img_val.tar --out ROOT`"
+    fixes.append(f"else check that the devkit/solution file and the val archive belong together; to start over (val "
+                 f"sorted with another dataset's labels), `rm -r {shlex.quote(str(val_dir))}`, then {again} and "
+                 "valprep with this dataset's devkit; nothing was moved")
+    return "; ".join(fixes)
 
 
 def move_into_folders(val_dir: Path, moves: list[tuple[str, str]]) -> None:

@@ -1,5 +1,6 @@
 import io
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import scipy.io
 
-from conftest import ok, vitctl
+from conftest import CLASSES, VAL_PER_CLASS, ok, vitctl
 from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
 
 
@@ -120,6 +121,26 @@ def test_a_missing_val_folder_is_given_the_extract_command_and_it_works(archives
     assert fix == f"vitctl data extract --val-tar {archives / VAL_TAR} --out {root}", result.stderr
     ok(*shlex.split(fix)[1:])
     ok("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+
+
+def test_val_sorted_with_another_dataset_s_labels_is_given_a_way_to_start_over_and_it_works(archives, tmp_path):
+    """Before: the fix sent the user to move images by hand, or to doubt the right devkit."""
+    other = tmp_path / "other"
+    ok("data", "synth", other, "--classes", CLASSES, "--train-per-class", 1, "--val-per-class", VAL_PER_CLASS,
+       "--seed", 8)
+    root = tmp_path / "r"
+    ok("data", "extract", "--val-tar", archives / VAL_TAR, "--out", root)
+    ok("data", "valprep", root / "val", "--devkit", other / DEVKIT)  # the wrong labels: they sort all the same
+    (root / "val/notes.txt").write_text("mine")
+    result = vitctl("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1 and "images sit in the wrong WNID folder" in result.stderr, result.stderr
+    assert f"fix: move notes.txt out of {root / 'val'}: not validation images; " in result.stderr, result.stderr
+    start_over = re.search(r"to start over \(val sorted with another dataset's labels\), `(rm -r \S+)`, then "
+                           r"`(vitctl data extract [^`]+)` and valprep", result.stderr)
+    subprocess.run(shlex.split(start_over[1]), check=True)
+    ok(*shlex.split(start_over[2])[1:])
+    ok("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+    assert len(_layout(root / "val")) == len(_truth(archives))
 
 
 def test_images_that_are_symbolic_links_are_refused_and_the_copied_images_sort(archives, prepared_root, tmp_path):
