@@ -77,7 +77,8 @@ class ByteSize(click.ParamType):
     def convert(self, value, param, ctx) -> int:
         size = value if isinstance(value, int) else self._bytes(value, param, ctx)
         if size < self._bytes(self.at_least, param, ctx):
-            self.fail(f"{value!r} is {size:,} bytes; give at least {self.at_least}", param, ctx)
+            unit = "byte" if size == 1 else "bytes"
+            self.fail(f"{value!r} is {size:,} {unit}; give at least {self.at_least}", param, ctx)
         return size
 
     def _bytes(self, value, param, ctx) -> int:
