@@ -21,6 +21,7 @@ from .atomic import PARTIAL_SUFFIX, fsync_dir, partial_path, sync_filesystem, wr
 from .errors import DataError, listed
 from .ilsvrc import DEVKIT_DIR, DEVKIT_NAME, TRAIN_ARCHIVE, VAL_ARCHIVE, VAL_PATTERN, WNID
 from .lock import check_no_writer, writing_in
+from .manifest import MANIFEST
 from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
 from .tarscan import TarMember, check_safe, scan, scan_path
@@ -221,6 +222,13 @@ def _load_ledger(root: Path) -> dict[str, Any]:
     return ledger
 
 
+def _check_not_shards(root: Path) -> None:
+    """Refuse an --out that `vitctl data shard` wrote: extracting there would mix a dataset root into its shards."""
+    if (root / MANIFEST).is_file():
+        raise DataError(f"holds {MANIFEST}: it is a folder of shards that `vitctl data shard` wrote, not a dataset "
+                        "root", str(root), "extract into the dataset root that shard read from, or another --out")
+
+
 def _rename_into_place(partial: Path, final: Path) -> None:
     os.replace(partial, final)
     fsync_dir(final.parent)
@@ -273,6 +281,7 @@ def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
     """Extract the nested train tar into `root/train/<wnid>/`, keeping classes an earlier run completed."""
     with os_errors_explained(root):
         _check_archive(archive, TRAIN_ARCHIVE)
+        _check_not_shards(root)
         dest = root / "train"
         _load_ledger(root)  # refused before the archive is read
         members = _class_tars(archive, dest)
@@ -326,6 +335,7 @@ def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_
     """Extract the flat val tar into `root/val/`; returns the image count."""
     with os_errors_explained(root):
         _check_archive(archive, VAL_ARCHIVE)
+        _check_not_shards(root)
         _load_ledger(root)  # refused before anything is written
         # checked before --out is made; a finished val/ is not read again
         members = None if os.path.lexists(root / "val") else _val_images(archive)

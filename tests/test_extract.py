@@ -394,6 +394,18 @@ def test_a_rerun_after_val_images_were_lost_extracts_them_again_or_says_how(smal
     assert _tree(out / "val") == _tree(small_extracted / "val")
 
 
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_extract_into_a_folder_of_shards_is_refused(small_archives, prepared_shards, tmp_path, split):
+    """Before: accepted, and val/ with the extract's ledger written among the shards."""
+    shards = Path(shutil.copytree(prepared_shards, tmp_path / "shards"))
+    before = sorted(p.name for p in shards.iterdir())
+    result = vitctl("data", "extract", f"--{split}-tar", small_archives / (TRAIN_TAR if split == "train" else VAL_TAR),
+                    "--out", shards)
+    assert result.exit_code == 1 and (f"{shards}: holds manifest.json: it is a folder of shards that `vitctl data "
+                                      "shard` wrote, not a dataset root") in result.stderr, result.stderr
+    assert sorted(p.name for p in shards.iterdir()) == before
+
+
 def test_a_copy_of_the_same_archive_resumes(archives, tmp_path):
     copy = tmp_path / "elsewhere.tar"
     shutil.copyfile(archives / TRAIN_TAR, copy)  # another name and mtime, the same bytes
