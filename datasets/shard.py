@@ -379,8 +379,10 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     if info is not None and info["plan"] != digest:
         raise _other_plan(root, out, split, spec, info)
     recorded = {} if info is None else {e["name"]: e for e in info["shards"]}
+    recorded_info, recorded_complete = info, info is not None and info["complete"]
+    added = sorted(source.samples.keys() - manifest["splits"].keys() - {split})
     info = manifest["splits"][split] = _started(root, shards, spec)
-    for other in sorted(source.samples.keys() - manifest["splits"].keys()):
+    for other in added:
         # recorded as started now: a run stopped before it gets there leaves it incomplete (verify's fix and training
         # then name it), not absent, which training takes for a dataset without that split
         manifest["splits"][other] = _started(root, plan_shards(source.samples[other], spec), spec)
@@ -392,6 +394,8 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
             if name is not None:
                 intact.add(name)
                 progress(len(planned[name]))
+    if recorded_complete and len(intact) == len(planned) and added == []:
+        return SplitResult(recorded_info, [])  # nothing to write: a read-only copy of finished shards checks too
     todo = []
     for name, samples in planned.items():
         path = out / name
