@@ -328,6 +328,26 @@ def _ended_local_job(run: Path) -> registry.JobRecord:
     return record
 
 
+def test_jobs_whose_run_folder_was_removed_and_made_again_are_not_called_failed(tmp_path):
+    """`make clean-demo`, then `make demo`: before, the earlier jobs, which had completed, showed FAILED "no rank
+    reported an error (killed, or out of memory?)", naming logs that no longer existed; and while the folder was gone,
+    their note said so twice."""
+    run = tmp_path / "run"
+    earlier = _ended_local_job(run)
+    shutil.rmtree(run)
+    gone = status.collect([earlier])[0]
+    assert gone.state == "UNKNOWN" and gone.note.count("no longer exists") == 1 and "is gone" not in gone.note
+    later = registry.JobRecord("2", "local", earlier.name, str(run), str(run / "submitit"), 1, 2, 0,
+                               earlier.submitted + 60, started=-1)
+    registry.add_record(later)
+    (run / "submitit").mkdir(parents=True)
+    (run / "submitit/2_0_log.err").write_text("2026-11-30 10:00:35,661 [rank 0] vitctl.train: run\n")
+    state = status.local_state(earlier)
+    assert state.state == "UNKNOWN" and state.note == (f"its logs and result are gone: {run / 'submitit'} was removed "
+                                                        "and made again (job 2 ran there since)"), state
+    assert status.local_state(later).state == "FAILED"  # its own log is there: killed before its result
+
+
 def test_a_job_killed_before_it_left_a_result_shows_how_long_it_ran_until_its_last_log_line(tmp_path):
     """Before: a local job killed by SIGKILL (or the OOM killer) had an empty elapsed time in `vitctl status`."""
     record = _ended_local_job(tmp_path / "run")

@@ -201,12 +201,23 @@ def local_state(record: JobRecord) -> JobState:
     elapsed = _until_last_written(record)
     if record.cancelled:  # no result: killed by a second cancel, or stopped before a rank took the signal
         return JobState("CANCELLED", elapsed, killed_note(record) if record.killed else STOPPED_AS_RANKS_STARTED)
-    if not Path(record.folder).is_dir():
-        return JobState("UNKNOWN", None, f"its folder {record.folder} is gone")
+    if not Path(record.folder).is_dir():  # with its run folder, collect's note says so
+        return JobState("UNKNOWN", None, "" if not Path(record.run_dir).is_dir() else
+                        f"its folder {record.folder} is gone")
     if (path := _result_path(record, 0)).exists():
         return JobState("UNKNOWN", elapsed, f"it ended, and rank 0's result {path} cannot be read (damaged); "
                                             f"`vitctl logs {record.job_id}` shows how it ended")
+    if elapsed is None and (later := _later_job(record)):  # none of its files: not killed, removed
+        return JobState("UNKNOWN", None, f"its logs and result are gone: {record.folder} was removed and made again "
+                                         f"(job {later.job_id} ran there since)")
     return JobState("FAILED", elapsed)
+
+
+def _later_job(record: JobRecord) -> JobRecord | None:
+    """The first job submitted into the same run folder after `record`, or None."""
+    run_dir = Path(record.run_dir).resolve()
+    later = [r for r in load_records() if Path(r.run_dir).resolve() == run_dir and r.submitted > record.submitted]
+    return min(later, key=lambda r: r.submitted, default=None)
 
 
 def _until_last_written(record: JobRecord) -> float | None:
