@@ -14,6 +14,10 @@ APEX_ARCHIVE ?= $(wildcard ../shared/vendor/apex-*.tar.gz)
 
 .PHONY: demo test lint bench clean-demo image image-test
 
+# A rerun of the demo goes on from its runs' checkpoints; a first run has none to go on from (make expands a recipe
+# before running it, so this sees the folders as they were when `make demo` began).
+resume_if_there = $(if $(wildcard $(1)),--resume)
+
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -e '.[dali,test]'
@@ -27,10 +31,10 @@ demo: $(BIN)/.installed
 	$(BIN)/vitctl data shard $(DEMO_DIR)/imagenet --out $(DEMO_DIR)/shards --maxcount 128
 	$(BIN)/vitctl data index $(DEMO_DIR)/shards
 	$(BIN)/vitctl data verify $(DEMO_DIR)/shards --decode 64
-	$(BIN)/vitctl train --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/pretrain --resume \
-		--executor local --gpus 0
-	$(BIN)/vitctl finetune --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/finetune --resume \
-		--executor local --gpus 0 \
+	$(BIN)/vitctl train --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/pretrain \
+		$(call resume_if_there,$(DEMO_DIR)/runs/pretrain) --executor local --gpus 0
+	$(BIN)/vitctl finetune --config demo_vit --data $(DEMO_DIR)/shards --out $(DEMO_DIR)/runs/finetune \
+		$(call resume_if_there,$(DEMO_DIR)/runs/finetune) --executor local --gpus 0 \
 		--from-ckpt $(DEMO_DIR)/runs/pretrain \
 		--epochs 3 --set model.img_size=48 --set optim.warmup_epochs=0
 	$(BIN)/vitctl status

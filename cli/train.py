@@ -121,6 +121,9 @@ def _run(o: dict, finetune: bool = False) -> None:
     if o["dry_run"]:
         click.echo(outcome, nl=False)  # byte for byte: rich would wrap the srun line at the terminal's width
         return
+    if outcome is None:  # nothing left to train (launch said so): the run as it stands
+        print_summary(Path(config.train.out_dir))
+        return
     if request.executor == "slurm":
         console.print(f"submitted job {outcome.job_id} ({outcome.name}: {request.nodes} node(s) x "
                       f"{request.tasks} task(s)) -> {config.train.out_dir}\n"

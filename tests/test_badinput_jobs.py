@@ -576,13 +576,16 @@ def test_resume_onto_a_folder_without_checkpoints_or_past_its_steps_warns(tmp_pa
             "folder as --out") in result.stderr, result.stderr
     assert "warning: --resume" not in ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr
     # a run resumed with fewer steps than it has made ended at once without a word
+    jobs = len(registry.load_records())
     fewer = ok("train", *QUICK, "--steps", 1, "--out", missing, "--resume")
-    assert (f"warning: {missing} is at step 2 already, past train.max_steps=1 (--steps): there is nothing to train; "
-            "pass --steps above 2 to train on") in fewer.stderr, fewer.stderr
-    rerun = ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume").stderr  # as `make demo` reruns
-    assert "warning" not in rerun and (f"note: {missing} is at step 2 already: the run ends there "
-                                       "(train.max_steps=2, --steps): nothing to train; pass --steps above 2 to train "
-                                       "on") in rerun, rerun
+    assert (f"warning: {missing} is at step 2 already, past train.max_steps=1 (--steps): there is nothing to train, "
+            "and no job was started; pass --steps above 2 to train on") in fewer.stderr, fewer.stderr
+    rerun = ok("train", *QUICK, "--steps", 2, "--out", missing, "--resume")  # as `make demo` reruns
+    assert "warning" not in rerun.stderr and (f"note: {missing} is at step 2 already: the run ends there "
+                                              "(train.max_steps=2, --steps): nothing to train; pass --steps above 2 to "
+                                              "train on; no job was started") in rerun.stderr, rerun.stderr
+    assert len(registry.load_records()) == jobs  # before, each started a job that ended at once: an empty row
+    assert str(missing) in rerun.output  # the run's table as it stands
 
 
 def test_resuming_a_run_at_the_end_of_its_epochs_says_there_is_nothing_to_train(tmp_path):
@@ -591,7 +594,8 @@ def test_resuming_a_run_at_the_end_of_its_epochs_says_there_is_nothing_to_train(
     ok("train", *args, "--epochs", 1)
     rerun = ok("train", *args, "--epochs", 1)
     assert (f"note: {tmp_path / 'run'} is at step 16 already: the run ends there, at step 16, the end of "
-            "train.epochs=1: nothing to train; pass --epochs 2 to train on") in rerun.stderr, rerun.stderr
+            "train.epochs=1: nothing to train; pass --epochs 2 to train on; no job was started") in rerun.stderr, \
+        rerun.stderr
     ok("train", *args, "--epochs", 2)  # the fix
     assert _last_step(tmp_path / "run") == 32
 

@@ -132,10 +132,11 @@ def _checked_against_cluster(request: LaunchRequest, dry_run: bool, echo) -> int
     return node_cpus
 
 
-def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: bool, echo) -> JobRecord | str:
+def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: bool, echo) -> JobRecord | str | None:
     """Validate, then submit (Slurm: returns at once) or run (local: waits, echoing rank 0's log).
 
-    With `dry_run`, returns an sbatch script that runs the job and submits nothing.
+    With `dry_run`, returns an sbatch script that runs the job and submits nothing; None where a resumed run has
+    nothing left to train (echo said so), and nothing was started.
     """
     if request.executor == "local":
         check_local(request)
@@ -190,10 +191,11 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
-    if found:
-        _resume_notes(run_dir, found[-1], config, plan, echo)
+    finished = bool(found) and _resume_notes(run_dir, found[-1], config, plan, echo)
     if dry_run:
         return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
+    if finished:  # a job would start and end at once, an empty row in `vitctl status`
+        return None
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
     job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
     record, submitted = submit(job, request, name, command_line())
@@ -202,21 +204,24 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     return record
 
 
-def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo) -> None:
-    """What a resumed run should know of its last checkpoint `last`: nothing left to train, other settings, other
-    train samples."""
+def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo) -> bool:
+    """What a resumed run should know of its last checkpoint `last`: nothing left to train (then True, and nothing
+    is started), other settings, other train samples."""
     meta = checkpoint.read_meta(last)
     step = meta["step"]
     if config.train.max_steps and step > config.train.max_steps:
         echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
-             f"there is nothing to train; pass --steps above {step} to train on")
-    elif note := finished_note(config, plan, step):
-        echo(f"note: {run_dir} is at step {step} already: {note}")
+             f"there is nothing to train, and no job was started; pass --steps above {step} to train on")
+        return True
+    if note := finished_note(config, plan, step):
+        echo(f"note: {run_dir} is at step {step} already: {note}; no job was started")
+        return True
     if changed := checkpoint.settings_change(meta["config"], config.to_dict()):
         echo(f"warning: --resume with other settings than {last} was saved with: {', '.join(changed)}; the run "
              "goes on with the new ones (--set the saved values to keep them)")
     for warning in filter(None, [_other_samples(run_dir, meta, config), _other_batch(last, meta, config, plan)]):
         echo(f"warning: {warning}")
+    return False
 
 
 def _other_batch(last: Path, meta: dict, config: RunConfig, plan: Schedule | None) -> str | None:
