@@ -114,10 +114,10 @@ def resolve(fused: str, device: torch.device, compiling: bool = False) -> Ops:
     wanted = parse_fused(fused)
     chosen = {seam: (_pick(seam, device, wanted[seam], compiling) if seam in wanted else REGISTRY[seam]["reference"])
               for seam in SEAMS}
-    ops = Ops(**{seam: impl.fn for seam, impl in chosen.items()},
-              chosen=tuple((seam, impl.name) for seam, impl in chosen.items()))
-    log.info("ops: %s", ops.describe())
-    return ops
+    # Not logged here: checks build models too (on the meta device, with the reference ops); a run's log line names
+    # the ops it trains with.
+    return Ops(**{seam: impl.fn for seam, impl in chosen.items()},
+               chosen=tuple((seam, impl.name) for seam, impl in chosen.items()))
 
 
 from . import apex_ops, cuda, reference, sdpa  # noqa: E402, F401  (importing them registers the implementations)
