@@ -133,17 +133,25 @@ def _run(o: dict, finetune: bool = False) -> None:
     print_summary(Path(config.train.out_dir))
 
 
+SUMMARY_STEPS = 5  # logged steps the end-of-run table shows (beside every eval)
+
+
 def print_summary(run_dir: Path) -> None:
     records = wf.read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
     evals = {r["step"]: r for r in records if "eval_top1" in r}
     ema = any("eval_ema_top1" in r for r in evals.values())  # runs with train.ema_decay
     keys = ["eval_top1", "eval_top5", *(["eval_ema_top1"] if ema else [])]
+    by_step = {r["step"]: r for r in steps}
+    shown = sorted({r["step"] for r in steps[-SUMMARY_STEPS:]} | evals.keys())
+    cut = len(by_step) > SUMMARY_STEPS
     table = Table("step", "loss", "images/s", "eval top-1", "eval top-5", *(["EMA top-1"] if ema else []),
-                  title=f"{run_dir}")
-    for record in steps[-5:]:
-        match = evals.get(record["step"], {})
-        table.add_row(str(record["step"]), f"{record['loss']:.4f}", f"{record['images_per_s']:.1f}",
+                  title=f"{run_dir}", caption=f"the last {SUMMARY_STEPS} of {len(by_step)} logged steps, and every "
+                                              "eval; all in metrics.jsonl" if cut else None)
+    for step in shown:
+        record, match = by_step.get(step, {}), evals.get(step, {})
+        table.add_row(str(step), f"{record['loss']:.4f}" if record else "",
+                      f"{record['images_per_s']:.1f}" if record else "",
                       *(f"{match[key]:.2f}" if key in match else "" for key in keys))  # a resumed run may lack EMA
     console.print(table)
     last = wf.checkpoint.list_checkpoints(run_dir)

@@ -188,3 +188,17 @@ def test_output_that_cannot_be_written_ends_in_one_line_not_a_traceback(prepared
     reader.stdout.close()  # a reader that left (`| head`): nothing to say, and no traceback
     said = reader.stderr.read()
     assert reader.wait(timeout=120) == 141 and "Traceback" not in said and "error" not in said, said  # was 1
+
+
+def test_the_summary_of_a_long_run_shows_every_eval_and_says_it_shows_the_last_steps(tmp_path, capsys):
+    """Before: the last 5 logged steps only, the evals before them left out without a word."""
+    from vitctl.cli.train import print_summary
+
+    records = [{"step": step, "loss": 3.0 - step / 100, "images_per_s": 10.0} for step in range(10, 110, 10)]
+    records += [{"step": step, "eval_top1": top1, "eval_top5": 90.0} for step, top1 in ((20, 61.5), (50, 77.25))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    print_summary(tmp_path)
+    out = capsys.readouterr().out
+    assert "61.50" in out and "77.25" in out and "the last 5 of 10 logged steps, and every eval" in out, out
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    assert rows == ["20", "50", "60", "70", "80", "90", "100"], rows
