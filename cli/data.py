@@ -159,6 +159,11 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
                          f"{out / manifest.MANIFEST}):")
             notes += [f"  {s['source']}: {s['reason']}" for s in skipped[:SHOWN]]
             notes += [f"  and {len(skipped) - SHOWN} more"] if len(skipped) > SHOWN else []
+        if result.kept:
+            total = len(result.info["shards"])
+            which = f"all {total}" if result.kept == total else f"{result.kept} of {total}"
+            notes.append(f"{name}: kept {which} shards an earlier run wrote (each checked against its recorded "
+                         "sha256)")
         if result.rewritten:
             which = "shard that was" if len(result.rewritten) == 1 else "shards that were"
             notes.append(f"{name}: wrote again {len(result.rewritten)} {which} missing or did not match the "

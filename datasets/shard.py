@@ -338,6 +338,7 @@ def _check_out(root: Path, out: Path) -> None:
 class SplitResult:
     info: dict[str, Any]  # the split's manifest entry
     rewritten: list[str]  # shards a run before recorded whose file was missing or damaged, written again
+    kept: int = 0  # shards a run before wrote, checked against their sha256 and kept
 
 
 def _started(root: Path, shards: list[list[Sample]], spec: ShardSpec) -> dict[str, Any]:
@@ -395,7 +396,7 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
                 intact.add(name)
                 progress(len(planned[name]))
     if recorded_complete and len(intact) == len(planned) and added == []:
-        return SplitResult(recorded_info, [])  # nothing to write: a read-only copy of finished shards checks too
+        return SplitResult(recorded_info, [], len(intact))  # nothing to write: a read-only copy checks too
     todo = []
     for name, samples in planned.items():
         path = out / name
@@ -442,7 +443,7 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
         _check_every_class_kept(root, out, info, classes)
     info["complete"] = True
     record()
-    return SplitResult(info, sorted(set(recorded) - intact))
+    return SplitResult(info, sorted(set(recorded) - intact), len(intact))
 
 
 def _check_every_class_kept(root: Path, out: Path, info: dict[str, Any], classes: list[str]) -> None:

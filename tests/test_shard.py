@@ -3,6 +3,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -179,6 +180,7 @@ def test_a_rerun_over_finished_shards_writes_nothing_so_a_read_only_copy_checks(
     finally:
         subprocess.run(["chattr", "-i", shards_copy], check=True)
     assert result.exit_code == 0, result.stderr
+    assert re.search(r"train: kept all \d+ shards an earlier run wrote", result.output), result.output
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP])
@@ -281,6 +283,9 @@ def test_a_damaged_shard_of_the_same_size_is_written_again(prepared_shards, shar
     result = ok("data", "shard", prepared_root, "--out", shards_copy, "--maxcount", 16)
     assert "train: wrote again 1 shard that was missing or did not match the recorded sha256: " \
            "imagenet-train-000002.tar" in result.output
+    total = len(json.loads((shards_copy / "manifest.json").read_text())["splits"]["train"]["shards"])
+    assert f"train: kept {total - 1} of {total} shards an earlier run wrote (each checked against its recorded " \
+           "sha256)" in result.output, result.output  # before, nothing said which were kept
     assert _shard_bytes(shards_copy) == _shard_bytes(prepared_shards)
     assert kept.stat().st_mtime_ns == kept_mtime
     assert not (shards_copy / "imagenet-train-000002.idx").exists()  # the index of the damaged shard is stale
