@@ -399,7 +399,7 @@ class Trainer:
         """Train to the stop step; when `should_stop` says so (checked every step), checkpoint and return."""
         c, p, env = self.c, self.position, self.env
         if env.is_main:
-            log.info("run %s: %s, %d steps of %d images (%.1f per epoch), lr %.3g, ops %s, data %s", self.run_dir,
+            log.info("run %s: %s, %d steps of %d images (%.3g an epoch), lr %.3g, ops %s, data %s", self.run_dir,
                      self.strategy.layout(env.world_size), self.stop_step, self.global_batch, self.epoch_steps,
                      self.base_lr, self.ops.describe(), self.data.source)
         self.metrics.write({"step": p.step, "event": "start", "layout": self.strategy.layout(env.world_size)})
