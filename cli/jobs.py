@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 from rich.live import Live
-from rich.table import Table
+from rich.table import Column, Table
 
 from vitctl.workflows import registry, status
 from vitctl.workflows.errors import LaunchError
@@ -53,11 +53,17 @@ HEADERS = ["job", "name", "state", "nodes x GPUs", "elapsed", "step", "loss", "i
            "restarts", "note"]
 
 
+WHOLE = {"job", "name", "state", "checkpoint"}  # kept whole; a narrow terminal wraps the other columns first
+
+
 def status_table(statuses: list[status.JobStatus]) -> Table:
-    table = Table(*HEADERS, title="vitctl jobs")
-    for row in _rows(statuses):
+    """The rows of `_rows`, without the columns that say nothing in any row (ETA of ended jobs, no restarts, notes)."""
+    rows = _rows(statuses)
+    shown = [i for i, header in enumerate(HEADERS) if i < 3 or any(row[i] not in ("", "0") for row in rows)]
+    table = Table(*(Column(HEADERS[i], no_wrap=HEADERS[i] in WHOLE) for i in shown), title="vitctl jobs")
+    for row in rows:
         row[2] = f"[{STATE_STYLE.get(row[2], 'white')}]{row[2]}[/]"
-        table.add_row(*row)
+        table.add_row(*(row[i] for i in shown))
     return table
 
 
