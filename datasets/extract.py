@@ -431,9 +431,11 @@ def check_finished(root: Path, splits: Sequence[str]) -> None:
     if unfinished:
         check_no_writer(root, "vitctl data shard")  # still extracting: not stopped
         archives = " and ".join(_progress_of(ledger, s) for s in unfinished)
+        # a split that run never began (killed before it), which shard would ask for next, goes in the same command
+        never = [s for s in ("train", "val") if s in splits and ledger[s] is None and not (root / s).exists()]
         raise DataError(f"`vitctl data extract` stopped before the end of {archives}: sharding it would leave out "
                         "the rest", str(root),
-                        f"rerun `{extract_command(root, unfinished)}`: it resumes where it stopped")
+                        f"rerun `{extract_command(root, [*unfinished, *never])}`: it resumes where it stopped")
 
 
 def check_train_intact(root: Path, count_images: bool) -> None:

@@ -524,6 +524,8 @@ def _shard_refuses_then_the_named_rerun_lets_it_shard(archives: Path, root: Path
 
 @pytest.mark.parametrize("call, nth, unfinished, split", [
     ("replace", 3, "ILSVRC2012_img_train.tar (1 class extracted)", "train"),  # after the first class's rename
+    # the same, sharding both splits: before, the fix named --train-tar alone, and shard then asked for --val-tar
+    ("replace", 3, "ILSVRC2012_img_train.tar (1 class extracted)", "both"),
     ("write", 1 + SMALL_CLASSES * SMALL_TRAIN_PER_CLASS, "ILSVRC2012_img_val.tar", "both"),  # after a val image
 ])
 def test_shard_refuses_a_root_whose_extraction_was_killed(small_archives, tmp_path, call, nth, unfinished, split):
