@@ -19,9 +19,15 @@ def _check_exists(val_dir: Path) -> None:
 def _extract_into(val_dir: Path) -> str:
     """How to write `val_dir`: the extract command, where it is a root's val/."""
     if val_dir.name == "val":
-        return f"extract the val archive into it: `{extract_command(val_dir.parent, ['val'])}`"
-    return ("extract the val archive (`vitctl data extract --val-tar ILSVRC2012_img_val.tar --out ROOT`) and pass "
-            "ROOT/val")
+        return f"extract the val archive into it: {_extract_val(val_dir)}"
+    return f"extract the val archive ({_extract_val(val_dir)}) and pass ROOT/val"
+
+
+def _extract_val(val_dir: Path) -> str:
+    """The command that extracts the val archive into the root of `val_dir` (ROOT where it is not named val/)."""
+    if val_dir.name == "val":
+        return f"`{extract_command(val_dir.parent, ['val'])}`"
+    return "`vitctl data extract --val-tar ILSVRC2012_img_val.tar --out ROOT`"
 
 
 def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
@@ -117,11 +123,9 @@ def _mismatch_fix(val_dir: Path, labels: dict[str, str], wrong: set[str], missin
     if wrong or missing or extra - strays:
         fixes.append(f"if images were moved, removed or added here by hand, put them back as the labels have "
                      f"them{example}")
-    again = f"`{extract_command(val_dir.parent, ['val'])}`" if val_dir.name == "val" else "`vitctl data extract " \
-        "--val-tar ILSVRC2012_img_val.tar --out ROOT`"
     fixes.append(f"else check that the devkit/solution file and the val archive belong together; to start over (val "
-                 f"sorted with another dataset's labels), `rm -r {shlex.quote(str(val_dir))}`, then {again} and "
-                 "valprep with this dataset's devkit; nothing was moved")
+                 f"sorted with another dataset's labels), `rm -r {shlex.quote(str(val_dir))}`, then "
+                 f"{_extract_val(val_dir)} and valprep with this dataset's devkit; nothing was moved")
     return "; ".join(fixes)
 
 
