@@ -8,12 +8,12 @@ Prints, per shape, GPU ms (median of 20, each run queued while the GPU sleeps so
 cuBLAS matmul (the floor), the best Triton tile setting, and the whole op both ways; then the sum per training step.
 """
 
-import statistics
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from gpu_time import median_gpu_ms
 
 from vitctl.trainer.ops.cuda import extension
 
@@ -120,27 +120,11 @@ CONFIGS = [(128, 128, 64, 8, 4, 3), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8
            (128, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 256, 32, 8, 8, 4)]
 
 
-def median_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(5_000_000)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def best(fn: Callable[[Config], object]) -> tuple[float, Config]:
     results = []
     for config in CONFIGS:
         try:
-            results.append((median_ms(lambda c=config: fn(c)), config))
+            results.append((median_gpu_ms(lambda c=config: fn(c)), config))
         except Exception as error:  # a tile setting that does not fit in shared memory
             print(f"    {config}: {type(error).__name__}")
     return min(results)
@@ -163,14 +147,14 @@ def measure(name: str, rows: int, width: int, hidden: int) -> tuple[float, float
     ref_grad_pre = dgelu_matmul_reference(grad[check], w2, pre[check])
     errors = [float((a[check].float() - b.float()).abs().max() / b.float().abs().max())
               for a, b in ((pre_t, ref_pre), (act_t, ref_act), (grad_pre, ref_grad_pre), (act, ref_act))]
-    fwd_floor = median_ms(lambda: torch.addmm(b1, x, w1.t()))
-    fwd_lt = median_ms(lambda: ext.fused_mlp_forward(x, w1, b1, w2, b2))
-    fc2 = median_ms(lambda: torch.addmm(b2, act, w2.t()))
+    fwd_floor = median_gpu_ms(lambda: torch.addmm(b1, x, w1.t()))
+    fwd_lt = median_gpu_ms(lambda: ext.fused_mlp_forward(x, w1, b1, w2, b2))
+    fc2 = median_gpu_ms(lambda: torch.addmm(b2, act, w2.t()))
     fwd_t, fwd_config = best(lambda c: bias_gelu_matmul(x, w1, b1, c))
-    bwd_floor = median_ms(lambda: grad @ w2)
-    bwd_lt = median_ms(lambda: ext.fused_mlp_backward(grad, x, pre, act, w1, w2))
+    bwd_floor = median_gpu_ms(lambda: grad @ w2)
+    bwd_lt = median_gpu_ms(lambda: ext.fused_mlp_backward(grad, x, pre, act, w1, w2))
     bwd_t, bwd_config = best(lambda c: dgelu_matmul(grad, w2, pre, c))
-    rest = median_ms(lambda: (grad_pre @ w1, grad_pre.t() @ x, grad.t() @ act))
+    rest = median_gpu_ms(lambda: (grad_pre @ w1, grad_pre.t() @ x, grad.t() @ act))
     print(f"{name}: rows {rows} width {width} hidden {hidden}; max relative error of the GELU input, output and "
           "input gradient, and of cuBLASLt's output: " + " ".join(f"{e:.1e}" for e in errors))
     print(f"  fc1 forward: addmm {fwd_floor:.3f}, Triton bias+GELU {fwd_t:.3f} {fwd_config}; the op's forward: "

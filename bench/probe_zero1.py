@@ -10,11 +10,11 @@ Rank 0 prints each median of 20 (CUDA events, after 5 warm-up runs), of the GPU'
 the GPU sleeps, so the host's time to queue it is not counted.
 """
 
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from gpu_time import median_gpu_ms
 
 from vitctl.trainer.ops.cuda import MasterAdamW, parts_sum_of_squares
 from vitctl.trainer.parallel.peer_copies import runs_of
@@ -26,21 +26,8 @@ BLOCK = [(2304, 768), (2304,), (768, 768), (768,), (3072, 768), (3072,), (768, 3
 SHAPES = BLOCK * 12 + [(768, 3, 16, 16), (768,), (1, 197, 768), (1, 1, 768), (1000, 768), (1000,)]
 
 
-def median_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)  # ~10 ms: the host queues `fn` meanwhile, so the events time the GPU's work alone
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def median_ms(fn: Callable[[], object]) -> float:
+    return median_gpu_ms(fn, ready=dist.barrier)  # both ranks time the same runs
 
 
 def adamw_ms(fraction: int) -> float:

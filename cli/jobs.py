@@ -59,7 +59,7 @@ WHOLE = {"job", "name", "state", "checkpoint"}  # kept whole; a narrow terminal 
 def status_table(statuses: list[status.JobStatus]) -> Table:
     """The rows of `_rows`, without the columns that say nothing in any row (ETA of ended jobs, no restarts, notes)."""
     rows = _rows(statuses)
-    shown = [i for i, header in enumerate(HEADERS) if i < 3 or any(row[i] not in ("", "0") for row in rows)]
+    shown = [i for i in range(len(HEADERS)) if i < 3 or any(row[i] not in ("", "0") for row in rows)]
     table = Table(*(Column(HEADERS[i], no_wrap=HEADERS[i] in WHOLE) for i in shown), title="vitctl jobs")
     for row in rows:
         row[2] = f"[{STATE_STYLE.get(row[2], 'white')}]{row[2]}[/]"

@@ -717,14 +717,20 @@ def test_resuming_a_finetune_needs_no_source_and_refuses_another(tmp_path):
     assert [c.name for c in ckpt.list_checkpoints(finetune)][-1] == "step-00000002"
 
 
+def _two_jobs_in_one_run(run: Path, now: float) -> tuple[registry.JobRecord, registry.JobRecord]:
+    """Two ended local jobs into `run`, submitted 100 s and 50 s before `now`."""
+    (run / "submitit").mkdir(parents=True)
+    jobs = tuple(registry.JobRecord(job, "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0, now - age,
+                                    started=-1) for job, age in (("1", 100), ("2", 50)))
+    for record in jobs:
+        registry.add_record(record)
+    return jobs
+
+
 def test_a_job_shows_only_its_own_progress_not_that_of_later_jobs_in_its_run_folder(tmp_path):
     """Before: a job that failed at start showed the steps and checkpoint of the next job into its run folder."""
     run, now = tmp_path / "run", time.time()
-    (run / "submitit").mkdir(parents=True)
-    first, second = (registry.JobRecord(job, "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0,
-                                        now - age, started=-1) for job, age in (("1", 100), ("2", 50)))
-    for record in (first, second):
-        registry.add_record(record)
+    first, second = _two_jobs_in_one_run(run, now)
     (run / "metrics.jsonl").write_text("".join(json.dumps({"time": now - age, "step": step, "loss": 1.0,
                                                            "images_per_s": 5.0, "step_time_s": 0.1,
                                                            "total_steps": 6}) + "\n"
@@ -737,11 +743,7 @@ def test_a_job_shows_only_its_own_progress_not_that_of_later_jobs_in_its_run_fol
 def test_a_killed_job_keeps_the_steps_it_trained_past_its_checkpoint_after_a_later_resume(tmp_path):
     """Before: the resume dropped the killed job's records past its checkpoint, and its row fell back to that step."""
     run, now = tmp_path / "run", time.time()
-    (run / "submitit").mkdir(parents=True)
-    killed, resumed = (registry.JobRecord(job, "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 1, 0,
-                                          now - age, started=-1) for job, age in (("1", 100), ("2", 50)))
-    for record in (killed, resumed):
-        registry.add_record(record)
+    killed, resumed = _two_jobs_in_one_run(run, now)
 
     def logged(age: float, step: int) -> str:
         return json.dumps({"time": now - age, "step": step, "loss": 1.0, "images_per_s": 5.0, "step_time_s": 0.1,
