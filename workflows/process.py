@@ -35,6 +35,19 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def with_environment(name: str, value: str) -> list[int]:
+    """The PIDs of the live processes whose environment sets `name` to `value` (those this user may read)."""
+    entry = f"{name}={value}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if entry in environ.read_bytes().split(b"\0") and start_time(int(environ.parent.name)) is not None:
+                found.append(int(environ.parent.name))
+        except OSError:  # ended meanwhile, or another user's
+            continue
+    return found
+
+
 def is_running(pid: int, started: int | None) -> bool:
     """Process `pid` is alive and is the one that started at `started` (not a later process given the same PID)."""
     return started is not None and start_time(pid) == started

@@ -36,7 +36,15 @@ from vitctl.trainer.config import ConfigError
 from . import registry, status
 from .errors import Interrupted, LaunchError, TimeLimitReached
 from .job import TrainJob
-from .process import children, pid_space, signal_when_parent_ends, skip_final_collection, start_time, this_process
+from .process import (
+    children,
+    pid_space,
+    signal_when_parent_ends,
+    skip_final_collection,
+    start_time,
+    this_process,
+    with_environment,
+)
 from .registry import JobRecord
 from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
@@ -674,7 +682,9 @@ def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str
     hide, stop_at, orphaned = TracebackFilter(), None, False
     while True:
         done = submitted.done()
-        if done and _ranks_run_on(record):  # the controller was killed: its ranks got SIGTERM (signal_when_parent_ends)
+        # the controller was killed: its ranks got SIGTERM (signal_when_parent_ends). Rank 0 lets go of the lock
+        # before it and the other ranks have exited, so their processes are waited for too.
+        if done and (_ranks_run_on(record) or orphaned and with_environment("SUBMITIT_LOCAL_JOB_ID", record.job_id)):
             if not orphaned:
                 echo(f"job {record.job_id}: its controller process ended while its ranks ran on; they checkpoint "
                      "after the step they are in, then stop")
