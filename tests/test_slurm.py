@@ -185,6 +185,26 @@ def test_cancel_signals_the_ranks_so_that_kill_wait_cannot_cut_their_checkpoint_
     assert listed[0]["state"] == "CANCELLED"
 
 
+def test_status_says_when_a_job_s_time_limit_and_requeues_leave_it_too_little_time(prepared_shards, tmp_path):
+    """Before, the ETA column showed hours past the time limit and --max-requeues without a word."""
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 100000, "--time", 3, "--max-requeues", 0)
+    try:
+        wait_for_steps(tmp_path / "run", 2)
+        listed = json.loads(ok("status", job, "--json").output)[0]
+        assert listed["state"] == "RUNNING" and listed["eta_s"] > 180, listed
+        stop = re.search(r"at this rate it needs \d+:\d\d:\d\d more, and its time limit with no requeue left "
+                         r"\(--max-requeues\) gives it about 00:0[0-3]:\d\d: it will stop unfinished near step (\d+) "
+                         rf"of {listed['total_steps']}; then the same command with --resume goes on from its last "
+                         "checkpoint", listed["note"])
+        assert stop and listed["step"] < int(stop[1]) < listed["total_steps"], listed["note"]
+        registry.update_record(registry.find_record(job).key, max_requeues=10**6)  # as if submitted with that many
+        listed = json.loads(ok("status", job, "--json").output)[0]
+        assert re.search(r"its time limit ends this attempt in 00:0[0-3]:\d\d, before it is done: it checkpoints and "
+                         r"is requeued then \(1000000 requeues left\)", listed["note"]), listed["note"]
+    finally:
+        subprocess.run(["scancel", job], check=True)
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--partition", "gpu"], "--partition 'gpu' does not exist; partitions: debug"),
     (["--nodes", 3], "--nodes 3 but partition debug has 2 nodes"),

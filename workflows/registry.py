@@ -55,6 +55,7 @@ class JobRecord:
     host: str | None = None  # local jobs: the host and PID namespace their PIDs are in (process.pid_space)
     pid_namespace: str | None = None
     killed: bool = False  # a second cancel killed its processes (the first had not stopped them)
+    max_requeues: int | None = None  # Slurm jobs: how often a time limit may requeue them (--max-requeues)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # the registry's own id
 
     @property

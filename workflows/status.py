@@ -18,6 +18,7 @@ from typing import Any
 from vitctl.trainer.checkpoint_files import NAME, list_checkpoints
 from vitctl.trainer.metrics import read_metrics
 
+from . import slurm_time
 from .errors import LaunchError
 from .process import children, is_running, pid_space
 from .registry import JobRecord, UnknownJobError, load_records, update_record
@@ -57,6 +58,9 @@ class JobState:
     elapsed_s: float | None  # over all attempts
     note: str = ""  # why it waits, what it went through, why it failed
     unreachable: bool = False  # UNKNOWN because squeue or sacct failed, not because neither lists it
+    time_left_s: int | None = None  # a running Slurm job: until this attempt's time limit
+    time_limit_s: int | None = None
+    requeued: int = 0  # Slurm attempts that ended REQUEUED (by submitit on a time limit, or by scontrol)
 
     @property
     def finished(self) -> bool:
@@ -135,11 +139,13 @@ def slurm_states(ids: list[str]) -> dict[str, JobState]:
         attempts.setdefault(job_id, []).append((state.split()[0], int(elapsed or 0)))  # "CANCELLED by 0"
     unfinished = [i for i in ids if i not in attempts or attempts[i][-1][0] not in TERMINAL]
     queued = {}  # job id -> (state, restarts, reason); squeue knows of a requeue before sacct does
+    limits: dict[str, tuple[int | None, int | None]] = {}  # job id -> time left, time limit (seconds)
     if unfinished:
-        for line in _run(["squeue", "-h", "-j", ",".join(unfinished), "-O", "JobID:|,State:|,RestartCnt:|,Reason:"],
-                         errors).splitlines():
-            job_id, state, restarts, reason = (field.strip() for field in line.split("|", 3))
+        for line in _run(["squeue", "-h", "-j", ",".join(unfinished), "-O",
+                          "JobID:|,State:|,RestartCnt:|,TimeLeft:|,TimeLimit:|,Reason:"], errors).splitlines():
+            job_id, state, restarts, left, limit, reason = (field.strip() for field in line.split("|", 5))
             queued[job_id] = (state, int(restarts or 0), reason)
+            limits[job_id] = (slurm_time.seconds(left), slurm_time.seconds(limit))
     states = {}
     for job_id in ids:
         rows = attempts.get(job_id, [])
@@ -155,7 +161,8 @@ def slurm_states(ids: list[str]) -> dict[str, JobState]:
         if state == "PENDING" and reason not in ("", "None"):
             name = reason.split(",")[0]
             notes.append(f"{PENDING_REASONS[name]} ({reason})" if name in PENDING_REASONS else reason)
-        states[job_id] = JobState(state, sum(e for _, e in rows), "; ".join(notes))
+        states[job_id] = JobState(state, sum(e for _, e in rows), "; ".join(notes), False,
+                                  *limits.get(job_id, (None, None)), earlier.count("REQUEUED"))
     return states
 
 
@@ -477,10 +484,30 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
         layout = f"{r.nodes}x{unit}" + (f" {parallel}" if parallel and parallel != "1 rank" else "")
         requeued_now = state.state == "PENDING" and state.note.startswith("requeued")  # not yet resumed
         note = "; ".join(filter(None, [state.note, _unsaved_note(unsaved, requeued_now),
-                                       quiet if state.state == "RUNNING" else "", _run_dir_gone(r)]))
+                                       quiet if state.state == "RUNNING" else "", _time_limit_note(r, state, done),
+                                       _run_dir_gone(r)]))
         statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, layout,
                                   _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=note))
     return statuses
+
+
+def _time_limit_note(record: JobRecord, state: JobState, done: dict[str, Any]) -> str:
+    """For a running Slurm job that will not end before this attempt's time limit: that it will be requeued, or, where
+    the requeues it has left (--max-requeues) do not give it the time its rate needs, about where it will stop."""
+    eta, left, limit = done["eta_s"], state.time_left_s, state.time_limit_s
+    if eta is None or left is None or limit is None or eta <= left or record.max_requeues is None:
+        return ""
+    requeues = max(record.max_requeues - state.requeued, 0)
+    room, left_over = left + requeues * limit, f"{requeues or 'no'} requeue{'s' if requeues > 1 else ''} left"
+    if eta <= room:
+        return (f"its time limit ends this attempt in {_format_seconds(left)}, before it is done: it checkpoints and "
+                f"is requeued then ({left_over})")
+    step, total = done["step"], done["total_steps"]
+    last = step + int(room / (eta / (total - step)))
+    return (f"at this rate it needs {_format_seconds(eta)} more, and its time limit with {left_over} (--max-requeues) "
+            f"gives it about {_format_seconds(room)}: it will stop unfinished near step {last} of {total}; then the "
+            "same command with --resume goes on from its last checkpoint (give it a longer --time or a higher "
+            "--max-requeues)")
 
 
 def _next_submission(records: list[JobRecord]) -> dict[tuple[str, float], float]:

@@ -33,7 +33,7 @@ import yaml
 from vitctl.trainer import checkpoint, runlock
 from vitctl.trainer.config import ConfigError
 
-from . import registry, status
+from . import registry, slurm_time, status
 from .errors import Interrupted, LaunchError, TimeLimitReached
 from .job import TrainJob
 from .process import (
@@ -114,16 +114,9 @@ def parse_time(text: str) -> int:
     if text.strip().lower() in ("unlimited", "infinite"):
         raise ConfigError(f"--time {text}: vitctl needs a time limit, to checkpoint before it and requeue; give the "
                           "partition's longest (`sinfo -o '%P %l'` lists them), e.g. --time 7-00:00:00")
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
-    if not match:
+    seconds = slurm_time.seconds(text)
+    if seconds is None:
         raise ConfigError(f"--time {text!r} is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)")
-    days, first, second, third = (int(g) if g else 0 for g in match.groups())
-    if match.group(1):  # D-HH[:MM[:SS]]
-        seconds = days * 86400 + first * 3600 + second * 60 + third
-    elif match.group(4):  # HH:MM:SS
-        seconds = first * 3600 + second * 60 + third
-    else:  # MM[:SS]
-        seconds = first * 60 + second
     if seconds <= 0:
         raise ConfigError(f"--time {text!r} must be positive")
     return max(1, round(seconds / 60))
@@ -514,7 +507,8 @@ def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str])
     host, pid_namespace = pid_space() if request.executor == "local" else (None, None)
     record = JobRecord("", request.executor, name, str(job.run_dir), str(folder), request.nodes, request.tasks,
                        request.gpus_per_node, time.time(), command=command, submitter=list(this_process()),
-                       host=host, pid_namespace=pid_namespace)
+                       host=host, pid_namespace=pid_namespace,
+                       max_requeues=request.max_requeues if request.executor == "slurm" else None)
     claim_run_dir(record)
     try:
         # submitit prints sbatch's stderr before it raises, and the error below repeats it in one line.
