@@ -305,14 +305,15 @@ def shard_command(folder: Path, split: str, info: dict[str, Any]) -> str:
             f"--maxcount {info['maxcount']} --seed {info['seed']} --on-bad-image {info['on_bad_image']}")
 
 
-def _other_plan(root: Path, out: Path, split: str, spec: ShardSpec, info: dict[str, Any]) -> DataError:
-    """The error for a rerun whose plan is not the one the folder's shards were written to."""
+def _other_plan(root: Path, out: Path, split: str, spec: ShardSpec, info: dict[str, Any], asked: str) -> DataError:
+    """The error for a rerun whose plan is not the one the folder's shards were written to; its fix shards the
+    split(s) the rerun `asked` for."""
     changed = [f"--{key} {getattr(spec, key)} (this folder's: {info[key]})" for key in ("maxsize", "maxcount", "seed")
                if getattr(spec, key) != info[key]]
     if changed:
         return DataError(f"{split} shards here were made with other settings: {', '.join(changed)}", str(out),
                          f"use a new --out folder, or go on with this folder's settings: "
-                         f"{shard_command(out, split, info)}")
+                         f"{shard_command(out, asked, info)}")
     source = Path(info.get("source", root.resolve()))  # not recorded by the vitctl of older folders
     since = "the images under it changed since" if source == root.resolve() else f"this run reads {root}"
     other = f" (or, to go on with this one, shard {source} into it)" if source != root.resolve() else ""
@@ -378,7 +379,7 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     digest = plan_digest(shards, spec)
     info = manifest["splits"].get(split)
     if info is not None and info["plan"] != digest:
-        raise _other_plan(root, out, split, spec, info)
+        raise _other_plan(root, out, split, spec, info, "both" if len(source.samples) > 1 else split)
     recorded = {} if info is None else {e["name"]: e for e in info["shards"]}
     recorded_info, recorded_complete = info, info is not None and info["complete"]
     added = sorted(source.samples.keys() - manifest["splits"].keys() - {split})

@@ -229,8 +229,11 @@ def test_other_settings_into_the_same_folder_are_refused(prepared_root, shards_c
     assert _shard_bytes(shards_copy) == before
     command = shlex.split(result.stderr.split("go on with this folder's settings: ")[1])
     assert command[:3] == ["vitctl", "data", "shard"]
+    assert command[command.index("--split") + 1] == "both"  # what was asked (before: train, and val was left out)
     ok(*command[1:])
     assert _shard_bytes(shards_copy) == before
+    result = vitctl("data", "shard", prepared_root, "--out", shards_copy, "--split", "val", "--seed", 3)
+    assert "val shards here were made with other settings" in result.stderr and "--split val " in result.stderr
 
 
 def test_other_images_under_the_same_settings_are_refused(root_copy, shards_copy):
