@@ -9,6 +9,7 @@ jobs.json is moved aside and rebuilt from that backup and from sacct, and the re
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -91,6 +92,22 @@ def load_records() -> list[JobRecord]:
             return records
     with editing() as records:
         return list(records)
+
+
+def snapshot() -> tuple[JobRecord, ...]:
+    """The records, read again only once the registry has changed: for reading (`vitctl status` of hundreds of jobs
+    looks up each one's successor in its run folder)."""
+    try:
+        stat = registry_path().stat()
+        version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)  # writes replace the file: a new inode
+    except OSError:  # none yet, or unreadable: load_records says why
+        version = None
+    return _records_of(home(), version)
+
+
+@functools.lru_cache(maxsize=1)
+def _records_of(home: Path, version: tuple[int, int, int] | None) -> tuple[JobRecord, ...]:
+    return tuple(load_records())
 
 
 @contextlib.contextmanager
@@ -238,16 +255,16 @@ def _read_registry() -> str | None:
 def _parse(text: str) -> list[JobRecord]:
     """Records from the file's text; ValueError if it is not a list of complete records."""
     rows = json.loads(text)
-    names = {f.name for f in fields(JobRecord)}
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError("not a list of job records")
     hints = typing.get_type_hints(JobRecord)
+    kinds = {f.name: _types(hints[f.name]) for f in fields(JobRecord)}
     for row in rows:  # a hand-edited field of another type surfaced later as a traceback in status or logs
-        if wrong := next((k for k, v in row.items() if k in names and not isinstance(v, _types(hints[k]))), None):
+        if wrong := next((k for k, v in row.items() if k in kinds and not isinstance(v, kinds[k])), None):
             hint = hints[wrong]
             raise ValueError(f"a record's {wrong} is {row[wrong]!r}, not {getattr(hint, '__name__', hint)}")
     try:
-        return [JobRecord(**{k: v for k, v in r.items() if k in names}) for r in rows]
+        return [JobRecord(**{k: v for k, v in r.items() if k in kinds}) for r in rows]
     except TypeError as e:
         raise ValueError(f"a record lacks a field ({e})") from None
 

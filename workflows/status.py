@@ -2,6 +2,7 @@
 processes and result files), why it waits or failed, its progress from the rank-0 metrics file, and its logs."""
 
 import contextlib
+import functools
 import heapq
 import math
 import os
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from vitctl.trainer.metrics import read_metrics
 from . import slurm_time
 from .errors import LaunchError
 from .process import children, is_running, pid_space
-from .registry import JobRecord, UnknownJobError, load_records, update_record
+from .registry import JobRecord, UnknownJobError, load_records, snapshot, update_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE", "INTERRUPTED"}  # INTERRUPTED: a local job that checkpointed on a signal and ended
@@ -222,8 +224,8 @@ def local_state(record: JobRecord) -> JobState:
 
 def _later_job(record: JobRecord) -> JobRecord | None:
     """The first job submitted into the same run folder after `record`, or None."""
-    run_dir = Path(record.run_dir).resolve()
-    later = [r for r in load_records() if Path(r.run_dir).resolve() == run_dir and r.submitted > record.submitted]
+    run_dir = _folder(record.run_dir)
+    later = [r for r in snapshot() if _folder(r.run_dir) == run_dir and r.submitted > record.submitted]
     return min(later, key=lambda r: r.submitted, default=None)
 
 
@@ -477,7 +479,7 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
     for r in records:
         state = state_of(r, slurm)
         unit = f"{r.gpus_per_node} GPU" if r.gpus_per_node else f"{r.tasks_per_node} CPU"
-        done = progress(r, later.get((str(Path(r.run_dir).resolve()), r.submitted)))
+        done = progress(r, later.get((_folder(r.run_dir), r.submitted)))
         if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
             done["eta_s"] = None
         parallel, quiet, unsaved = done.pop("parallel"), done.pop("quiet"), done.pop("unsaved")
@@ -510,13 +512,19 @@ def _time_limit_note(record: JobRecord, state: JobState, done: dict[str, Any]) -
             "--max-requeues)")
 
 
-def _next_submission(records: list[JobRecord]) -> dict[tuple[str, float], float]:
+def _next_submission(records: Sequence[JobRecord]) -> dict[tuple[str, float], float]:
     """For each job, by (run folder, submission time), when the next job into the same run folder was submitted."""
     by_folder: dict[str, list[float]] = {}
     for r in records:
-        by_folder.setdefault(str(Path(r.run_dir).resolve()), []).append(r.submitted)
+        by_folder.setdefault(_folder(r.run_dir), []).append(r.submitted)
     return {(folder, at): after for folder, times in by_folder.items()
             for at, after in zip(sorted(times), sorted(times)[1:], strict=False)}
+
+
+@functools.lru_cache(maxsize=4096)  # a status of hundreds of jobs compares each one's folder with every other's
+def _folder(run_dir: str) -> str:
+    """One name per folder (not `..` or a link), to tell the jobs of one run folder."""
+    return str(Path(run_dir).resolve())
 
 
 def _run_dir_gone(record: JobRecord) -> str:
@@ -640,7 +648,7 @@ def what_a_kill_lost(record: JobRecord) -> str:
 
 def _checkpoints_of_its_time(record: JobRecord) -> tuple[list[Path], bool]:
     """The checkpoints the job's run folder held before the next job into it was submitted, and whether one was."""
-    later = _next_submission(load_records()).get((str(Path(record.run_dir).resolve()), record.submitted))
+    later = _next_submission(snapshot()).get((_folder(record.run_dir), record.submitted))
     return [c for c in list_checkpoints(Path(record.run_dir)) if later is None or c.stat().st_mtime < later], \
         later is not None
 
