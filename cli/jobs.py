@@ -35,7 +35,10 @@ def sparkline(values: list[float]) -> str:
 def _eta(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return ""
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else f"{int(seconds)}s"
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def _rows(statuses: list[status.JobStatus]) -> list[list[str]]:
@@ -49,7 +52,7 @@ def _rows(statuses: list[status.JobStatus]) -> list[list[str]]:
     return rows
 
 
-HEADERS = ["job", "name", "state", "nodes x GPUs", "elapsed", "step", "loss", "images/s", "ETA", "checkpoint",
+HEADERS = ["job", "name", "state", "layout", "elapsed", "step", "loss", "images/s", "ETA", "checkpoint",
            "restarts", "note"]
 
 

@@ -283,6 +283,29 @@ def test_a_running_job_whose_steps_stopped_coming_is_said_to_be_quiet(tmp_path):
         rf"stops the job", listed["note"]), listed["note"]
 
 
+def test_a_running_job_s_eta_is_its_wall_clock_rate_since_warm_up_counted_down_between_records(tmp_path):
+    """Before: the ETA was the steps left times the last record's step time, which leaves out the evals and
+    checkpoints between steps: it swung 10x between two calls a second apart, and warm-up's first record made a
+    30-second job look like 48 minutes."""
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    now = time.time()
+    record = registry.JobRecord(str(os.getpid()), "local", "vit_micro-run", str(run), str(run / "submitit"), 1, 2, 0,
+                                now - 2000, started=submit.start_time(os.getpid()))  # this process: running
+    registry.add_record(record)
+    writer = MetricsWriter(run, True)
+    step = {"total_steps": 130, "loss": 2.0, "images_per_s": 8.0}
+    writer.write({**step, "step": 5, "step_time_s": 0.1, "time": now - 1000})  # an earlier attempt, faster
+    writer.write({"event": "resume", "step": 0, "time": now - 200})  # (from no checkpoint: counts from 0)
+    writer.write({**step, "step": 10, "step_time_s": 9.0, "time": now - 100})  # compiling
+    writer.write({**step, "step": 20, "step_time_s": 0.5, "time": now - 60})
+    writer.write({"step": 20, "epoch": 1, "val_top1": 0.5, "time": now - 40})  # an eval, 20 s
+    writer.write({**step, "step": 30, "step_time_s": 0.5, "time": now - 20})
+    listed = json.loads(ok("status", record.job_id, "--json").output)[0]
+    # 10 steps in 40 s from step 20 on: 100 steps left take 400 s, 20 of which have passed since step 30's record
+    assert listed["state"] == "RUNNING" and 370 < listed["eta_s"] <= 380, listed
+
+
 @pytest.mark.slow
 def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_path):
     out = tmp_path / "run"

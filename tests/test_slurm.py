@@ -131,7 +131,8 @@ def test_requeued_job_resumes_and_ends_with_the_same_weights(prepared_shards, tm
     resumed = [e for e in events if e.get("event") == "resume"]
     stopped = [e for e in events if e.get("event") == "stopped"]
     assert len(resumed) == 1 and stopped and stopped[0]["step"] == resumed[0]["step"]  # nothing lost
-    assert status.collect(registry.load_records())[0].restarts == 1
+    ended = status.collect(registry.load_records())[0]
+    assert ended.restarts == 1 and ended.note.startswith("after 1 requeue"), ended.note  # was "requeued", as if waiting
 
 
 @pytest.mark.slow
@@ -193,14 +194,14 @@ def test_status_says_when_a_job_s_time_limit_and_requeues_leave_it_too_little_ti
         listed = json.loads(ok("status", job, "--json").output)[0]
         assert listed["state"] == "RUNNING" and listed["eta_s"] > 180, listed
         stop = re.search(r"at this rate it needs \d+:\d\d:\d\d more, and its time limit with no requeue left "
-                         r"\(--max-requeues\) gives it about 00:0[0-3]:\d\d: it will stop unfinished near step (\d+) "
+                         r"\(--max-requeues\) gives it about 00:0[01]:\d\d: it will stop unfinished near step (\d+) "
                          rf"of {listed['total_steps']}; then the same command with --resume goes on from its last "
                          "checkpoint", listed["note"])
         assert stop and listed["step"] < int(stop[1]) < listed["total_steps"], listed["note"]
         registry.update_record(registry.find_record(job).key, max_requeues=10**6)  # as if submitted with that many
         listed = json.loads(ok("status", job, "--json").output)[0]
-        assert re.search(r"its time limit ends this attempt in 00:0[0-3]:\d\d, before it is done: it checkpoints and "
-                         r"is requeued then \(1000000 requeues left\)", listed["note"]), listed["note"]
+        assert re.search(r"its time limit stops this attempt in about 00:0[01]:\d\d, before it is done: it checkpoints "
+                         r"and is requeued then \(1000000 requeues left\)", listed["note"]), listed["note"]
     finally:
         subprocess.run(["scancel", job], check=True)
 

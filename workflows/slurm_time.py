@@ -2,6 +2,11 @@
 
 import re
 
+# vitctl asks Slurm for USR2 this long before a time limit, for every rank to checkpoint and requeue. Slurm may send
+# it up to a minute earlier (the resolution of its events): half a minute earlier on average.
+SIGNAL_DELAY_S = 90
+SIGNAL_LEAD_S = SIGNAL_DELAY_S + 30
+
 FORMAT = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 

@@ -157,7 +157,7 @@ def slurm_states(ids: list[str]) -> dict[str, JobState]:
             continue
         state, restarts, reason = queued.get(job_id, (rows[-1][0] if rows else "", 0, ""))
         earlier = [ended for ended, _ in rows[:-1]]
-        notes = [_requeues(earlier, max(restarts, len(earlier)))] if earlier or restarts else []
+        notes = [_requeues(earlier, max(restarts, len(earlier)), state in TERMINAL)] if earlier or restarts else []
         if job_id in unfinished and job_id not in queued and errors:  # squeue failed: sacct's word may be stale
             notes.append(f"as accounting last recorded it: {_unreachable(errors)}")
         if state == "PENDING" and reason not in ("", "None"):
@@ -179,10 +179,13 @@ def _unreachable(errors: list[str]) -> str:
     return f"Slurm is unreachable: {said}; check `scontrol ping`, then try again"
 
 
-def _requeues(earlier: list[str], times: int) -> str:
-    """What the attempts before this one ended in: 'requeued after NODE_FAIL', 'requeued (2 times)'."""
-    cause = f" after {earlier[-1]}" if earlier and earlier[-1] != "REQUEUED" else ""  # REQUEUED: scontrol, submitit
-    return f"requeued{cause}" + (f" ({times} times)" if times > 1 else "")
+def _requeues(earlier: list[str], times: int, ended: bool) -> str:
+    """What the attempts before this one ended in: 'requeued after NODE_FAIL', 'requeued (2 times)'; of a job that has
+    ended, 'after 2 requeues (the last after NODE_FAIL)'."""
+    cause = earlier[-1] if earlier and earlier[-1] != "REQUEUED" else ""  # REQUEUED: scontrol, submitit
+    if ended:
+        return f"after {times} requeue{'s' if times > 1 else ''}" + (f" (the last after {cause})" if cause else "")
+    return "requeued" + (f" after {cause}" if cause else "") + (f" ({times} times)" if times > 1 else "")
 
 
 STOPPED_AS_RANKS_STARTED = "cancelled as its ranks started, before they trained: run the same command again"
@@ -406,17 +409,30 @@ def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
                if record.submitted <= m.get("time", record.submitted) < (until or math.inf)]
     steps = [m for m in metrics if {"step", "loss", "images_per_s"} <= m.keys()]  # not a hand-edited line's part
     last = steps[-1] if steps else {}
-    eta = None
-    if last.get("total_steps") and last.get("step_time_s") and last["step"] < last["total_steps"]:
-        eta = (last["total_steps"] - last["step"]) * last["step_time_s"]
     checkpoints = [c for c in list_checkpoints(Path(record.run_dir)) if until is None or c.stat().st_mtime < until]
     return {"step": last.get("step"), "total_steps": last.get("total_steps"), "loss": last.get("loss"),
-            "images_per_s": [m["images_per_s"] for m in steps[-RATE_HISTORY:]], "eta_s": eta,
+            "images_per_s": [m["images_per_s"] for m in steps[-RATE_HISTORY:]], "eta_s": _eta_s(metrics, last),
+            "logged_at": last.get("time"),
             "last_checkpoint": checkpoints[-1].name if checkpoints else None,
             "restarts": len(restarts := _restarts(marks := _attempt_marks(metrics))),
             "unsaved": _unsaved(restarts, marks, checkpoints),
             "parallel": next((m["layout"] for m in reversed(metrics) if "layout" in m), None),
             "quiet": _quiet_note(record, steps)}
+
+
+def _eta_s(metrics: list[dict[str, Any]], last: dict[str, Any]) -> float | None:
+    """Seconds left as of the last step record: by this attempt's rate in wall-clock time from its second record on
+    (the first one's interval holds compiling and warm-up; the later ones the evals and checkpoints between steps),
+    or, before there are two such records, by the last record's step time."""
+    if not last.get("total_steps") or last["step"] >= last["total_steps"]:
+        return None
+    begun = max((i for i, m in enumerate(metrics) if m.get("event") in ("resume", "stopped")), default=-1)
+    timed = [m for m in metrics[begun + 1:] if "loss" in m and isinstance(m.get("time"), (int, float))][1:]
+    if len(timed) >= 2 and timed[-1]["time"] > timed[0]["time"] and timed[-1]["step"] > timed[0]["step"]:
+        per_step = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
+    else:
+        per_step = last.get("step_time_s")
+    return (last["total_steps"] - last["step"]) * per_step if per_step else None
 
 
 def _attempt_marks(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -480,8 +496,11 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
         state = state_of(r, slurm)
         unit = f"{r.gpus_per_node} GPU" if r.gpus_per_node else f"{r.tasks_per_node} CPU"
         done = progress(r, later.get((_folder(r.run_dir), r.submitted)))
+        logged_at = done.pop("logged_at")
         if state.state != "RUNNING":  # a waiting job's last rate says nothing about when it will end
             done["eta_s"] = None
+        elif done["eta_s"] is not None and isinstance(logged_at, (int, float)):  # counts down between records
+            done["eta_s"] = max(done["eta_s"] - max(time.time() - logged_at, 0.0), 0.0)
         parallel, quiet, unsaved = done.pop("parallel"), done.pop("quiet"), done.pop("unsaved")
         layout = f"{r.nodes}x{unit}" + (f" {parallel}" if parallel and parallel != "1 rank" else "")
         requeued_now = state.state == "PENDING" and state.note.startswith("requeued")  # not yet resumed
@@ -497,13 +516,17 @@ def _time_limit_note(record: JobRecord, state: JobState, done: dict[str, Any]) -
     """For a running Slurm job that will not end before this attempt's time limit: that it will be requeued, or, where
     the requeues it has left (--max-requeues) do not give it the time its rate needs, about where it will stop."""
     eta, left, limit = done["eta_s"], state.time_left_s, state.time_limit_s
-    if eta is None or left is None or limit is None or eta <= left or record.max_requeues is None:
+    if eta is None or left is None or limit is None or record.max_requeues is None:
+        return ""
+    left = max(left - slurm_time.SIGNAL_LEAD_S, 0)  # the ranks stop on the signal before the limit
+    if eta <= left:
         return ""
     requeues = max(record.max_requeues - state.requeued, 0)
-    room, left_over = left + requeues * limit, f"{requeues or 'no'} requeue{'s' if requeues > 1 else ''} left"
+    room = left + requeues * max(limit - slurm_time.SIGNAL_LEAD_S, 0)
+    left_over = f"{requeues or 'no'} requeue{'s' if requeues > 1 else ''} left"
     if eta <= room:
-        return (f"its time limit ends this attempt in {_format_seconds(left)}, before it is done: it checkpoints and "
-                f"is requeued then ({left_over})")
+        return (f"its time limit stops this attempt in about {_format_seconds(left)}, before it is done: it "
+                f"checkpoints and is requeued then ({left_over})")
     step, total = done["step"], done["total_steps"]
     last = step + int(room / (eta / (total - step)))
     return (f"at this rate it needs {_format_seconds(eta)} more, and its time limit with {left_over} (--max-requeues) "
