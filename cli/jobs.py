@@ -20,6 +20,7 @@ STATE_STYLE = {"RUNNING": "green", "COMPLETED": "bold green", "PENDING": "yellow
                "SUBMITTING": "yellow", "INTERRUPTED": "yellow", "FAILED": "bold red", "OUT_OF_MEMORY": "bold red",
                "NODE_FAIL": "red", "CANCELLED": "red", "TIMEOUT": "red"}
 WATCH_INTERVAL_S = 2
+SLURM_END_WAIT_S = 300  # for the ranks of a job scancel ended: KillWait is 30 s by default, and rarely above 120
 
 
 def sparkline(values: list[float]) -> str:
@@ -193,6 +194,22 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
             f"`vitctl logs {record.job_id} --rank {rank} --follow` waits for it")
 
 
+def _end_slurm_job(record: registry.JobRecord) -> None:
+    """After scancel of a job that a first cancel did not stop: what its end kept, once Slurm has ended its ranks."""
+    click.echo(f"ending job {record.job_id} ({record.name}) (scancel): Slurm kills its ranks that have not stopped "
+               "within its KillWait; waiting for them to end")
+    ended = status.wait_until_ended(record, SLURM_END_WAIT_S)
+    if not ended.finished:
+        raise LaunchError(f"job {record.job_id} is still {ended.state} after {SLURM_END_WAIT_S} s; `vitctl status "
+                          f"{record.job_id}` shows when it has ended, and what it kept")
+    if (step := status.stopped_at(record)) is not None:
+        click.echo(f"ended job {record.job_id}: its ranks had checkpointed at step {step} on the first cancel before "
+                   "they ended; nothing is lost, and --resume goes on from there")
+    else:
+        click.echo(f"ended job {record.job_id}: the first cancel had not stopped it (its ranks stop after their step "
+                   f"and checkpoint, unless a hung rank holds them); {status.what_a_kill_lost(record)}")
+
+
 @click.command(short_help=summary("cancel"))
 @click.argument("job")
 def cancel(job: str) -> None:
@@ -204,10 +221,11 @@ def cancel(job: str) -> None:
                    f"step {step}, and they are ending; nothing is lost, and --resume goes on from there")
         return
     if record.cancelled and status.kill(record):
-        how = "scancel: Slurm kills ranks that have not ended within its KillWait" if record.executor == "slurm" \
-            else "killed it"
-        click.echo(f"ended job {record.job_id} ({record.name}) at once ({how}): the first cancel had not stopped it "
-                   f"yet (its ranks stop after their step and checkpoint, unless a hung rank holds them); "
+        if record.executor == "slurm":
+            _end_slurm_job(record)
+            return
+        click.echo(f"ended job {record.job_id} ({record.name}) at once (killed it): the first cancel had not stopped "
+                   f"it yet (its ranks stop after their step and checkpoint, unless a hung rank holds them); "
                    f"{status.what_a_kill_lost(record)}")
         return
     found, requested = status.cancel(record)

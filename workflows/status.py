@@ -23,7 +23,7 @@ from vitctl.trainer.metrics import read_metrics
 from . import slurm_time
 from .errors import LaunchError
 from .process import children, is_running, pid_space
-from .registry import JobRecord, UnknownJobError, load_records, snapshot, update_record
+from .registry import JobRecord, UnknownJobError, load_records, reload, snapshot, update_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE", "INTERRUPTED"}  # INTERRUPTED: a local job that checkpointed on a signal and ended
@@ -139,7 +139,9 @@ def slurm_states(ids: list[str]) -> dict[str, JobState]:
                      errors).splitlines():
         job_id, state, elapsed = line.split("|")
         attempts.setdefault(job_id, []).append((state.split()[0], int(elapsed or 0)))  # "CANCELLED by 0"
-    unfinished = [i for i in ids if i not in attempts or attempts[i][-1][0] not in TERMINAL]
+    # a cancelled job is COMPLETING until its ranks have ended (Slurm kills them after its KillWait); sacct already
+    # says CANCELLED
+    unfinished = [i for i in ids if i not in attempts or attempts[i][-1][0] not in TERMINAL - {"CANCELLED"}]
     queued = {}  # job id -> (state, restarts, reason); squeue knows of a requeue before sacct does
     limits: dict[str, tuple[int | None, int | None]] = {}  # job id -> time left, time limit (seconds)
     if unfinished:
@@ -301,6 +303,8 @@ def _slurm_cancel_state(record: JobRecord, state: JobState) -> JobState:
         return state
     if state.state == "RUNNING":
         return replace(state, note="; ".join(filter(None, [state.note, "cancel requested"])))
+    if state.state == "COMPLETING" and record.killed:
+        return replace(state, note=ENDING)
     if state.state == "FAILED" and not rank_failures(record):
         # the signal came before a rank took it (Python starting): killed before it trained
         return JobState("CANCELLED", state.elapsed_s, STOPPED_AS_RANKS_STARTED)
@@ -643,6 +647,18 @@ def _cancel_slurm_job(record: JobRecord, current: JobState) -> None:
         _scancel(record.job_id, "--signal=TERM")  # to its steps, not the job: Slurm does not cancel it
     else:
         _scancel(record.job_id)
+
+
+ENDING = ("its ranks are ending: Slurm kills those that have not stopped within its KillWait; a rank that checkpoints "
+          "first keeps its checkpoint")
+
+
+def wait_until_ended(record: JobRecord, timeout_s: float) -> JobState:
+    """The job's state once it has ended, or after `timeout_s` (whatever it is then)."""
+    deadline = time.monotonic() + timeout_s
+    while not (state := state_of(reload(record))).finished and time.monotonic() < deadline:
+        time.sleep(1)
+    return state
 
 
 def cancel_marker(folder: str | Path, job_id: str) -> Path:
