@@ -185,6 +185,9 @@ def finetune(**options) -> None:
 @click.option("--out", type=GivenPath(path_type=Path), help="Run folder (shared by all ranks).")
 @click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
-def rank(preset, data, out, steps, overrides) -> None:
+@click.option("--max-requeues", type=click.IntRange(min=0), default=3, show_default=True,
+              help="How often the time limit may requeue the Slurm job (Slurm's count of requeues, pre-emptions too).")
+def rank(preset, data, out, steps, overrides, max_requeues) -> None:
     """Run one rank of a job started by srun (the sbatch templates in slurm/) or torchrun."""
-    wf.run_one_rank(wf.build_config(preset, _flags({"data": data, "out": out, "steps": steps}), list(overrides)))
+    wf.run_one_rank(wf.build_config(preset, _flags({"data": data, "out": out, "steps": steps}), list(overrides)),
+                    max_requeues)

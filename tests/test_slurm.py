@@ -266,6 +266,26 @@ def test_dry_run_script_runs_as_printed(prepared_shards, tmp_path, local_referen
     assert same(weights(tmp_path / "run"), local_reference)
 
 
+def test_a_dry_run_script_requeues_no_more_often_than_max_requeues(prepared_shards, tmp_path):
+    """Before: its ranks requeued the job on every time-limit signal, whatever --max-requeues said."""
+    script = ok("train", "--data", prepared_shards, "--out", tmp_path / "run", *RUN, *SLURM_2x2, "--epochs", 200,
+                "--max-requeues", 0, "--dry-run").output
+    assert "rank --max-requeues 0 --config" in script
+    (tmp_path / "job.sh").write_text(script)
+    job = subprocess.run(["sbatch", "--parsable", "job.sh"], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout.strip()
+    log = tmp_path / f"vit_micro-run-{job}.out"
+    try:
+        wait_for_steps(tmp_path / "run", 2)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what Slurm sends before the time limit
+        assert wait_for(job, status.TERMINAL) == "FAILED", log.read_text()[-2000:]
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    step = ckpt.list_checkpoints(tmp_path / "run")[-1].name.removeprefix("step-").lstrip("0")
+    assert (f"it reached its time limit with no requeue left (--max-requeues 0, requeued 0 times): every rank "
+            f"checkpointed at step {step}; to go on from there, submit it again") in log.read_text()
+
+
 def test_one_run_folder_takes_one_live_job(prepared_shards, tmp_path):
     job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
     for extra in ([], ["--resume"]):

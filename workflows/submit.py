@@ -470,8 +470,8 @@ def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str, lay
         "cat > \"$config\" <<'VITCTL_CONFIG'",
         yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False).rstrip("\n"),  # tuples as lists
         "VITCTL_CONFIG",
-        shlex.join(["srun", *_srun_args(request, config), _python(request), "-m", "vitctl.cli", "rank", "--config"])
-        + ' "$config"',
+        shlex.join(["srun", *_srun_args(request, config), _python(request), "-m", "vitctl.cli", "rank",
+                    "--max-requeues", str(request.max_requeues), "--config"]) + ' "$config"',
     ]
     return "\n".join(lines) + "\n"
 
@@ -707,11 +707,12 @@ def command_line() -> list[str]:
     return [Path(sys.argv[0]).name, *sys.argv[1:]]
 
 
-def run_rank(job: TrainJob) -> dict[str, Any]:
+def run_rank(job: TrainJob, max_requeues: int) -> dict[str, Any]:
     """One rank of a job that srun (a plain sbatch script) or torchrun started.
 
-    On USR2 every rank checkpoints; rank 0 then requeues the Slurm job, which resumes from that checkpoint. On
-    SIGTERM every rank checkpoints and ends: Slurm requeues or ends the job.
+    On USR2 every rank checkpoints; rank 0 then requeues the Slurm job, which resumes from that checkpoint, unless
+    Slurm has requeued it `max_requeues` times already. On SIGTERM every rank checkpoints and ends: Slurm requeues or
+    ends the job.
     """
     skip_final_collection()
     if "SLURM_JOB_ID" in os.environ and "RANK" not in os.environ:
@@ -720,6 +721,12 @@ def run_rank(job: TrainJob) -> dict[str, Any]:
     result = train_rank(job, stop)
     if (result.get("stopped") and stop.received == signal.SIGUSR2 and os.environ.get("RANK", "0") == "0"
             and "SLURM_JOB_ID" in os.environ):
+        requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # every requeue, pre-emptions too
+        if requeued >= max_requeues:
+            raise TimeLimitReached(f"it reached its time limit with no requeue left (--max-requeues {max_requeues}, "
+                                   f"requeued {requeued} times): every rank checkpointed at step {result['step']}; "
+                                   "to go on from there, submit it again with a longer --time or a higher "
+                                   "--max-requeues")
         subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
     return result
 

@@ -333,6 +333,6 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
         raise ConfigError(changed)
 
 
-def run_one_rank(config: RunConfig) -> dict[str, Any]:
+def run_one_rank(config: RunConfig, max_requeues: int) -> dict[str, Any]:
     """This process is one rank of a job srun or torchrun started; resumes from the run folder's checkpoints."""
-    return run_rank(TrainJob(config.to_dict(), resume=True, use_cuda=visible_gpus() > 0))
+    return run_rank(TrainJob(config.to_dict(), resume=True, use_cuda=visible_gpus() > 0), max_requeues)
