@@ -443,6 +443,9 @@ def test_an_override_of_the_wrong_shape_says_which_key_is_meant(override, messag
     ("optim.warmup_epochs=-1", "optim.warmup_epochs must not be negative"),
     ("optim.min_lr=1", "optim.min_lr 1 is above optim.lr 0.002, from which the schedule decays down to it; lower "
                        "optim.min_lr"),
+    ("optim.lr=-1", "optim.lr must be positive, got -1"),  # was also told to lower optim.min_lr
+    ("optim.lr=0", "optim.lr must be positive, got 0"),
+    ("optim.min_lr=-1", "optim.min_lr must not be negative, got -1"),
     ("model.window_size=-7", "model.window_size must be at least 1 (null: the model's own)"),  # was a traceback
     ("train.seed=-1", "train.seed must be in [0, 4294967295], got -1"),  # numpy's ValueError in the ranks
     ("train.seed=4294967296", "train.seed must be in [0, 4294967295], got 4294967296"),
@@ -455,6 +458,16 @@ def test_a_value_no_run_takes_is_refused_when_the_config_loads(tmp_path, overrid
     _refused(vitctl("config", "show", "demo_vit", "--set", override), message)
     result = vitctl(*DRY_RUN, "--out", tmp_path / "run", "--set", override)
     _refused(result, message)
+
+
+def test_a_warmup_longer_than_the_run_is_warned_of(tmp_path):
+    """Before: accepted without a word; the run ended at 2% of its learning rate."""
+    result = ok(*DRY_RUN, "--out", tmp_path / "run", "--epochs", 2, "--set", "optim.warmup_epochs=100")
+    assert ("warning: optim.warmup_epochs=100 is longer than train.epochs=2: the learning rate warms up for the whole "
+            "run and ends at about 2% of optim.lr; set optim.warmup_epochs below 2 (e.g. --set "
+            "optim.warmup_epochs=0.1, a twentieth of the run)\n") in result.stderr, result.stderr
+    fixed = ok(*DRY_RUN, "--out", tmp_path / "run", "--epochs", 2, "--set", "optim.warmup_epochs=0.1")
+    assert "warmup" not in fixed.stderr
 
 
 # vitctl bench train -----------------------------------------------------------------------------------------------

@@ -534,7 +534,8 @@ def validate(c: RunConfig) -> None:
         (c.model.num_classes >= 2, "model.num_classes must be at least 2"),
         (c.model.img_size >= 32, "model.img_size must be at least 32"),
         (0 <= c.model.drop_path < 1, "model.drop_path must be in [0, 1)"),
-        (c.optim.lr > 0 and c.optim.min_lr >= 0, "optim.lr must be positive and optim.min_lr not negative"),
+        (c.optim.lr > 0, f"optim.lr must be positive, got {c.optim.lr:g}"),
+        (c.optim.min_lr >= 0, f"optim.min_lr must not be negative, got {c.optim.min_lr:g}"),
         (c.optim.accum_steps >= 1, "optim.accum_steps must be at least 1"),
         (c.optim.layer_decay is None or 0 < c.optim.layer_decay <= 1, "optim.layer_decay must be in (0, 1]"),
         (c.train.epochs > 0, "train.epochs must be positive"),
@@ -544,8 +545,9 @@ def validate(c: RunConfig) -> None:
         (0 <= c.augment.label_smoothing < 1, "augment.label_smoothing must be in [0, 1)"),
         (0 < c.augment.min_crop_scale <= 1, "augment.min_crop_scale must be in (0, 1]"),
         (c.optim.warmup_lr >= 0, "optim.warmup_lr must not be negative"),
-        (c.optim.min_lr <= c.optim.lr, f"optim.min_lr {c.optim.min_lr:g} is above optim.lr {c.optim.lr:g}, from "
-                                       f"which the schedule decays down to it; lower optim.min_lr"),
+        (c.optim.lr <= 0 or c.optim.min_lr <= c.optim.lr,  # a bad optim.lr is the one to name
+         f"optim.min_lr {c.optim.min_lr:g} is above optim.lr {c.optim.lr:g}, from which the schedule decays down to "
+         "it; lower optim.min_lr"),
         # torch's AdamW refuses these only inside the ranks; a negative clip_grad would flip every gradient
         (c.optim.eps > 0, "optim.eps must be positive"),
         (c.optim.weight_decay >= 0, "optim.weight_decay must not be negative"),

@@ -353,6 +353,16 @@ def steps_warning(config: RunConfig, plan: Schedule | None) -> str | None:
             f"{epochs} to train {steps} steps")
 
 
+def warmup_warning(config: RunConfig) -> str | None:
+    """A warmup longer than the run: the learning rate never reaches optim.lr."""
+    warmup, epochs = config.optim.warmup_epochs, config.train.epochs
+    if warmup <= epochs:
+        return None
+    return (f"optim.warmup_epochs={warmup:g} is longer than train.epochs={epochs:g}: the learning rate warms up for "
+            f"the whole run and ends at about {100 * epochs / warmup:.0f}% of optim.lr; set optim.warmup_epochs below "
+            f"{epochs:g} (e.g. --set optim.warmup_epochs={epochs / 20:g}, a twentieth of the run)")
+
+
 def finished_note(config: RunConfig, plan: Schedule | None, step: int) -> str | None:
     """A resumed run whose checkpoint is at the step this run ends at already: there is nothing to train."""
     steps = config.train.max_steps

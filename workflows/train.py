@@ -23,7 +23,15 @@ from vitctl.trainer.data.shards import train_digest
 from vitctl.trainer.metrics import read_metrics
 from vitctl.trainer.parallel.mesh import describe_groups, parallel_dims
 from vitctl.trainer.parallel.strategy import Strategy
-from vitctl.trainer.preflight import Schedule, config_problems, finished_note, preflight, schedule, steps_warning
+from vitctl.trainer.preflight import (
+    Schedule,
+    config_problems,
+    finished_note,
+    preflight,
+    schedule,
+    steps_warning,
+    warmup_warning,
+)
 from vitctl.trainer.pretrained import missing_source
 
 from . import registry
@@ -168,7 +176,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
     strategy = preflight(config, request.nodes * request.tasks, local_device, resuming)
     plan = schedule(config, request.nodes * request.tasks, strategy)
-    for warning in filter(None, [steps_warning(config, plan), *unread_settings(config)]):
+    for warning in filter(None, [steps_warning(config, plan), warmup_warning(config), *unread_settings(config)]):
         echo(f"warning: {warning}")
     if request.tasks % strategy.tp:  # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
         raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
