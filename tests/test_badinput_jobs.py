@@ -321,6 +321,24 @@ def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_
                       f"memory?), and rank 0 then lost its connection to it; see {log}"]
 
 
+def test_a_rank_that_crashes_in_native_code_is_named_with_where_it_was(tmp_path):
+    """Before: a segfault (in a decoder, a driver) read `rank 1 ended without reporting an error (killed, or out of
+    memory?)`; now faulthandler writes the Python stack into the rank's log, and the error names its crash and place."""
+    out = tmp_path / "run"
+    job = _start(out, 400)
+    _wait_for_step(out, 2)
+    os.kill(_rank_pid(out, 1), signal.SIGSEGV)
+    _, stderr = job.communicate(timeout=120)
+    record = registry.find_record(str(out))
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    log = f"{record.folder}/{record.job_id}_1_log.err"
+    assert job.returncode == 1 and len(errors) == 1, stderr
+    assert re.fullmatch(rf"error: job {record.job_id} failed: rank 1 crashed \(Segmentation fault\) in \w+ "
+                        rf"\(\w+\.py:\d+\), and rank 0 then lost its connection to it; see {re.escape(log)}",
+                        errors[0]), errors[0]
+    assert "Fatal Python error: Segmentation fault" in Path(log).read_text()
+
+
 def test_ranks_whose_controller_is_killed_checkpoint_and_stop(tmp_path):
     """Before: kill -9 of a local job's controller (its PID is the job id) left its ranks training, orphaned: status
     said FAILED, cancel 'already ended', and --resume was refused, the ranks holding the run folder."""

@@ -74,6 +74,32 @@ def test_an_error_in_a_rank_is_one_line_naming_its_log(finished_job, tmp_path):
 
 
 @pytest.mark.slow
+def test_images_whose_scans_are_damaged_are_named_however_dali_fails_on_them(shards_copy, tmp_path):
+    """DALI's CPU decoder fails on some damaged scans with an error, and on others with a segfault that ends the rank.
+    Before, the segfault read `no rank reported an error (killed, or out of memory?)`, with `run the same command
+    again` as its fix."""
+    table = read_table(shards_copy, split_shards(shards_copy, "train")[0])
+    for path, offset in zip((table.paths[s] for s in table.shard), table.offset, strict=True):
+        with open(path, "r+b") as shard:
+            shard.seek(int(offset) + 200)
+            shard.write(bytes(2000))
+    result = vitctl("train", "--config", "demo_vit", "--data", shards_copy, "--executor", "local", "--gpus", 0,
+                    "--steps", 2, "--set", f"model.num_classes={CLASSES}", "--set", "data.source=dali", "--out",
+                    tmp_path / "run")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.stderr
+    assert "Fatal Python error" not in result.stderr and "Extension modules" not in result.stderr  # in the log only
+    assert "leaked semaphore" not in result.stderr  # multiprocessing's word on a rank that ended abruptly
+    crashed = re.search(r"rank 0 crashed \(Segmentation fault\) in \w+ \(\w+\.py:\d+\); DALI's decoder crashes on some "
+                        r"damaged JPEGs: `(vitctl data verify \S+ --decode 100000000)` decodes every image", errors[0])
+    raised = re.search(r"rank 0 raised DataError: \S+\.tar: the JPEG at offset \d+ does not decode .*; fix: "
+                       r"`(vitctl data verify \S+)` names each damaged shard", errors[0])
+    assert crashed or raised, errors[0]
+    verified = vitctl(*shlex.split((crashed or raised)[1])[1:])
+    assert verified.exit_code == 1 and "sha256 differs" in verified.output, verified.output
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["webdataset", "dali"])
 def test_an_image_damaged_after_sharding_is_named_in_one_line_and_the_fix_named_repairs_it(shards_copy, tmp_path,
                                                                                            source):

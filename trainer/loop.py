@@ -402,7 +402,8 @@ class Trainer:
             log.info("run %s: %s, %d steps of %d images (%.3g an epoch), lr %.3g, ops %s, data %s", self.run_dir,
                      self.strategy.layout(env.world_size), self.stop_step, self.global_batch, self.epoch_steps,
                      self.base_lr, self.ops.describe(), self.data.source)
-        self.metrics.write({"step": p.step, "event": "start", "layout": self.strategy.layout(env.world_size)})
+        self.metrics.write({"step": p.step, "event": "start", "layout": self.strategy.layout(env.world_size),
+                            **({"data": c.data.path} if c.data.path else {})})
         window = Window(self.env.device)
         self.par.module.train()
         batches = self.data.train(p.epoch, p.sample)

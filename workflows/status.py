@@ -8,6 +8,7 @@ import math
 import os
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -347,8 +348,9 @@ def failure(record: JobRecord) -> str:
         rank, message = next(((r, m) for r, m in failures if not PEER_LOST.search(m)), failures[0])
         return f"{message} (traceback in {log_paths(record, rank)[1]})"
     if silent and failures:
-        return (f"rank {silent[0]} ended without reporting an error (killed, or out of memory?), and rank "
-                f"{failures[0][0]} then lost its connection to it; see {log_paths(record, silent[0])[1]}")
+        crashed, fix = _crash(record, silent[0]) or ("ended without reporting an error (killed, or out of memory?)", "")
+        return (f"rank {silent[0]} {crashed}, and rank {failures[0][0]} then lost its connection to it{fix}; see "
+                f"{log_paths(record, silent[0])[1]}")
     if unwritable := _unwritable(Path(record.folder)):  # the ranks write their results and logs there
         return (f"no rank could report an error: {unwritable}; make room or write access, then --resume goes on "
                 f"from its last checkpoint (the log, maybe cut short: {log_paths(record, 0)[1]})")
@@ -357,6 +359,9 @@ def failure(record: JobRecord) -> str:
         return (f"its run folder {record.run_dir} was moved or deleted while it ran: its ranks could not write "
                 "there; if you moved it, `vitctl status NEW_PLACE` records where, and `--out NEW_PLACE --resume` "
                 "goes on from its last checkpoint")
+    if crash := next(((rank, c) for rank in silent if (c := _crash(record, rank))), None):
+        rank, (crashed, fix) = crash
+        return f"rank {rank} {crashed}{fix}; see {log_paths(record, rank)[1]}"
     if said := _slurm_said(log):
         return f"no rank reported an error, and Slurm logged: {said}; see {log}"
     return f"no rank reported an error (killed, or out of memory?); see {log}{_where_to_go_on(record)}"
@@ -375,16 +380,49 @@ def _where_to_go_on(record: JobRecord) -> str:
 SLURM_ERROR = re.compile(r"^(?:srun|slurmstepd): (?:error: |unrecognized option).*", re.MULTILINE)
 
 
-def _slurm_said(log: Path) -> str | None:
-    """The first error srun or slurmstepd wrote into the end of the job's log (an option it does not take, an
-    out-of-memory kill; what follows it, such as `task 0: Exited`, is its consequence), or None."""
+CRASH = re.compile(r"^Fatal Python error: (.+)$", re.MULTILINE)
+# vitctl's own folders, to find its frames in a crash's stacks (a virtual environment may lie beside them)
+PACKAGES = tuple(Path(__file__).resolve().parents[1] / name for name in ("cli", "workflows", "trainer", "datasets"))
+FRAME = re.compile(r'^\s*File "(.+)", line (\d+) in (\S+)', re.MULTILINE)
+
+
+def _crash(record: JobRecord, rank: int) -> tuple[str, str] | None:
+    """A rank that crashed in native code, as faulthandler wrote it into its log: what, and where in vitctl it was;
+    and the fix where DALI's decoder crashed (it does on some damaged JPEGs, which verify --decode finds)."""
+    tail = _tail(log_paths(record, rank)[1])
+    if not (found := CRASH.search(tail)):
+        return None
+    threads = re.split(r"\n(?=Thread 0x|Current thread 0x)", tail[found.end():])  # innermost frame first in each
+    ours = [[f for f in FRAME.finditer(t) if any(Path(f[1]).is_relative_to(p) for p in PACKAGES)] for t in threads]
+    # the crashing thread's, where it runs Python; else (a native thread of a library) what vitctl was doing
+    frames = next((f for t, f in zip(threads, ours, strict=True) if t.startswith("Current thread") and f), None) \
+        or next(filter(None, ours), [])
+    if not frames:
+        return f"crashed ({found[1]})", ""
+    file, line, function = frames[0][1], frames[0][2], frames[0][3]
+    if not any(f[1].endswith("data/dali.py") for f in frames):  # not while reading DALI's batches
+        return f"crashed ({found[1]}) in {function} ({Path(file).name}:{line})", ""
+    data = next((m["data"] for m in reversed(read_metrics(Path(record.run_dir))) if m.get("event") == "start"
+                 and isinstance(m.get("data"), str)), "SHARDS")
+    return (f"crashed ({found[1]}) in {function} ({Path(file).name}:{line})", "; DALI's decoder crashes on some "
+            f"damaged JPEGs: `vitctl data verify {shlex.quote(data)} --decode 100000000` decodes every image and "
+            "names the shards to write again")
+
+
+def _tail(log: Path) -> str:
+    """The last 64 KiB of a log; empty if it cannot be read."""
     try:
         with open(log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
-            tail = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace")
     except OSError:
-        return None
-    found = SLURM_ERROR.findall(tail)
+        return ""
+
+
+def _slurm_said(log: Path) -> str | None:
+    """The first error srun or slurmstepd wrote into the end of the job's log (an option it does not take, an
+    out-of-memory kill; what follows it, such as `task 0: Exited`, is its consequence), or None."""
+    found = SLURM_ERROR.findall(_tail(log))
     return found[0].strip() if found else None
 
 

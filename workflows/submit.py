@@ -8,6 +8,7 @@ stays in the rank's log.
 """
 
 import contextlib
+import faulthandler
 import functools
 import io
 import itertools
@@ -190,7 +191,9 @@ def _original(name: str, message: str) -> str:
 
 
 def train_rank(job: TrainJob, stop: StopSignals) -> dict[str, Any]:
-    """Run this rank; an error's traceback goes to the rank's log (stderr), and it is raised again as one line."""
+    """Run this rank; an error's traceback goes to the rank's log (stderr), and it is raised again as one line. A
+    crash in native code (a segfault in a decoder or a driver) writes the Python stack it came from there too."""
+    faulthandler.enable()
     try:
         return job(should_stop=stop.is_set)
     except Exception as error:
@@ -573,7 +576,11 @@ class TracebackFilter:
     traceback stays in the log file. A traceback ends where the trainer's logging writes again."""
 
     PREFIX = r"(\[rank\d+\]: )?"
-    START = re.compile(rf"{PREFIX}Traceback \(most recent call last\):")
+    # faulthandler's dump of a crash in native code starts "Fatal Python error: Segmentation fault"
+    START = re.compile(rf"{PREFIX}(Traceback \(most recent call last\):|Fatal Python error: )")
+    # what multiprocessing's resource tracker says of a rank that was killed: the job's end says what was lost
+    LEAK_WARNING = re.compile(r".*resource_tracker(\.py:\d+: UserWarning: resource_tracker)?: There appear to be |"
+                              r"\s+warnings\.warn\('resource_tracker: ")
     SEPARATOR = re.compile(rf"{PREFIX}(The above exception was the direct cause of the following exception:|During "
                            r"handling of the above exception, another exception occurred:)")
     LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[rank \d+\] ")
@@ -590,6 +597,8 @@ class TracebackFilter:
         """Those of the log's next `lines` to show; `final`: the log has ended, and nothing is held back any longer."""
         shown = []
         for line in lines:
+            if self.LEAK_WARNING.match(line):
+                continue
             if self.SEPARATOR.match(line):
                 self.hiding, self.held = True, []
             elif self.START.match(line):
