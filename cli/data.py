@@ -179,13 +179,17 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
 def index(shards: Path, workers: int) -> None:
     """Write a DALI index file (v1.2) beside each shard that SHARDS/manifest.json lists.
 
-    SHARDS is the folder `vitctl data shard --out` wrote; run this after every `vitctl data shard` into it.
+    SHARDS is the folder `vitctl data shard --out` wrote; run this after every `vitctl data shard` into it. Exits 1
+    if a split's shards are not all written yet (those written are indexed).
     """
     with progress_bar("index", unit="shards") as bar:
         files, samples = index_folder(shards, workers, bar.advance, bar.set_total)
     console.print(f"index: {files} index files, {samples:,} samples")
-    for warning in unfinished_splits(shards):
-        err_console.print(f"warning: {warning}", highlight=False, markup=False, soft_wrap=True)
+    unfinished = unfinished_splits(shards)
+    for problem in unfinished:  # the shards written so far are indexed; the folder is not ready to train from
+        err_console.print(f"error: {problem}", highlight=False, markup=False, soft_wrap=True)
+    if unfinished:
+        raise SystemExit(1)
 
 
 @data.command(name="verify", short_help="Check shards, indexes and manifest.json; decode some images.")

@@ -324,19 +324,21 @@ def test_a_plan_count_edited_below_the_shards_listed_is_named_as_an_edit(shards_
         "holds" in said and "manifest.json no longer describes the shard" in said, result.output
 
 
-def test_index_of_an_unfinished_split_warns_with_the_command_that_finishes_it(prepared_root, tmp_path):
-    """An index of a folder a `shard` stopped in (a full disk) said `index: 8 index files` and nothing more."""
+def test_index_of_an_unfinished_split_fails_with_the_command_that_finishes_it(prepared_root, tmp_path):
+    """An index of a folder a `shard` stopped in (a full disk) said `index: 8 index files` and nothing more; then it
+    warned, and exited 0, so that `shard && index && train` went on."""
     out = tmp_path / "s"
     ok("data", "shard", prepared_root, "--out", out, "--maxcount", 16, "--seed", 4)
     _edit_manifest(out, lambda m: m["splits"]["train"].update(complete=False,
                                                               shards=m["splits"]["train"]["shards"][1:]))
-    warned = ok("data", "index", out)
-    warning = next(line for line in warned.stderr.splitlines() if line.startswith("warning: "))
-    finish = re.fullmatch(r"warning: the train split is incomplete \(3 of 4 shards written\): finish it with `(.*)`, "
-                          r"then index again", warning)
-    assert finish, warning
+    failed = vitctl("data", "index", out)
+    assert failed.exit_code == 1 and "index: 5 index files" in failed.output, failed.output  # val and 3 of train
+    error = next(line for line in failed.stderr.splitlines() if line.startswith("error: "))
+    finish = re.fullmatch(r"error: the train split is incomplete \(3 of 4 shards written\): finish it with `(.*)`, "
+                          r"then index again", error)
+    assert finish, error
     ok(*shlex.split(finish[1])[1:])
-    assert "warning" not in ok("data", "index", out).stderr
+    assert "error" not in ok("data", "index", out).stderr
     assert "OK" in ok("data", "verify", out).output
 
 
