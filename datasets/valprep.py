@@ -116,8 +116,15 @@ def plan_moves(val_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
 def _mismatch_fix(val_dir: Path, labels: dict[str, str], wrong: set[str], missing: set[str], extra: set[str]) -> str:
     """A few images moved, deleted or added by hand, as often as labels of another archive (or an earlier valprep
     with them): the fix names each, and how to start over."""
+    # a validation image whose extension's case was changed (.jpeg) is the labels' image under another name
+    renamed = {name: f"{name[:-5]}.JPEG" for name in extra if name[-5:].lower() == ".jpeg"
+               and f"{name[:-5]}.JPEG" in missing}
+    missing, extra = missing - set(renamed.values()), extra - renamed.keys()
     strays = {name for name in extra if not VAL_PATTERN.fullmatch(name)}
-    fixes = [f"move {listed(strays)} out of {val_dir}: not validation images"] if strays else []
+    fixes = [f"rename {', '.join(f'{old} to {new}' for old, new in sorted(renamed.items())[:3])}"
+             f"{' (and the others alike)' if len(renamed) > 3 else ''}: the names the labels give them"] \
+        if renamed else []
+    fixes += [f"move {listed(strays)} out of {val_dir}: not validation images"] if strays else []
     example = f" ({min(wrong)} belongs in {val_dir / labels[min(wrong)]})" if wrong else \
         f" ({min(missing)}, of {labels[min(missing)]}, is in ILSVRC2012_img_val.tar)" if missing else ""
     if wrong or missing or extra - strays:

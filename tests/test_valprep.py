@@ -123,6 +123,21 @@ def test_a_missing_val_folder_is_given_the_extract_command_and_it_works(archives
     ok("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
 
 
+def test_an_image_whose_extension_lost_its_case_is_to_be_renamed_not_moved_out(archives, tmp_path):
+    """Before: `move ILSVRC2012_val_00000001.jpeg out: not validation images`, which lost the image."""
+    root = tmp_path / "r"
+    ok("data", "extract", "--val-tar", archives / VAL_TAR, "--out", root)
+    image = root / "val/ILSVRC2012_val_00000001.JPEG"
+    image.rename(image.with_suffix(".jpeg"))
+    result = vitctl("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+    assert result.exit_code == 1 and ("fix: rename ILSVRC2012_val_00000001.jpeg to ILSVRC2012_val_00000001.JPEG: the "
+                                      "names the labels give them; ") in result.stderr, result.stderr
+    assert "not validation images" not in result.stderr and "put them back" not in result.stderr
+    image.with_suffix(".jpeg").rename(image)
+    ok("data", "valprep", root / "val", "--devkit", archives / DEVKIT)
+    assert len(_layout(root / "val")) == len(_truth(archives))
+
+
 def test_val_sorted_with_another_dataset_s_labels_is_given_a_way_to_start_over_and_it_works(archives, tmp_path):
     """Before: the fix sent the user to move images by hand, or to doubt the right devkit."""
     other = tmp_path / "other"
