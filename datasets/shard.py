@@ -149,11 +149,13 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
         raise DataError(f"no images under {split}/ (its class folders are empty)", str(folder),
                         f"put the images into their class folders ({folder}/<wnid>/<image>), or shard the folder "
                         "that `vitctl data extract --out` wrote")
-    if empty and split == "train":  # its label and its output in the model would train on nothing
+    if empty:  # train: its label and output would train on nothing; val: the evaluation would leave it out unsaid
         more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-        raise DataError(f"class folder {empty[0]}{more} holds no images", str(folder),
-                        f"put its images back into {folder / empty[0]}, or move that folder out of {folder} (and "
-                        f"{root / 'val' / empty[0]} with it, if there is one)")
+        fix = (f"put its images back into {folder / empty[0]}, or move that folder out of {folder} (and "
+               f"{root / 'val' / empty[0]} with it, if there is one)" if split == "train" else
+               f"put its images back into {folder / empty[0]} (valprep sorts them there), or move that folder out of "
+               f"{folder} to evaluate without that class")
+        raise DataError(f"class folder {empty[0]}{more} holds no images", str(folder), fix)
     return samples
 
 

@@ -197,6 +197,22 @@ def test_an_empty_train_class_folder_is_refused_and_either_fix_shards(root_copy,
     ok(*command[:3], "--out", tmp_path / "s2", "--maxcount", 16)
 
 
+def test_an_empty_val_class_folder_is_refused_and_moving_it_out_shards(root_copy, tmp_path):
+    """Before: sharded without a word, and the evaluation left that class out."""
+    (root_copy / LEDGER).unlink()  # a tree extract did not write (in one it did, the lost images are named)
+    wnid = sorted(p.name for p in (root_copy / "val").iterdir())[0]
+    for image in (root_copy / "val" / wnid).iterdir():
+        image.unlink()
+    command = ["data", "shard", root_copy, "--out", tmp_path / "s", "--maxcount", 16]
+    refused = vitctl(*command)
+    assert refused.exit_code == 1 and refused.stderr.endswith(
+        f"error: {root_copy / 'val'}: class folder {wnid} holds no images\nfix: put its images back into "
+        f"{root_copy / 'val' / wnid} (valprep sorts them there), or move that folder out of {root_copy / 'val'} to "
+        "evaluate without that class\n"), refused.stderr
+    (root_copy / "val" / wnid).rmdir()
+    ok(*command)
+
+
 def test_an_index_of_another_shard_with_the_same_count_is_named_not_blamed_on_a_jpeg(shards_copy):
     """Shards 0 and 1 both hold 16 samples: shard 1's index over shard 0 passes every count and size check, and
     reading at its offsets gave "the JPEG at offset N does not decode", which names no index."""
