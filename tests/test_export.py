@@ -226,6 +226,29 @@ def test_a_checkpoint_removed_while_export_reads_it_gives_way_to_the_runs_last(m
         export.export_weights(run, tmp_path / "w.safetensors", step=int(earlier.name[5:]))
 
 
+def test_a_checkpoint_removed_as_dcp_reads_it_gives_way_without_a_traceback(micro_run, tmp_path, monkeypatch,
+                                                                           caplog):
+    """A run's rotation removed the checkpoint between its checksums and DCP's read: DCP logged `Global metadata is
+    not found` with a traceback before export went on to the run's last checkpoint."""
+    from vitctl.workflows import export
+
+    run, listed, removed = tmp_path / "run", ckpt.stored_tensors, []
+    shutil.copytree(micro_run, run)
+    earlier, latest = ckpt.list_checkpoints(run)[-2:]
+
+    def removed_once_listed(path, prefix):
+        tensors = listed(path, prefix)
+        if not removed:
+            removed.append(path.name)
+            shutil.rmtree(path)
+        return tensors
+
+    monkeypatch.setattr(ckpt, "stored_tensors", removed_once_listed)
+    assert export.export_weights(run, tmp_path / "w.safetensors").checkpoint.name == earlier.name
+    assert removed == [latest.name]
+    assert "Global metadata is not found" not in caplog.text, caplog.text  # DCP logs it to the root logger
+
+
 def test_an_out_ending_with_a_slash_is_refused_not_written_as_a_file(micro_run, tmp_path):
     """`--out exp/` wrote the export as a file named exp: Path drops the slash."""
     result = vitctl("export", micro_run, "--out", f"{tmp_path / 'exp'}/")

@@ -410,7 +410,9 @@ def load(path: Path, state: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def _reading(path: Path) -> Iterator[None]:
     """DCP's failure to read a checkpoint as one line (its CheckpointException is a BaseException, which a rank would
-    not even report): damage where meta.json holds no checksums (written before vitctl took them) to rule it out."""
+    not even report): damage where meta.json holds no checksums (written before vitctl took them) to rule it out.
+    DCP's own warning with a traceback, on a file gone while read (a running job's rotation), is left unsaid."""
+    logging.root.addFilter(_unsaid_dcp_warning)  # DCP logs to the root logger
     try:
         yield
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
@@ -420,6 +422,13 @@ def _reading(path: Path) -> Iterator[None]:
             raise ConfigError(f"DCP cannot read checkpoint {path} ({_innermost(e)}), although its files match the "
                               "checksums taken when it was saved: please report it, with the traceback") from e
         raise ConfigError(_damaged(path, f"DCP cannot read it ({_innermost(e)})")) from e
+    finally:
+        logging.root.removeFilter(_unsaid_dcp_warning)
+
+
+def _unsaid_dcp_warning(record: logging.LogRecord) -> bool:
+    """Whether a record of the root logger is to be logged: not DCP's warnings of a read (the error says why)."""
+    return not (record.levelno == logging.WARNING and "distributed/checkpoint" in record.pathname.replace("\\", "/"))
 
 
 def _stored(path: Path) -> dict[str, Any]:
