@@ -17,7 +17,14 @@ from typing import Any
 from . import manifest as mf
 from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
 from .errors import DataError, listed
-from .extract import beside_archives, check_finished, check_train_intact, check_val_intact, extract_command
+from .extract import (
+    ARCHIVE_NAMES,
+    beside_archives,
+    check_finished,
+    check_train_intact,
+    check_val_intact,
+    extract_command,
+)
 from .ilsvrc import DEVKIT_NAME, WNID
 from .images import to_rgb_jpeg
 from .lock import writing_in
@@ -85,8 +92,40 @@ def list_classes(root: Path) -> list[str]:
         raise DataError(f"no train/ or val/ folder here: this is the {root.name} folder itself, not the dataset root",
                         str(root), f"pass the dataset root {root.parent} (with --split {root.name} to shard this "
                         "split alone)")
-    raise DataError("no class folders found under train/ or val/", str(root),
-                    "run `vitctl data extract` (and `vitctl data valprep` for val) first")
+    raise DataError(*_not_a_root(root))
+
+
+def _not_a_root(root: Path) -> tuple[str, str, str]:
+    """Why `root` holds no class folders under train/ or val/, by what it holds instead: (what, where, fix)."""
+    entries = [e for e in _visible(root) if e.is_dir() or e.is_file()] if root.is_dir() else []
+    wnids = [e.name for e in entries if e.is_dir() and WNID.fullmatch(e.name)]
+    deeper = [e.name for e in entries if e.is_dir() and any((root / e.name / s).is_dir() for s in ("train", "val"))]
+    archives = [e.name for e in entries if e.is_file() and e.name in ARCHIVE_NAMES.values()]
+    named = [e.name for s in ("train", "val") if (root / s).is_dir() for e in _visible(root / s) if e.is_dir()]
+    if (root / mf.MANIFEST).is_file():
+        source = (mf.load(root) or {}).get("splits", {})
+        from_root = next((info["source"] for info in source.values() if "source" in info), "the image root")
+        return ("a shard folder (`vitctl data shard` wrote it), not an image root", str(root),
+                f"pass the image root it was sharded from ({from_root}); to train on these shards, pass this folder "
+                "to `vitctl train --data`")
+    if wnids:
+        return (f"the class folders lie directly in it ({listed(wnids, 3)}): shard reads ROOT/train/<wnid>/ and "
+                "ROOT/val/<wnid>/", str(root), f"move them into {root / 'train'} (`mkdir {shlex.quote(str(root))}/"
+                f"train && mv {shlex.quote(str(root))}/n[0-9]* {shlex.quote(str(root))}/train/`)")
+    if deeper:
+        return (f"the dataset root is a level deeper: {root / deeper[0]} holds train/ or val/", str(root),
+                f"pass {root / deeper[0]}")
+    if archives:
+        options = " ".join(f"--{split}-tar {shlex.quote(str(root / name))}" for split, name in ARCHIVE_NAMES.items()
+                           if name in archives)
+        return (f"it holds the archives ({', '.join(archives)}), not their images", str(root),
+                f"extract them first: `vitctl data extract {options} --out {shlex.quote(str(root / 'imagenet'))}`, "
+                f"then pass {root / 'imagenet'}")
+    if named:
+        return (f"train/ and val/ hold folders, none named by its WNID (e.g. {named[0]}): shard takes ImageNet's "
+                "class folders, named like n01440764", str(root), "rename each class folder to its WNID")
+    return ("no class folders found under train/ or val/", str(root),
+            "run `vitctl data extract` (and `vitctl data valprep` for val) first")
 
 
 def sample_key(entry: os.DirEntry, path: Path) -> str:

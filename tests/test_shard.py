@@ -528,3 +528,34 @@ def test_other_classes_into_the_same_folder_are_named(root_copy, shards_copy):
     assert result.exit_code == 1 and (f"the {CLASSES - 1} classes under {root_copy} differ from the {CLASSES} this "
                                       f"folder's shards were made with (in one but not the other: {gone})"
                                       ) in result.stderr, result.stderr
+
+
+def _fix_of(result) -> str:
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.stderr
+    return result.stderr.split("\nfix: ", 1)[1].strip()
+
+
+def test_a_root_laid_out_otherwise_is_told_what_it_holds_and_the_fix_shards(prepared_root, archives, tmp_path):
+    """Before, each of these was `no class folders found under train/ or val/`, with `run vitctl data extract` as
+    the fix: for class folders one level too high or low, a shard folder, the archives' folder."""
+    flat = tmp_path / "flat"
+    shutil.copytree(prepared_root / "train", flat)
+    fix = _fix_of(vitctl("data", "shard", flat, "--out", tmp_path / "s1"))
+    subprocess.run(re.search(r"\(`(.+)`\)$", fix)[1], shell=True, check=True)
+    ok("data", "shard", flat, "--out", tmp_path / "s1", "--split", "train")
+
+    deeper = tmp_path / "deeper"
+    shutil.copytree(prepared_root, deeper / "ILSVRC")
+    assert _fix_of(vitctl("data", "shard", deeper, "--out", tmp_path / "s2")) == f"pass {deeper / 'ILSVRC'}"
+
+    shards = tmp_path / "s1"
+    result = vitctl("data", "shard", shards, "--out", tmp_path / "s3")
+    assert "a shard folder (`vitctl data shard` wrote it), not an image root" in result.stderr
+    assert _fix_of(result).startswith(f"pass the image root it was sharded from ({flat.resolve()})")
+
+    downloads = Path(shutil.copytree(archives, tmp_path / "downloads"))
+    fix = _fix_of(vitctl("data", "shard", downloads, "--out", tmp_path / "s4"))
+    command = re.search(r"`vitctl (data extract [^`]+)`", fix)[1]
+    assert f"--train-tar {downloads / 'ILSVRC2012_img_train.tar'}" in command
+    ok(*shlex.split(command))
+    assert (downloads / "imagenet/train").is_dir()
