@@ -116,6 +116,15 @@ def test_several_nodes_with_the_local_executor_are_refused(tmp_path):
     assert "srun" in ok("train", *LOCAL, "--nodes", 1, "--out", out, "--dry-run").output  # the fix, followed
 
 
+def test_slurm_options_of_a_local_run_are_said_to_be_left_unused(tmp_path):
+    """Before: `--partition bogus --account x` with --executor local trained without a word."""
+    result = ok("train", *LOCAL, "--partition", "bogus", "--account", "x", "--out", tmp_path / "run")
+    assert ("warning: --partition bogus, --account x only tell Slurm how to run the job: --executor local runs it "
+            "here without them (pass --executor slurm to submit it, or --dry-run for its sbatch script)\n"
+            ) in result.stderr, result.stderr
+    assert "only tell Slurm" not in ok("train", *LOCAL, "--out", tmp_path / "again").stderr
+
+
 def test_more_gpus_than_this_machine_has_names_the_ways_on(tmp_path):
     if torch.cuda.device_count():
         pytest.skip("this machine has a GPU")

@@ -148,6 +148,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     """
     if request.executor == "local":
         check_local(request)
+        if not dry_run and (ignored := _slurm_only(request)):
+            echo(f"warning: {ignored} only tell Slurm how to run the job: --executor local runs it here without "
+                 "them (pass --executor slurm to submit it, or --dry-run for its sbatch script)")
     check_time(request)
     request = resolve_container_image(request)
     run_dir = Path(config.train.out_dir).resolve()  # one name per folder (not `..` or a link) for the registry
@@ -268,6 +271,13 @@ def layout_lines(strategy: Strategy, request: LaunchRequest) -> list[str]:
         return ["layout: 1 rank"]
     return [f"layout: {strategy.layout(world)} on {world} ranks",
             *describe_groups(parallel_dims(strategy, world), request.tasks)]
+
+
+def _slurm_only(request: LaunchRequest) -> str:
+    """The options given that only a Slurm job reads, as the command line has them."""
+    given = {"--partition": request.partition, "--account": request.account, "--qos": request.qos,
+             "--mem": request.mem, "--cpus-per-gpu": request.cpus_per_gpu}
+    return ", ".join(f"{option} {value}" for option, value in given.items() if value is not None)
 
 
 def check_local(request: LaunchRequest) -> None:
