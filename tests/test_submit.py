@@ -199,6 +199,8 @@ def test_logs_merge_a_rank_s_stdout_and_stderr_in_time_and_name_the_ranks(finish
     assert sorted(shown[1:]) == sorted(out.read_text().splitlines() + err.read_text().splitlines())
     stamps = [m[0] for m in map(status.TIMESTAMP.search, shown[1:]) if m]
     assert stamps == sorted(stamps) and shown[-1].endswith("Exiting after successful completion")
+    # submitit's lines once, from its stdout (before, a second time through the trainer's log, in stderr)
+    assert [line for line in shown if "Exiting after successful completion" in line] == [shown[-1]]
     result = vitctl("logs", finished_job.job_id, "--rank", 9)
     assert result.exit_code == 1
     assert f"error: job {finished_job.job_id} has no rank 9: its ranks are 0-1 (1 node x 2 tasks)" in result.stderr

@@ -13,6 +13,7 @@ import functools
 import io
 import itertools
 import json
+import logging
 import os
 import re
 import shlex
@@ -210,6 +211,8 @@ class TrainTask(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         skip_final_collection()
+        # submitit logs to the task's stdout itself; through the trainer's handler too, each line came twice in `logs`
+        logging.getLogger("submitit").propagate = False
         environment = submitit.JobEnvironment()
         rendezvous = submitit.helpers.TorchDistributedEnvironment()
         rendezvous.master_port = rendezvous_port(environment.job_id)
