@@ -111,6 +111,19 @@ def test_a_file_that_is_no_checkpoint_is_refused_before_launch(weights, tmp_path
         assert ACCEPTED in result.stderr
 
 
+@pytest.mark.parametrize(("source", "said"), [
+    ("timm:vit_small_patch16_224", "vit_small_patch16_224 is a timm model, and vitctl reads weights from files only"),
+    ("swin_large_patch4_window7_224_22k.pth", "swin_large_patch4_window7_224_22k.pth is an official Swin release "
+                                              "file, and vitctl downloads nothing; where there is network, download "
+                                              "it from https://github.com/SwinTransformer/storage/releases"),
+])
+def test_weights_named_by_where_they_come_from_are_told_how_to_get_them(tmp_path, monkeypatch, source, said):
+    """Before: `no such file or folder` alone, for the README's own example among them."""
+    monkeypatch.chdir(tmp_path)
+    result = finetune(source, tmp_path / "ft", "--dry-run")
+    assert result.exit_code == 1 and said in result.stderr, result.stderr
+
+
 def test_a_timm_model_name_is_told_how_to_save_its_weights_and_the_file_so_saved_is_read(tmp_path, monkeypatch):
     """Before: `--from-ckpt vit_small_patch16_224` said only 'no such file or folder'."""
     monkeypatch.chdir(tmp_path)

@@ -44,6 +44,7 @@ DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint writes beside a 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save since torch 1.6 writes a zip archive
 LEGACY_MAGIC = pickle.dumps(MAGIC_NUMBER, protocol=2)  # before, a pickle stream opening with this number
 UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+OFFICIAL_SWIN = re.compile(r"swin_(tiny|small|base|large)_patch4_window\d+_\d+(_22k(to1k)?)?\.pth")
 
 
 def missing_source(source: str, key: str) -> str:
@@ -52,7 +53,11 @@ def missing_source(source: str, key: str) -> str:
     said = f"{key} {source}: no such file or folder"
     if "/" in source and not Path(source).is_absolute():  # in a config file it reads as relative to that file
         said += f" (a relative path is read from the current folder, {Path.cwd()})"
-    name = source.removeprefix("hf-hub:").removeprefix("timm/")
+    if OFFICIAL_SWIN.fullmatch(Path(source).name):
+        return (f"{said}: {Path(source).name} is an official Swin release file, and vitctl downloads nothing; where "
+                "there is network, download it from https://github.com/SwinTransformer/storage/releases "
+                "(microsoft/Swin-Transformer's README links each file), then pass --from-ckpt with its path")
+    name = source.removeprefix("hf-hub:").removeprefix("timm:").removeprefix("timm/")
     if not re.fullmatch(r"[\w.-]+", name):
         return said
     import timm  # a second or two, on this error's path only
