@@ -29,6 +29,18 @@ def test_every_data_command_has_help(command):
     assert result.exit_code == 0 and "Usage: cli data " + command in result.output
 
 
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_every_option_of_train_and_finetune_says_what_it_does(command):
+    """Before: --epochs, --precision, --partition, --account and --qos had no word in `--help`."""
+    import click
+
+    from vitctl.cli.main import cli
+
+    found = cli.get_command(click.Context(cli), command)
+    silent = [p.opts[0] for p in found.params if not getattr(p, "help", None)]
+    assert silent == [], silent
+
+
 def test_data_group_lists_every_command():
     output = vitctl("data", "--help").output
     assert all(f"  {c} " in output for c in COMMANDS)
