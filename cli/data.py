@@ -127,7 +127,7 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
               help="Target bytes per shard: a number of bytes, or with a unit KB, MB, GB, TB (powers of 1000) or "
                    "KiB, MiB, GiB, TiB (powers of 1024); at least 10KB.")
 @click.option("--maxcount", type=click.IntRange(min=1), default=10_000, show_default=True, help="Samples per shard.")
-@click.option("--seed", default=0, show_default=True, help="Shuffle seed.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Shuffle seed.")
 @click.option("--on-bad-image", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
               help="An image that cannot be read: leave it out (manifest.json lists it) or stop. A rerun may change "
                    "this.")

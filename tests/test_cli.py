@@ -108,7 +108,9 @@ def test_too_small_a_shard_size_or_image_count_is_a_usage_error_that_names_the_b
     for args, said in ((["data", "shard", tmp_path, "--out", tmp_path / "s", "--maxsize", "5KB"],
                         "Invalid value for '--maxsize': '5KB' is 5,000 bytes; give at least 10KB"),
                        (["data", "synth", tmp_path / "x", "--val-per-class", "0"],
-                        "Invalid value for '--val-per-class': 0 is not in the range x>=1")):
+                        "Invalid value for '--val-per-class': 0 is not in the range x>=1"),
+                       (["data", "shard", tmp_path, "--out", tmp_path / "s", "--seed", "-1"],  # as synth's is
+                        "Invalid value for '--seed': -1 is not in the range x>=0")):
         result = vitctl(*args)
         assert result.exit_code == 2 and said in result.stderr, result.stderr
     assert sorted(tmp_path.iterdir()) == []
