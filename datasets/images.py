@@ -2,6 +2,7 @@
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
@@ -104,6 +105,9 @@ def to_rgb_jpeg(data: bytes, source: str) -> tuple[bytes, str | None]:
             out = io.BytesIO()
             image.convert("RGB").save(out, format="JPEG", quality=JPEG_QUALITY)
     except UnidentifiedImageError:  # its message holds the repr of the BytesIO, a different address each run
+        suffix = Path(source).suffix.lower()
+        if suffix and suffix not in Image.registered_extensions():  # notes.txt: no image at all
+            raise DataError(f"not an image (a {suffix} file, in no format Pillow reads)", source) from None
         raise DataError("unreadable image (not in any format Pillow reads)", source) from None
     except (*PIL_ERRORS, ValueError) as e:
         raise DataError(f"unreadable image ({e})", source) from None

@@ -180,8 +180,9 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
             source = f"{split}/{class_dir.name}/{entry.name}"
             key = sample_key(entry, root / source)
             if key in keys:
-                raise DataError(f"two images share the key {key!r}: {keys[key]} and {source}", str(folder),
-                                "rename one of them")
+                raise DataError(f"two images share the key {key!r} (a sample's key is its file name up to the first "
+                                f"dot): {keys[key]} and {source}", str(folder),
+                                "rename one of them, or move out the one that is not an image (a .bak copy)")
             keys[key] = source
             samples.append((source, key, label_of[class_dir.name], entry.stat().st_size))
     if not samples:

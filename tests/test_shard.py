@@ -294,6 +294,21 @@ def test_a_damaged_shard_of_the_same_size_is_written_again(prepared_shards, shar
     assert not (shards_copy / "imagenet-train-000002.idx").exists()  # the index of the damaged shard is stale
 
 
+def test_a_file_that_is_no_image_is_named_as_such(root_copy, tmp_path):
+    """Before: notes.txt in a class folder was `unreadable image`; x.JPEG.bak beside x.JPEG `two images share the key
+    'x'`, not saying what a key is."""
+    image = next((root_copy / "train").glob("*/*.JPEG"))
+    (image.parent / "notes.txt").write_text("to do")
+    result = ok("data", "shard", root_copy, "--out", tmp_path / "a", "--split", "train")
+    assert f"  train/{image.parent.name}/notes.txt: not an image (a .txt file, in no format Pillow reads)" \
+        in result.output, result.output
+    shutil.copy(image, f"{image}.bak")
+    refused = vitctl("data", "shard", root_copy, "--out", tmp_path / "b", "--split", "train")
+    assert refused.exit_code == 1 and (f"two images share the key {image.stem!r} (a sample's key is its file name up "
+                                       "to the first dot)") in refused.stderr, refused.stderr
+    assert "move out the one that is not an image (a .bak copy)" in refused.stderr
+
+
 def test_skipped_images_are_named_and_their_reasons_reproducible(root_copy, tmp_path):
     victim = _damage_one_image(root_copy)
     source = str(victim.relative_to(root_copy))
