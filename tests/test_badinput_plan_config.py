@@ -12,7 +12,7 @@ import pytest
 import yaml
 from test_plan import BATCH, hand_made_profile
 
-from conftest import ok, vitctl
+from conftest import CLASSES, ok, vitctl
 from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
 
 # A local dry run of vit_micro (4 blocks, 3 heads) on one CPU rank: the plan file is read before anything starts
@@ -389,6 +389,23 @@ def test_a_data_path_that_is_missing_or_a_file_is_said_to_be_so(tmp_path):
         _refused(vitctl("train", "--config", "demo_vit", "--data", tmp_path / name, "--out", tmp_path / "run",
                         "--executor", "local", "--gpus", 0, "--dry-run"),
                  f"data.path {tmp_path / name} {what}; prepare one with `vitctl data shard`")
+
+
+def test_an_image_root_or_one_shard_as_data_is_named_and_the_fix_trains(prepared_root, prepared_shards, tmp_path):
+    """Before: `no manifest.json; prepare it with vitctl data shard and index`, and `is not a folder`."""
+    root = Path(shutil.copytree(prepared_root, tmp_path / "imagenet"))
+    run = ["train", "--config", "demo_vit", "--out", tmp_path / "run", "--executor", "local", "--gpus", 0,
+           "--set", f"model.num_classes={CLASSES}", "--dry-run"]
+    result = vitctl(*run, "--data", root)
+    assert result.exit_code == 1 and "holds images (train/, val/), not shards: shard it first" in result.stderr
+    commands = re.search(r"`vitctl (data shard .+) && vitctl (data index .+)`, then pass --data (\S+)$",
+                         result.stderr.strip())
+    ok(*shlex.split(commands[1]))
+    ok(*shlex.split(commands[2]))
+    ok(*run, "--data", commands[3])
+    shard = sorted(prepared_shards.glob("*.tar"))[0]
+    _refused(vitctl(*run, "--data", shard), f"data.path {shard} is one shard of the shard folder {prepared_shards}; "
+                                            "pass that folder")
 
 
 @pytest.mark.parametrize("inside", ["", "run"])

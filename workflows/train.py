@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from vitctl.datasets.manifest import MANIFEST
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import (
     FINETUNE_PRESETS,
@@ -73,8 +74,16 @@ def build_config(preset: str | None, flags: dict[str, Any], overrides: list[str]
     if config.data.source != "synthetic" and config.data.path is None:
         raise ConfigError("data.path is required (or data.source=synthetic): pass --data SHARDS")
     if config.data.source != "synthetic" and not Path(config.data.path).is_dir():
-        what = "is not a folder" if Path(config.data.path).exists() else "does not exist"
-        raise ConfigError(f"data.path {config.data.path} {what}; prepare one with `vitctl data shard`")
+        path = Path(config.data.path)
+        if path.is_file() and path.suffix == ".tar" and (path.parent / MANIFEST).is_file():
+            raise ConfigError(f"data.path {path} is one shard of the shard folder {path.parent}; pass that folder")
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise ConfigError(f"data.path {path} {what}; prepare one with `vitctl data shard`")
+    if config.data.source != "synthetic" and _image_root(Path(config.data.path)):
+        root, shards = Path(config.data.path), shlex.quote(str(Path(config.data.path).parent / "shards"))
+        raise ConfigError(f"data.path {root} holds images (train/, val/), not shards: shard it first, `vitctl data "
+                          f"shard {shlex.quote(str(root))} --out {shards} && vitctl data index {shards}`, then pass "
+                          f"--data {shards}")
     source = config.finetune.from_ckpt
     resuming = resume and bool(checkpoint.list_checkpoints(Path(config.train.out_dir)))
     if preset in FINETUNE_PRESETS and not source and not resuming:
@@ -278,6 +287,11 @@ def _slurm_only(request: LaunchRequest) -> str:
     given = {"--partition": request.partition, "--account": request.account, "--qos": request.qos,
              "--mem": request.mem, "--cpus-per-gpu": request.cpus_per_gpu}
     return ", ".join(f"{option} {value}" for option, value in given.items() if value is not None)
+
+
+def _image_root(folder: Path) -> bool:
+    """An extracted ImageNet root (train/ or val/ of class folders) with no manifest: what shard reads, not writes."""
+    return not (folder / MANIFEST).exists() and any((folder / split).is_dir() for split in ("train", "val"))
 
 
 def check_local(request: LaunchRequest) -> None:
