@@ -730,9 +730,9 @@ def test_resume_across_pretraining_and_finetuning_is_refused_before_launch(tmp_p
         result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", pretrain, "--from-ckpt", finetune, *resume,
                         "--set", "model.img_size=48")
         assert result.exit_code == 1 and result.stderr.strip() == (
-            f"error: {pretrain} holds the checkpoints of a pretraining run (`vitctl train`): --resume would continue "
-            f"that run and ignore --from-ckpt {finetune}; choose another --out to finetune, or continue that run with "
-            f"`vitctl train --resume --set model.img_size=32`")
+            f"error: {pretrain} holds the checkpoints of a pretraining run (`vitctl train`), which a finetune from "
+            f"--from-ckpt {finetune} would write over: choose another --out to finetune, or continue that run with "
+            f"`vitctl train --resume --set model.img_size=32`")  # before, it spoke of a --resume not given
     result = vitctl("train", *ONE_RANK, "--steps", 2, "--out", finetune, "--resume")
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: {finetune} holds the checkpoints of a finetune from {pretrain}: continue it with `vitctl finetune "
@@ -750,9 +750,9 @@ def test_resuming_a_finetune_needs_no_source_and_refuses_another(tmp_path):
     pretrain, source, finetune = _pretrained_and_finetuned(tmp_path, "source")
     result = vitctl("finetune", *ONE_RANK, "--steps", 2, "--out", finetune, "--from-ckpt", pretrain, "--resume")
     assert result.exit_code == 1 and result.stderr.strip() == (
-        f"error: {finetune} holds the checkpoints of a finetune from {source}: --resume would continue it and ignore "
-        f"--from-ckpt {pretrain}; continue it with --from-ckpt {source}, or choose another --out to finetune from "
-        f"{pretrain}")
+        f"error: {finetune} holds the checkpoints of a finetune from {source}, not from {pretrain} (a run goes on from "
+        f"its own checkpoints, not from --from-ckpt); continue it with --from-ckpt {source} --resume, or choose "
+        f"another --out to finetune from {pretrain}")
     shutil.rmtree(source)
     ok("finetune", *ONE_RANK, "--steps", 2, "--out", finetune, "--from-ckpt", source, "--resume")
     assert [c.name for c in ckpt.list_checkpoints(finetune)][-1] == "step-00000002"

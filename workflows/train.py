@@ -347,14 +347,14 @@ def check_resumable(checkpoints: list[Path], config: RunConfig) -> None:
     wanted = config.finetune.from_ckpt
     run_dir = checkpoints[-1].parent.parent
     if source and wanted and not _same_file(source, wanted):
-        raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: --resume would continue it "
-                          f"and ignore --from-ckpt {wanted}; continue it with --from-ckpt "
-                          f"{shlex.quote(str(source))}, or choose another --out to finetune from {wanted}")
+        raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}, not from {wanted} (a run "
+                          f"goes on from its own checkpoints, not from --from-ckpt); continue it with --from-ckpt "
+                          f"{shlex.quote(str(source))} --resume, or choose another --out to finetune from {wanted}")
     sets = checkpoint.saved_model_sets(saved["model"], config.to_dict()["model"])
     if wanted and not source:
-        raise ConfigError(f"{run_dir} holds the checkpoints of a pretraining run (`vitctl train`): --resume would "
-                          f"continue that run and ignore --from-ckpt {wanted}; choose another --out to finetune, or "
-                          f"continue that run with `vitctl train --resume{sets}`")
+        raise ConfigError(f"{run_dir} holds the checkpoints of a pretraining run (`vitctl train`), which a finetune "
+                          f"from --from-ckpt {wanted} would write over: choose another --out to finetune, or continue "
+                          f"that run with `vitctl train --resume{sets}`")
     if source and not wanted:
         raise ConfigError(f"{run_dir} holds the checkpoints of a finetune from {source}: continue it with `vitctl "
                           f"finetune --from-ckpt {shlex.quote(str(source))} --resume{sets}`, or choose another --out "
