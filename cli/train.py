@@ -129,7 +129,7 @@ def _run(o: dict, finetune: bool = False) -> None:
         click.echo(outcome, nl=False)  # byte for byte: rich would wrap the srun line at the terminal's width
         return
     if outcome is None:  # nothing left to train (launch said so): the run as it stands
-        print_summary(Path(config.train.out_dir))
+        print_summary(Path(config.train.out_dir), config.model.num_classes)
         return
     if request.executor == "slurm":
         console.print(f"submitted job {outcome.job_id} ({outcome.name}: {request.nodes} node(s) x "
@@ -137,22 +137,25 @@ def _run(o: dict, finetune: bool = False) -> None:
                       f"watch it: vitctl status {outcome.job_id} --watch; vitctl logs {outcome.job_id} --follow",
                       highlight=False)
         return
-    print_summary(Path(config.train.out_dir))
+    print_summary(Path(config.train.out_dir), config.model.num_classes)
 
 
 SUMMARY_STEPS = 5  # logged steps the end-of-run table shows (beside every eval)
 
 
-def print_summary(run_dir: Path) -> None:
+def print_summary(run_dir: Path, classes: int) -> None:
+    """The end-of-run table: the last logged steps and every eval (top-5 where the model has more than 5 classes)."""
     records = wf.read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
     evals = {r["step"]: r for r in records if "eval_top1" in r}
     ema = any("eval_ema_top1" in r for r in evals.values())  # runs with train.ema_decay
-    keys = ["eval_top1", "eval_top5", *(["eval_ema_top1"] if ema else [])]
+    top5 = classes > 5  # of 5 classes or fewer, every image is in its top 5
+    keys = ["eval_top1", *(["eval_top5"] if top5 else []), *(["eval_ema_top1"] if ema else [])]
     by_step = {r["step"]: r for r in steps}
     shown = sorted({r["step"] for r in steps[-SUMMARY_STEPS:]} | evals.keys())
     cut = len(by_step) > SUMMARY_STEPS
-    table = Table("step", "loss", "images/s", "eval top-1", "eval top-5", *(["EMA top-1"] if ema else []),
+    table = Table("step", "loss", "images/s", "eval top-1", *(["eval top-5"] if top5 else []),
+                  *(["EMA top-1"] if ema else []),
                   title=f"{run_dir}", caption=f"the last {SUMMARY_STEPS} of {len(by_step)} logged steps, and every "
                                               "eval; all in metrics.jsonl" if cut else None)
     for step in shown:

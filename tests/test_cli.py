@@ -184,9 +184,12 @@ def test_the_summary_of_a_run_resumed_without_its_ema_shows_both_evals(tmp_path,
                {"step": 2, "loss": 2.25, "images_per_s": 10.0},
                {"step": 2, "eval_top1": 12.0, "eval_top5": 52.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    print_summary(tmp_path)
+    print_summary(tmp_path, 1000)
     out = capsys.readouterr().out
     assert "EMA top-1" in out and "9.50" in out and "12.00" in out and "52.00" in out
+    print_summary(tmp_path, 5)  # before: top-5 shown as 100 for 3-5 classes, where every image is in its top 5
+    out = capsys.readouterr().out
+    assert "top-5" not in out and "52.00" not in out and "12.00" in out
 
 
 def test_output_that_cannot_be_written_ends_in_one_line_not_a_traceback(prepared_shards):
@@ -211,7 +214,7 @@ def test_the_summary_of_a_long_run_shows_every_eval_and_says_it_shows_the_last_s
     records = [{"step": step, "loss": 3.0 - step / 100, "images_per_s": 10.0} for step in range(10, 110, 10)]
     records += [{"step": step, "eval_top1": top1, "eval_top5": 90.0} for step, top1 in ((20, 61.5), (50, 77.25))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    print_summary(tmp_path)
+    print_summary(tmp_path, 1000)
     out = capsys.readouterr().out
     assert "61.50" in out and "77.25" in out and "the last 5 of 10 logged steps, and every eval" in out, out
     rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]

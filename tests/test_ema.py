@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import final_weights, tiny
 
-from conftest import ok
+from conftest import CLASSES, ok
 from vitctl.cli.train import print_summary
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.loop import Trainer, train
@@ -36,9 +36,9 @@ def test_each_eval_logs_the_weights_and_their_ema_and_the_raw_eval_is_unchanged(
         [{k: r[k] for k in ("eval_top1", "eval_loss")} for r in plain]
     ema_weights, plain_weights = final_weights(tmp_path / "ema"), final_weights(tmp_path / "plain")
     assert all(torch.equal(ema_weights[k], plain_weights[k]) for k in plain_weights)
-    print_summary(tmp_path / "ema")
+    print_summary(tmp_path / "ema", CLASSES)
     assert "EMA top-1" in capsys.readouterr().out
-    print_summary(tmp_path / "plain")
+    print_summary(tmp_path / "plain", CLASSES)
     assert "EMA top-1" not in capsys.readouterr().out
 
 
