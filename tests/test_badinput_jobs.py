@@ -701,7 +701,8 @@ def test_a_plan_for_another_model_of_the_same_depth_is_refused(tmp_path):
     result = vitctl("train", *run)
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: parallel.plan {plan} was planned for 'vit_mini', not for model vit_micro; plan this model (vitctl "
-        f"plan --model vit_micro ... --out {plan}), or train vit_mini with it")
+        f"plan --model vit_micro ... --out {tmp_path / 'plan-vit_micro.json'}, then --plan "
+        f"{tmp_path / 'plan-vit_micro.json'}), or train vit_mini with it")  # before, --out over vit_mini's plan
     ok("train", *run, "--model", "vit_mini")  # the other way it names
 
 

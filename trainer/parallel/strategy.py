@@ -138,8 +138,9 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
     if len(blocks) != n_blocks:
         raise ConfigError(_block_count_error(where, len(blocks), n_blocks, plan.get("model"), model, path))
     if model and plan.get("model", model) != model:  # same depth, other widths: its memory and times are not ours
+        own = _plan_of(path, model)
         raise ConfigError(f"{where} was planned for {plan['model']!r}, not for model {model}; plan this model "
-                          f"(vitctl plan --model {model} ... --out {shlex.quote(str(path))}), or train {plan['model']} "
+                          f"(vitctl plan --model {model} ... --out {own}, then --plan {own}), or train {plan['model']} "
                           "with it")
     return strategy
 
@@ -148,12 +149,18 @@ def _block_count_error(where: str, planned: int, n_blocks: int, planned_for: str
                        path: Path) -> str:
     replan = f"vitctl plan --model {model or 'MODEL'} ... --out {shlex.quote(str(path))}"
     if planned_for and planned_for != model:
+        own = _plan_of(path, model or "MODEL")
         return (f"{where} gives strategies for {planned} blocks but model has {n_blocks}; it was planned for "
                 f"{planned_for!r}: train {planned_for} with it (--model {planned_for}), or plan this model "
-                f"({replan})")
+                f"(vitctl plan --model {model or 'MODEL'} ... --out {own}, then --plan {own})")
     return (f"{where} gives strategies for {planned} blocks (the \"blocks\" of its groups add up to {planned}) but "
             f"{f'model {model}' if model else 'the model'} has {n_blocks}; make them add up to {n_blocks}, or write "
             f"the plan again with `{replan}`")
+
+
+def _plan_of(path: Path, model: str) -> str:
+    """Where a plan for `model` may go beside another model's plan `path`, which it should not overwrite."""
+    return shlex.quote(str(path.with_name(f"{path.stem}-{model}{path.suffix}")))
 
 
 def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
