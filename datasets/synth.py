@@ -15,7 +15,7 @@ from PIL import Image
 from .atomic import partial_open, partial_path, publish, write_json_atomic
 from .errors import DataError
 from .ilsvrc import DEVKIT_DIR, GROUND_TRUTH, META_MAT, SYNSET_FIELDS, VAL_NAME
-from .manifest import file_sha256
+from .manifest import MANIFEST, file_sha256
 from .oserrors import make_folder, os_errors_explained
 
 TRAIN_TAR, VAL_TAR, DEVKIT = "ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12.tar.gz"
@@ -154,9 +154,21 @@ def write_synthetic(out: Path, spec: SynthSpec) -> dict[str, Path]:
             raise DataError(f"holds {', '.join(foreign)}, which `vitctl data synth` did not write: writing would "
                             "replace them", str(out), "choose another OUT, or move those files out of it (synth "
                             "replaces only archives it wrote itself)")
+        if kind := _other_kind(out):
+            raise DataError(f"is {kind}: the archives would lie among its files", str(out),
+                            f"choose a folder of their own, e.g. {out.parent / 'archives'}")
         make_folder(out, "OUT")
         _write_archives(paths, spec, _Recorder(out, marker, {path.name: _digest(path) for path in existing}))
         return paths
+
+
+def _other_kind(out: Path) -> str | None:
+    """What vitctl wrote `out` as, where it is a folder another command writes into (shards, a run)."""
+    if (out / MANIFEST).is_file():
+        return "a shard folder (`vitctl data shard` wrote it)"
+    if (out / "checkpoints").is_dir() or (out / "metrics.jsonl").is_file():
+        return "a run folder (`vitctl train` wrote it)"
+    return None
 
 
 def _digest(path: Path) -> list:

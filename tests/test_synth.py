@@ -75,6 +75,18 @@ def test_synth_into_a_path_under_a_file_is_a_clear_error(tmp_path):
     assert "choose another OUT" in result.stderr
 
 
+def test_synth_into_a_shard_or_run_folder_is_refused(prepared_shards, tmp_path):
+    """Before: the three archives were written among the shards, or a run's checkpoints."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for folder, kind in ((prepared_shards, "a shard folder"), (run, "a run folder")):
+        before = sorted(p.name for p in folder.iterdir())
+        result = vitctl("data", "synth", folder)
+        assert result.exit_code == 1 and f"{folder}: is {kind}" in result.stderr, result.stderr
+        assert f"fix: choose a folder of their own, e.g. {folder.parent / 'archives'}" in result.stderr
+        assert sorted(p.name for p in folder.iterdir()) == before
+
+
 @pytest.mark.parametrize("classes", [0, 2, 37])
 def test_classes_out_of_range_give_the_range_synth_accepts(tmp_path, classes):
     result = vitctl("data", "synth", tmp_path / "a", "--classes", classes)
