@@ -40,7 +40,7 @@ class GiB(click.FloatRange):
 @click.option("--gpus", type=click.IntRange(min=1),
               help="GPUs per node [default: all visible]. With --profile-only: the local ranks to measure "
                    "collectives among [default: every GPU, or 2 CPU ranks].")
-@click.option("--memory-gib", type=GiB(), help=f"Memory budget per GPU, GiB (up to {wf.MOST_GIB}).")
+@click.option("--memory-gib", type=GiB(), help="Memory budget per GPU, GiB.")
 @click.option("--batch", type=click.IntRange(min=1), help="Global batch: all data-parallel ranks together.")
 @click.option("--out", type=GivenPath(dir_okay=False, path_type=Path), help="The plan file to write (JSON).")
 @click.option("--img-size", type=click.IntRange(min=32), default=224, show_default=True)

@@ -101,7 +101,8 @@ def _not_a_root(root: Path) -> tuple[str, str, str]:
     wnids = [e.name for e in entries if e.is_dir() and WNID.fullmatch(e.name)]
     deeper = [e.name for e in entries if e.is_dir() and any((root / e.name / s).is_dir() for s in ("train", "val"))]
     archives = [e.name for e in entries if e.is_file() and e.name in ARCHIVE_NAMES.values()]
-    named = [e.name for s in ("train", "val") if (root / s).is_dir() for e in _visible(root / s) if e.is_dir()]
+    splits = [s for s in ("train", "val") if (root / s).is_dir()]
+    named = [e.name for s in splits for e in _visible(root / s) if e.is_dir()]
     if (root / mf.MANIFEST).is_file():
         source = (mf.load(root) or {}).get("splits", {})
         from_root = next((info["source"] for info in source.values() if "source" in info), "the image root")
@@ -122,8 +123,9 @@ def _not_a_root(root: Path) -> tuple[str, str, str]:
                 f"extract them first: `vitctl data extract {options} --out {shlex.quote(str(root / 'imagenet'))}`, "
                 f"then pass {root / 'imagenet'}")
     if named:
-        return (f"train/ and val/ hold folders, none named by its WNID (e.g. {named[0]}): shard takes ImageNet's "
-                "class folders, named like n01440764", str(root), "rename each class folder to its WNID")
+        return (f"{' and '.join(f'{s}/' for s in splits)} hold{'s' if len(splits) == 1 else ''} folders, none named "
+                f"by its WNID (e.g. {named[0]}): shard takes ImageNet's class folders, named like n01440764", str(root),
+                "rename each class folder to its WNID")
     return ("no class folders found under train/ or val/", str(root),
             "run `vitctl data extract` (and `vitctl data valprep` for val) first")
 

@@ -279,7 +279,7 @@ def test_train_with_a_squashfs_image_mounts_the_run_and_data_folders(prepared_sh
                 "--container-mounts", "/scratch:/scratch", "--dry-run").output
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert srun == (f"srun --container-image={sqsh} --container-mounts=/scratch:/scratch,{tmp_path}/run:{tmp_path}/run,"
-                    f'{data}:{data} python3 -m vitctl.cli rank --config "$config"')
+                    f'{data}:{data} python3 -m vitctl.cli rank --max-requeues 3 --config "$config"')
 
 
 def test_a_missing_image_file_and_a_local_image_are_refused(tmp_path, monkeypatch):

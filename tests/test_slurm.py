@@ -336,10 +336,13 @@ def test_a_second_cancel_ends_a_job_whose_hung_rank_holds_the_others_stop(prepar
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         # before: CANCELLED at once, with a final word on what was kept, while Slurm's KillWait still ran (and ranks
         # that were not hung checkpointed after that word)
-        deadline = time.monotonic() + 30
-        while (state := vitctl_state(job)).state != "COMPLETING" and time.monotonic() < deadline:
+        deadline, seen = time.monotonic() + 30, []
+        while not (state := vitctl_state(job)).finished and time.monotonic() < deadline:
+            seen.append(state)
+            if state.state == "COMPLETING" and state.note == status.ENDING:
+                break
             time.sleep(0.2)
-        assert state.state == "COMPLETING" and state.note == status.ENDING, state
+        assert state.state == "COMPLETING" and state.note == status.ENDING, seen
         out, err = second.communicate(timeout=120)
         assert second.returncode == 0, err
         assert out.startswith(f"ending job {job} (vit_micro-run) (scancel): Slurm kills its ranks that have not "

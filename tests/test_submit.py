@@ -369,7 +369,7 @@ def test_dry_run_prints_a_complete_script_byte_for_byte(tmp_path, monkeypatch):
     srun = next(line for line in lines if line.startswith("srun "))
     run = tmp_path / "run"  # mounted too: the ranks write it at the same path inside the image
     assert srun == (f"srun '--container-image={image}' --container-mounts=/data:/data,/scratch/a/long/path/to/make/the"
-                    f'/line/wide:/scratch,{run}:{run} python3 -m vitctl.cli rank --config "$config"')
+                    f'/line/wide:/scratch,{run}:{run} python3 -m vitctl.cli rank --max-requeues 3 --config "$config"')
     assert "wckey" not in script and "submitit" not in script and script.endswith("VITCTL_CONFIG\n" + srun + "\n")
     assert registry.load_records() == [] and not (tmp_path / "run").exists()
 

@@ -48,9 +48,9 @@ from .process import (
     with_environment,
 )
 from .registry import JobRecord
+from .slurm_time import SIGNAL_DELAY_S
 from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 
-SIGNAL_DELAY_S = slurm_time.SIGNAL_DELAY_S
 # The shortest --time that trains before that signal: Slurm may send it up to a minute earlier than asked (the
 # resolution of its events), so 3 minutes leave at least 30 s; a shorter limit signals every attempt as it starts.
 MIN_TIME_MINUTES = 3
