@@ -689,8 +689,8 @@ def _follow(submitted: Any, record: JobRecord, log: LogTail, echo: Callable[[str
     while True:
         done = submitted.done()
         # the controller was killed: its ranks got SIGTERM (signal_when_parent_ends). Rank 0 lets go of the lock
-        # before it and the other ranks have exited, so their processes are waited for too.
-        if done and (_ranks_run_on(record) or orphaned and with_environment("SUBMITIT_LOCAL_JOB_ID", record.job_id)):
+        # before it and the other ranks have exited (maybe before this loop looks), so their processes count too.
+        if done and (_ranks_run_on(record) or _rank_processes(record)):
             if not orphaned:
                 echo(f"job {record.job_id}: its controller process ended while its ranks ran on; they checkpoint "
                      "after the step they are in, then stop")
@@ -713,6 +713,19 @@ def _ranks_run_on(record: JobRecord) -> bool:
     """Whether rank 0 of the job still holds its run folder's lock."""
     holder = runlock.holder(Path(record.run_dir))
     return holder is not None and holder.get("job") in (record.job_id, None)
+
+
+def _rank_processes(record: JobRecord) -> list[int]:
+    """The live processes of a local job's ranks (and of the workers they forked); a controller that ended on its
+    own has waited for them all."""
+    return [pid for pid in with_environment("SUBMITIT_LOCAL_JOB_ID", record.job_id) if _runs_submitit(pid)]
+
+
+def _runs_submitit(pid: int) -> bool:
+    try:
+        return b"submitit" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return False
 
 
 def command_line() -> list[str]:
