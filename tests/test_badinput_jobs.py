@@ -306,34 +306,30 @@ def test_a_running_job_s_eta_is_its_wall_clock_rate_since_warm_up_counted_down_b
     assert listed["state"] == "RUNNING" and 370 < listed["eta_s"] <= 380, listed
 
 
-@pytest.mark.slow
-def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_path):
-    out = tmp_path / "run"
+def _rank_1_ended_by(out: Path, signum: int) -> tuple[str, list[str], str]:
+    """A two-rank job whose rank 1 gets `signum` as it trains: its job id, vitctl's error lines, rank 1's log."""
     job = _start(out, 400)
     _wait_for_step(out, 2)
-    os.kill(_rank_pid(out, 1), signal.SIGKILL)
+    os.kill(_rank_pid(out, 1), signum)
     _, stderr = job.communicate(timeout=120)
     record = registry.find_record(str(out))
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert job.returncode == 1 and "Traceback" not in stderr, stderr
-    log = f"{record.folder}/{record.job_id}_1_log.err"
-    assert errors == [f"error: job {record.job_id} failed: rank 1 ended without reporting an error (killed, or out of "
+    assert job.returncode == 1 and len(errors) == 1 and "Traceback" not in stderr, stderr
+    return record.job_id, errors, f"{record.folder}/{record.job_id}_1_log.err"
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_path):
+    job_id, errors, log = _rank_1_ended_by(tmp_path / "run", signal.SIGKILL)
+    assert errors == [f"error: job {job_id} failed: rank 1 ended without reporting an error (killed, or out of "
                       f"memory?), and rank 0 then lost its connection to it; see {log}"]
 
 
 def test_a_rank_that_crashes_in_native_code_is_named_with_where_it_was(tmp_path):
     """Before: a segfault (in a decoder, a driver) read `rank 1 ended without reporting an error (killed, or out of
     memory?)`; now faulthandler writes the Python stack into the rank's log, and the error names its crash and place."""
-    out = tmp_path / "run"
-    job = _start(out, 400)
-    _wait_for_step(out, 2)
-    os.kill(_rank_pid(out, 1), signal.SIGSEGV)
-    _, stderr = job.communicate(timeout=120)
-    record = registry.find_record(str(out))
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    log = f"{record.folder}/{record.job_id}_1_log.err"
-    assert job.returncode == 1 and len(errors) == 1, stderr
-    assert re.fullmatch(rf"error: job {record.job_id} failed: rank 1 crashed \(Segmentation fault\) in \w+ "
+    job_id, errors, log = _rank_1_ended_by(tmp_path / "run", signal.SIGSEGV)
+    assert re.fullmatch(rf"error: job {job_id} failed: rank 1 crashed \(Segmentation fault\) in \w+ "
                         rf"\(\w+\.py:\d+\), and rank 0 then lost its connection to it; see {re.escape(log)}",
                         errors[0]), errors[0]
     assert "Fatal Python error: Segmentation fault" in Path(log).read_text()
