@@ -155,3 +155,6 @@ def test_status_of_a_job_whose_run_folder_moved_says_so(tmp_path, caplog):
     for shown in (followed.output, ok("status", job, "--json").output):
         assert {k: json.loads(shown)[0][k] for k in ("job_id", "state", "step", "run_dir", "note")} == \
             {"job_id": job, "state": "COMPLETED", "step": 2, "run_dir": str(tmp_path / "moved"), "note": ""}
+    shutil.move(tmp_path / "moved", tmp_path / "again")  # before: the pickle's path no longer matched the record's
+    again = json.loads(ok("status", tmp_path / "again", "--json").output)[0]
+    assert (again["job_id"], again["step"], again["run_dir"]) == (job, 2, str(tmp_path / "again"))

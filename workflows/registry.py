@@ -57,6 +57,7 @@ class JobRecord:
     pid_namespace: str | None = None
     killed: bool = False  # a second cancel killed its processes (the first had not stopped them)
     max_requeues: int | None = None  # Slurm jobs: how often a time limit may requeue them (--max-requeues)
+    submitted_run_dir: str | None = None  # once moved: the run folder that submitit's job pickle names
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # the registry's own id
 
     @property
@@ -188,18 +189,21 @@ def _moved_to(folder: Path, records: list[JobRecord]) -> list[JobRecord]:
         if r.job_id and not Path(r.run_dir).exists() and (logs := _moved_submitit_folder(folder, r)):
             log.warning("note: job %s's run folder %s was moved to %s; recorded its new place", r.job_id, r.run_dir,
                         folder)
-            update_record(r.key, run_dir=str(folder), folder=str(logs))
-            r.run_dir, r.folder = str(folder), str(logs)
+            pickled = r.submitted_run_dir or r.run_dir
+            update_record(r.key, run_dir=str(folder), folder=str(logs), submitted_run_dir=pickled)
+            r.run_dir, r.folder, r.submitted_run_dir = str(folder), str(logs), pickled
             moved.append(r)
     return moved
 
 
 def _moved_submitit_folder(folder: Path, record: JobRecord) -> Path | None:
     """`record`'s submitit folder at its place under `folder`, where it holds the job pickle submitit wrote: its name
-    has the job id, its bytes the run folder's old path (a job id alone, a PID for local jobs, may be another's)."""
+    has the job id, its bytes the run folder's path at submission (a job id alone, a PID for local jobs, may be
+    another's)."""
     try:
         logs = folder / Path(record.folder).relative_to(record.run_dir)
-        return logs if record.run_dir.encode() in (logs / f"{record.job_id}_submitted.pkl").read_bytes() else None
+        pickled = (record.submitted_run_dir or record.run_dir).encode()
+        return logs if pickled in (logs / f"{record.job_id}_submitted.pkl").read_bytes() else None
     except (ValueError, OSError):  # a submitit folder outside the run folder; no such pickle there
         return None
 
