@@ -138,7 +138,10 @@ def logs(job: str, rank: int, follow: bool) -> None:
     if not any(p.exists() for p in paths):
         _no_log(record, rank, follow)  # following a live job: it waits for the log
         _wait_for_log(record, rank, paths)
-    click.echo(f"==> rank {rank} of job {record.job_id}: {paths[0]} and {paths[1].name}, merged by time <==")
+    shown = f"{paths[0]} and {paths[1].name}, merged by time"
+    if len(found := [p for p in paths if p.exists()]) == 1 and not status.state_of(record).live:  # one was deleted
+        shown = f"{found[0]} ({next(p for p in paths if p not in found).name} is missing)"
+    click.echo(f"==> rank {rank} of job {record.job_id}: {shown} <==")
     tail = status.LogTail(list(paths))
     live = False
     while True:
@@ -185,9 +188,16 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
         raise registry.UnknownJobError(
             f"the logs of {where} are gone: its folder {record.folder} no longer exists (the run folder was moved or "
             "deleted); if you moved it, `vitctl logs NEW_PLACE` shows them and records where")
+    note = f" ({state.note})" if state.note else ""
+    if state.state == "UNKNOWN":
+        raise registry.UnknownJobError(f"no log for rank {rank} of {where} in {record.folder}, and whether that rank "
+                                       f"started cannot be told here{note}")
+    if status.ran(record, rank) or state.state == "COMPLETED":
+        raise registry.UnknownJobError(f"the log of rank {rank} of {where} is gone: the rank ran (its result is in "
+                                       f"{record.folder}), but its log files were deleted")
     if not state.live:
         raise registry.UnknownJobError(f"{where} ended without a log for rank {rank} in {record.folder}: that rank "
-                                       f"never started{f' ({state.note})' if state.note else ''}")
+                                       f"never started{note}")
     if not follow:
         raise registry.UnknownJobError(
             f"no log yet for rank {rank} of {where}: it appears in {record.folder} once the job starts; "

@@ -448,13 +448,40 @@ def test_logs_of_a_job_whose_run_folder_is_gone_say_so_and_follow_does_not_wait(
 
 
 def test_logs_of_an_ended_job_that_wrote_none_say_it_never_started(tmp_path):
+    """Before, the note sent the user to rank 0's log, which did not exist."""
     record = _ended_local_job(tmp_path / "run")
     result = vitctl("logs", record.job_id, "--rank", 1)
     assert result.exit_code == 1
     assert result.stderr.strip() == (f"error: job 1 (FAILED) ended without a log for rank 1 in {record.folder}: that "
-                                     f"rank never started (no rank reported an error (killed, or out of memory?); see "
-                                     f"{record.folder}/1_0_log.err; it had saved no checkpoint: run the same command "
-                                     f"again to start afresh)")
+                                     "rank never started (it ended before its ranks wrote a log (killed, or out of "
+                                     "memory?); it had saved no checkpoint: run the same command again to start "
+                                     "afresh)")
+
+
+def test_logs_of_a_rank_that_ran_but_whose_logs_were_deleted_say_so(tmp_path):
+    """Before: 'that rank never started', of a rank whose result said it had run."""
+    record = _ended_local_job(tmp_path / "run")
+    folder = Path(record.folder)
+    for rank in (0, 1):
+        (folder / f"1_{rank}_result.pkl").write_bytes(pickle.dumps(("success", None)))
+    (folder / "1_0_log.out").write_text("2026-11-30 10:00:00,000 [rank 0] vitctl.train: done\n")
+    result = vitctl("logs", record.job_id, "--rank", 1)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"error: the log of rank 1 of job 1 (COMPLETED) is gone: the rank ran (its result "
+                                     f"is in {folder}), but its log files were deleted")
+    shown = ok("logs", record.job_id).output  # one of rank 0's two files deleted: the header no longer names both
+    assert shown.startswith(f"==> rank 0 of job 1: {folder}/1_0_log.out (1_0_log.err is missing) <==\n")
+
+
+def test_logs_of_a_job_whose_state_cannot_be_told_do_not_say_it_ended(tmp_path):
+    """Before: 'job 1 (UNKNOWN) ended without a log ...: that rank never started', of a job running on another host."""
+    record = _ended_local_job(tmp_path / "run")
+    registry.update_record(record.key, host="gpu-node-7")
+    result = vitctl("logs", record.job_id)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: no log for rank 0 of job 1 (UNKNOWN) in {record.folder}, and whether that "
+                                    "rank started cannot be told here (")
+    assert "gpu-node-7" in result.stderr and "ended" not in result.stderr
 
 
 def test_a_rank_s_own_error_is_named_before_the_peer_that_lost_it_whichever_was_saved_first(tmp_path):
@@ -857,6 +884,7 @@ def test_a_job_that_could_not_report_for_a_full_or_read_only_disk_is_said_so(tmp
     run = tmp_path / "run"
     record = _ended_local_job(run)
     folder = run / "submitit"
+    (folder / "1_0_log.err").write_text("")
     assert status.failure(record).startswith("no rank reported an error (killed, or out of memory?)")  # room here
     if cause == "full":
         monkeypatch.setattr(status.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30, 2**20))

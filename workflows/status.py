@@ -364,6 +364,8 @@ def failure(record: JobRecord) -> str:
         return f"rank {rank} {crashed}{fix}; see {log_paths(record, rank)[1]}"
     if said := _slurm_said(log):
         return f"no rank reported an error, and Slurm logged: {said}; see {log}"
+    if not any(p.exists() for p in log_paths(record, 0)):  # killed before its ranks started
+        return f"it ended before its ranks wrote a log (killed, or out of memory?){_where_to_go_on(record)}"
     return f"no rank reported an error (killed, or out of memory?); see {log}{_where_to_go_on(record)}"
 
 
@@ -438,6 +440,11 @@ def _unwritable(folder: Path) -> str | None:
     if not os.access(folder, os.W_OK):
         return f"{folder} takes no writes (a read-only file system, or no write access)"
     return f"the file system of {folder} is full ({free / 2**20:.0f} MiB free)" if free < FULL_BYTES else None
+
+
+def ran(record: JobRecord, rank: int) -> bool:
+    """Whether the rank ended with a result saved (an error or a success): it started."""
+    return _result_path(record, rank).exists()
 
 
 def _result_path(record: JobRecord, rank: int) -> Path:
