@@ -218,6 +218,8 @@ def test_every_float_key_refuses_inf_and_nan_naming_the_key(key, count, bad):
     result = vitctl("config", "show", "demo_vit", "--set", f"{key}={value}")
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert f"error: {key} must be {'finite numbers' if count else 'a finite number'}, got " in result.stderr
+    # alone: before, nan also read as not positive and as below optim.min_lr, whose fix was to lower the other key
+    assert "; " not in result.stderr.splitlines()[0], result.stderr
 
 
 def test_float_keys_cover_the_recipe():

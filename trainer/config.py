@@ -561,21 +561,26 @@ def validate(c: RunConfig) -> None:
         (c.model.window_size is None or c.model.window_size >= 1, "model.window_size must be at least 1 (null: the "
                                                                   "model's own)"),
     ]
-    problems = _non_finite(c) + [message for ok, message in checks if not ok] + _recipe_problems(c) + \
-        _parallel_problems(c.parallel)
+    non_finite = _non_finite(c)
+    others = [message for ok, message in checks if not ok] + _recipe_problems(c) + _parallel_problems(c.parallel)
+    # what a comparison with nan or inf says of its key (not positive, above optim.lr) is noise beside the key's name
+    mentions = [re.compile(rf"(?<![\w.]){re.escape(key)}(?!\w)") for key in non_finite]
+    problems = [*non_finite.values(), *(m for m in others if not any(key.search(m) for key in mentions))]
     if problems:
         raise ConfigError("; ".join(problems))
 
 
-def _non_finite(c: RunConfig) -> list[str]:
-    """Every float key holding inf or nan: each would overflow a step count or turn the loss to nan mid-run."""
-    problems = []
+def _non_finite(c: RunConfig) -> dict[str, str]:
+    """Every float key holding inf or nan, and its problem: each would overflow a step count or turn the loss to nan
+    mid-run."""
+    problems = {}
     for section, values in c.to_dict().items():
         for key, value in values.items():
             several = isinstance(value, tuple | list)
             if any(isinstance(v, float) and not math.isfinite(v) for v in (value if several else [value])):
-                problems.append(f"{section}.{key} must be {'finite numbers' if several else 'a finite number'}, got "
-                                f"{list(value) if several else value}")
+                problems[f"{section}.{key}"] = (f"{section}.{key} must be "
+                                                f"{'finite numbers' if several else 'a finite number'}, got "
+                                                f"{list(value) if several else value}")
     return problems
 
 
