@@ -84,6 +84,22 @@ def test_without_a_good_backup_the_registry_starts_empty_and_says_so(home):
     assert all(r.executor == "slurm" for r in registry.load_records())  # only what sacct still knows
 
 
+def test_a_recovery_that_could_not_ask_sacct_says_so_rather_than_that_slurm_had_no_jobs(home, tmp_path, monkeypatch):
+    """Before: 'recovered ... and 0 Slurm jobs from sacct', where sacct had failed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho 'sacct: error: Problem talking to the database' >&2\nexit 1\n")
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    registry.add_record(record("101"))
+    registry.registry_path().write_text("[{")
+    registry.backup_path().write_text("")
+    listed = subprocess.run([VITCTL, "jobs"], capture_output=True, text=True, env=os.environ)
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr
+    assert ("and no Slurm jobs: sacct could not be asked (sacct: error: Problem talking to the database), so "
+            f"jobs submitted to Slurm from here in the last {registry.SACCT_DAYS} days are not listed") in listed.stderr
+
+
 def test_an_interrupted_submission_is_settled_from_the_job_folder(home, tmp_path):
     """vitctl killed after the job was submitted and before it recorded the id: the record it made beforehand
     gets the id of the job submitit left in the folder."""

@@ -318,11 +318,15 @@ def _read_or_recover() -> list[JobRecord]:
     except (OSError, ValueError, UnicodeDecodeError):
         records, source = [], f"no jobs from {backup_path()} (missing or damaged too)"
     known = {r.job_id for r in records}
-    from_slurm = [r for r in _slurm_records() if r.job_id not in known]
+    found, unanswered = _slurm_records()
+    from_slurm = [r for r in found if r.job_id not in known]
     records = sorted(records + from_slurm, key=lambda r: r.submitted)
     _save(records)
-    log.warning("warning: %s was damaged (%s); moved it aside to %s and recovered %s and %d Slurm jobs from sacct "
-                "(last %d days)", registry_path(), damage, aside.name, source, len(from_slurm), SACCT_DAYS)
+    slurm = (f"no Slurm jobs: sacct could not be asked ({unanswered}), so jobs submitted to Slurm from here in the "
+             f"last {SACCT_DAYS} days are not listed" if unanswered else
+             f"{len(from_slurm)} Slurm jobs from sacct (last {SACCT_DAYS} days)")
+    log.warning("warning: %s was damaged (%s); moved it aside to %s and recovered %s and %s", registry_path(), damage,
+                aside.name, source, slurm)
     return records
 
 
@@ -330,11 +334,12 @@ def _read_or_recover() -> list[JobRecord]:
 SUBMIT_LINE = re.compile(r"sbatch (?P<folder>/\S+/submitit)/\.submission_file_[0-9a-f]+\.sh")
 
 
-def _slurm_records(folder: str | None = None, since: float | None = None) -> list[JobRecord]:
+def _slurm_records(folder: str | None = None, since: float | None = None) -> tuple[list[JobRecord], str | None]:
     """The Slurm jobs vitctl submitted (all of this user's in the last SACCT_DAYS, or those from `folder`), as
-    sacct knows them; [] without Slurm accounting."""
+    sacct knows them; and why sacct did not answer, if it did not."""
     records, seen = [], set()
-    for line in _sacct_lines(since or time.time() - SACCT_DAYS * 86400):
+    lines, unanswered = _sacct_lines(since or time.time() - SACCT_DAYS * 86400)
+    for line in lines:
         job_id, name, nodes, submit, submit_line = line.split("|", 4)
         match = SUBMIT_LINE.fullmatch(submit_line.strip())
         if job_id in seen or not match or (folder and match["folder"] != folder) or not Path(match["folder"]).is_dir():
@@ -343,26 +348,34 @@ def _slurm_records(folder: str | None = None, since: float | None = None) -> lis
         tasks, gpus = _sbatch_layout(Path(match["folder"]) / f"{job_id}_submission.sh")
         records.append(JobRecord(job_id, "slurm", name, str(Path(match["folder"]).parent), match["folder"],
                                  int(nodes), tasks, gpus, time.mktime(time.strptime(submit, "%Y-%m-%dT%H:%M:%S"))))
-    return records
+    return records, unanswered
 
 
-def _sacct_lines(since: float) -> list[str]:
+def _sacct_lines(since: float) -> tuple[list[str], str | None]:
     """sacct's lines for this user's jobs since `since` and for those still queued, which sacct leaves out of a time
-    window until they are eligible to start (held, waiting on a dependency, or just submitted)."""
+    window until they are eligible to start (held, waiting on a dependency, or just submitted); and why sacct did
+    not answer, if it did not."""
     user, fields = str(os.getuid()), ["-o", "JobIDRaw,JobName,NNodes,Submit,SubmitLine"]
     start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since))
-    lines = _quiet(["sacct", "-X", "-n", "-P", "-u", user, "-S", start, *fields]).splitlines()
-    if queued := _quiet(["squeue", "-h", "-u", user, "-o", "%i"]).split():
-        lines += _quiet(["sacct", "-X", "-n", "-P", "-j", ",".join(queued), *fields]).splitlines()
-    return lines
+    out, unanswered = _quiet(["sacct", "-X", "-n", "-P", "-u", user, "-S", start, *fields])
+    lines = out.splitlines()
+    if queued := _quiet(["squeue", "-h", "-u", user, "-o", "%i"])[0].split():
+        lines += _quiet(["sacct", "-X", "-n", "-P", "-j", ",".join(queued), *fields])[0].splitlines()
+    return lines, unanswered
 
 
-def _quiet(command: list[str]) -> str:
-    """The command's output; "" where it is missing or hangs (no Slurm here, or its daemons down)."""
+def _quiet(command: list[str]) -> tuple[str, str | None]:
+    """The command's output, and why it failed if it did ("" where it is missing or hangs: no Slurm here, or its
+    daemons down)."""
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        return "", f"{command[0]} is not installed here"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return "", f"{command[0]}: {e}"
+    said = next(iter(done.stderr.strip().splitlines()[-1:]), f"exit status {done.returncode}")
+    said = said if said.startswith(f"{command[0]}:") else f"{command[0]}: {said}"
+    return done.stdout, said if done.returncode else None
 
 
 def _sbatch_layout(script: Path) -> tuple[int, int]:
@@ -386,7 +399,7 @@ def _settle_interrupted(records: list[JobRecord]) -> None:
         pickles = sorted(folder.glob("*_submitted.pkl"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
         found = [p.name.removesuffix("_submitted.pkl") for p in pickles if p.stat().st_mtime >= record.submitted - 1]
         if record.executor == "slurm":
-            found += [r.job_id for r in _slurm_records(record.folder, since=record.submitted - 60)]
+            found += [r.job_id for r in _slurm_records(record.folder, since=record.submitted - 60)[0]]
         found = [job_id for job_id in found if job_id not in known]
         record.submitter = None  # settled: found, or never submitted
         if found:
