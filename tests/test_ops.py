@@ -73,7 +73,17 @@ def test_an_implementation_asked_for_is_used_or_its_absence_logged(caplog):
     with caplog.at_level(logging.INFO, logger="vitctl.ops"):
         ops = resolve("window_attention=reference,optimizer=apex", torch.device("cpu"))
     assert dict(ops.chosen)["window_attention"] == "reference"
-    assert any("op optimizer: apex unavailable (needs CUDA)" in r.getMessage() for r in caplog.records)
+    assert any("op optimizer: apex unavailable (needs CUDA" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_apex_on_a_cpu_says_also_whether_it_is_installed(monkeypatch, installed):
+    """Before: 'needs CUDA' alone, also where apex was not installed, which a GPU node would still lack."""
+    from vitctl.trainer.ops import apex_ops
+
+    monkeypatch.setattr(apex_ops.importlib.util, "find_spec", lambda name: object() if installed else None)
+    why = apex_ops._missing("apex.fused_dense", "FusedDenseGeluDenseFunc")(torch.device("cpu"))
+    assert why == ("needs CUDA" if installed else "needs CUDA; apex is not installed either")
 
 
 def test_unavailable_ops_fall_back_with_one_log_line_each(caplog):
@@ -82,7 +92,7 @@ def test_unavailable_ops_fall_back_with_one_log_line_each(caplog):
     chosen = dict(ops.chosen)
     assert chosen["layer_norm"] == "reference" and chosen["attention"] == "sdpa"
     fallbacks = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
-    assert any(m.startswith("op layer_norm: apex unavailable (needs CUDA); using reference") for m in fallbacks)
+    assert any(m.startswith("op layer_norm: apex unavailable (needs CUDA") for m in fallbacks)
     assert len([m for m in fallbacks if m.startswith("op optimizer")]) == 1
     none = resolve("none", torch.device("cpu"))
     assert set(dict(none.chosen).values()) == {"reference"}

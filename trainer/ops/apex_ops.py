@@ -1,17 +1,25 @@
 """NVIDIA apex's fused LayerNorm, dense-GELU-dense and Adam, when apex imports (it is optional)."""
 
 import importlib
+import importlib.util
 
 import torch
 
 from . import register
 
 
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("apex") is not None
+    except ValueError:  # in sys.modules without a spec: imported already
+        return True
+
+
 def _missing(module: str, name: str):
     """Available where `module` imports and has `name`: apex's API moves between its commits."""
     def unavailable(device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return "needs CUDA"
+        if device.type != "cuda":  # what a GPU node would still lack, said here too
+            return "needs CUDA" + ("" if _installed() else "; apex is not installed either")
         try:
             found = hasattr(importlib.import_module(module), name)
         except ImportError as e:
