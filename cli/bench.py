@@ -52,6 +52,12 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
     """Images/s, ms/step, peak memory and MFU of a training step."""
     if compile_mode != "default" and not compile_:
         raise click.UsageError(f"--compile-mode {compile_mode} needs --compile")
+    given = click.get_current_context().get_parameter_source
+    if precisions and given("precision") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError(f"--precision {precision} and --precisions: give one; --precisions "
+                               f"{','.join([precision, *(p for p in precisions if p != precision)])} runs them all")
+    if given("timm_setting") is click.core.ParameterSource.COMMANDLINE and not compare:
+        raise click.UsageError(f"--timm-setting {timm_setting} needs --compare timm")
     wf.check_request(model_name, img_size, fused)
     results = wf.bench_train(model_name, batch, precisions or [precision], compile_, fused, compare, timm_setting,
                           img_size, steps, warmup, compile_mode)

@@ -72,6 +72,16 @@ def test_bench_compile_mode_needs_compile():
     assert result.exit_code == 2 and "--compile-mode reduce-overhead needs --compile" in result.output
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--precision", "fp32", "--precisions", "bf16"], "--precision fp32 and --precisions: give one; --precisions "
+                                                      "fp32,bf16 runs them all"),
+    (["--timm-setting", "same"], "--timm-setting same needs --compare timm")])
+def test_bench_refuses_options_it_would_ignore(args, said):
+    """Before: --precision was dropped without a word, and --timm-setting did nothing."""
+    result = vitctl("bench", "train", *args)
+    assert result.exit_code == 2 and said in result.output
+
+
 def test_bench_says_which_optimizer_each_row_ran(monkeypatch):
     from vitctl.trainer.bench import BenchResult
     from vitctl.workflows import bench
