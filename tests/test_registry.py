@@ -180,6 +180,15 @@ def test_a_run_folder_is_found_however_its_path_is_written(home, tmp_path, monke
     assert "job 7003 (vit_micro-a) is not running" in ok("cancel", "pre").output
 
 
+def test_a_folder_here_that_is_no_run_folder_does_not_hide_the_run_of_that_name(home, tmp_path, monkeypatch):
+    """Before: `no job 'c' (HERE/c)`, where c was a known run's name and only by chance a folder here too."""
+    registry.add_record(record("7001", str(tmp_path / "runs/c")))
+    (tmp_path / "x/c").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "x")
+    assert [s["job_id"] for s in json.loads(ok("status", "c", "--json").output)] == ["7001"]
+    assert vitctl("status", "d", "--json").stderr.startswith("error: no job 'd' in ")
+
+
 def test_a_bare_folder_name_that_names_jobs_in_several_places_is_refused_with_them_listed(home, tmp_path):
     ours, theirs = tmp_path / "sweep/runs/pretrain", tmp_path / "other/pretrain"
     registry.add_record(record("7001", str(ours)))

@@ -156,12 +156,13 @@ def find_records(key: str) -> list[JobRecord]:
     if key and os.sep not in key and (by_id := [r for r in records if r.job_id == key]):
         return by_id[-1:]
     hint = "`vitctl jobs` lists the known ones"
+    matches = []
     if os.sep in key or (key and Path(key).is_dir()):
         folder = Path(key).resolve()
         matches, where = [r for r in records if Path(r.run_dir).resolve() == folder], f"{key!r} ({folder})"
         matches = matches or _moved_to(folder, records)
         hint = _nearby_runs(folder, records) or hint
-    else:
+    if os.sep not in key and not matches:  # also a folder here that is no run folder: the name of one elsewhere
         matches = ([r for r in records if Path(r.run_dir).name == key] or
                    [r for r in records if r.name == key])
     if not matches:
