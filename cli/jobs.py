@@ -6,8 +6,10 @@ import time
 from pathlib import Path
 
 import click
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Column, Table
+from rich.text import Text
 
 from vitctl.workflows import registry, status
 from vitctl.workflows.errors import LaunchError
@@ -58,16 +60,38 @@ HEADERS = ["job", "name", "state", "layout", "elapsed", "step", "loss", "images/
 
 
 WHOLE = {"job", "name", "state", "checkpoint"}  # kept whole; a narrow terminal wraps the other columns first
+# to the lines below the table, in this order, until it fits
+NARROW_TERMINAL_MOVES = ("restarts", "checkpoint", "layout", "elapsed", "images/s")
 
 
-def status_table(statuses: list[status.JobStatus]) -> Table:
-    """The rows of `_rows`, without the columns that say nothing in any row (ETA of ended jobs, no restarts, notes)."""
-    rows = _rows(statuses)
-    shown = [i for i in range(len(HEADERS)) if i < 3 or any(row[i] not in ("", "0") for row in rows)]
-    table = Table(*(Column(HEADERS[i], no_wrap=HEADERS[i] in WHOLE) for i in shown), title="vitctl jobs")
+def status_table(statuses: list[status.JobStatus], width: int | None = None) -> Group:
+    """The rows of `_rows` as a table `width` wide (the terminal's), without the columns that say nothing in any row
+    (ETA of ended jobs, no restarts); below it each job's note, whole, and where the terminal is narrow the columns
+    that would not fit beside the others."""
+    rows, width = _rows(statuses), width or console.width
+    shown = [i for i in range(len(HEADERS) - 1) if i < 3 or any(row[i] not in ("", "0") for row in rows)]
+    moved = []
+    for name in NARROW_TERMINAL_MOVES:
+        if Console(width=10**4).measure(_table(rows, shown)).maximum <= width:  # its natural width
+            break
+        if (i := HEADERS.index(name)) in shown:
+            shown.remove(i)
+            moved.append(i)
+    below = []
     for row in rows:
-        row[2] = f"[{STATE_STYLE.get(row[2], 'white')}]{row[2]}[/]"
-        table.add_row(*(row[i] for i in shown))
+        details = [f"{HEADERS[i]} {row[i]}" for i in moved if row[i] not in ("", "0")] + [row[-1]] * bool(row[-1])
+        below += [Text(f"{row[0]}: {'; '.join(details)}")] if details else []
+    return Group(_table(rows, shown), *below)
+
+
+def _table(rows: list[list[str]], shown: list[int]) -> Table:
+    # folded rather than cut: a cell that cannot fit goes on in the next line, never as `1…`
+    table = Table(*(Column(HEADERS[i], no_wrap=HEADERS[i] in WHOLE, overflow="fold") for i in shown),
+                  title="vitctl jobs")
+    for row in rows:
+        cells = [row[i] for i in shown]
+        cells[2] = f"[{STATE_STYLE.get(row[2], 'white')}]{row[2]}[/]"
+        table.add_row(*cells)
     return table
 
 

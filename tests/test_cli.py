@@ -231,9 +231,10 @@ def test_the_summary_of_a_long_run_shows_every_eval_and_says_it_shows_the_last_s
     assert rows == ["20", "50", "60", "70", "80", "90", "100"], rows
 
 
-@pytest.mark.parametrize("width", [120, 100])
-def test_the_status_table_keeps_names_states_and_checkpoints_whole_in_a_terminal(width):
-    """Before, at 120 columns: `vit_micr…` and `step-000…` beside empty ETA and note columns; at 100, `COMPL…`."""
+@pytest.mark.parametrize("width", [200, 120, 100, 80])
+def test_the_status_table_keeps_every_cell_and_note_whole_in_a_terminal(width):
+    """Before, at 120 columns: `vit_micr…` and `step-000…` beside empty ETA and note columns; at 100, `COMPL…`; at
+    80, the default terminal, `1…` for layout, elapsed, step and loss, and the note `…`."""
     from rich.console import Console
 
     from vitctl.cli.jobs import status_table
@@ -242,14 +243,19 @@ def test_the_status_table_keeps_names_states_and_checkpoints_whole_in_a_terminal
     done = JobStatus("7288", "vit_micro-pretrain", "local", "COMPLETED", "1x1 CPU", "00:00:12", 96, 96, 1.1814,
                      [111.0, 767.0, 700.0, 720.0], None, "step-00000096", 0, "/runs/pretrain", "")
     console = Console(record=True, width=width, force_terminal=True)
-    console.print(status_table([done]))
+    console.print(status_table([done], width))
     text = console.export_text()
     assert all(cell in text for cell in ("7288", "vit_micro-pretrain", "COMPLETED", "step-00000096")), text
     assert "ETA" not in text and "note" not in text and "restarts" not in text  # nothing in any row: left out
+    note = ("waiting for nodes that are down, drained or reserved (ReqNodeNotAvail, UnavailableNodes:n1,n2); an "
+            "administrator returns them")
     waiting = JobStatus("7407", "vit_micro-finetune", "local", "PENDING", "1x1 CPU", "", None, None, None, [], None,
-                        None, 0, "/runs/finetune", "waiting for nodes that are down, drained or reserved "
-                        "(ReqNodeNotAvail, UnavailableNodes:n1,n2); an administrator returns them")
+                        None, 0, "/runs/finetune", note)
     console = Console(record=True, width=width, force_terminal=True)
-    console.print(status_table([done, waiting]))
+    console.print(status_table([done, waiting], width))
     text = console.export_text()
-    assert all(cell in text for cell in ("note", "vit_micro-pretrain", "vit_micro-finetune", "step-00000096")), text
+    assert max(map(len, text.splitlines())) <= width and "…" not in text, text
+    cells = ("vit_micro-pretrain", "vit_micro-finetune", "step-00000096", "1x1 CPU", "00:00:12", "96/96", "1.1814")
+    assert all(cell in text for cell in cells), text
+    assert note in " ".join(line.strip() for line in text[text.index("7407: "):].splitlines()), text  # whole, below
+    assert (width < 120) == ("7288: checkpoint step-00000096" in text), text  # moved below only where narrow

@@ -181,7 +181,7 @@ def test_cancel_signals_the_ranks_so_that_kill_wait_cannot_cut_their_checkpoint_
     text = ok("status", job).output  # not a terminal: plain text
     assert f"{job}\tvit_micro-run\tCANCELLED\t2x2 CPU" in text
     console = Console(record=True, width=200)
-    console.print(status_table(status.collect(registry.load_records())))
+    console.print(status_table(status.collect(registry.load_records()), 200))
     rendered = console.export_text()
     assert "CANCELLED" in rendered and "2x2 CPU" in rendered and job in rendered
     listed = json.loads(ok("status", "--json").output)
