@@ -187,6 +187,22 @@ def test_an_arch_list_torch_would_refuse_is_refused_before_the_build(tmp_path, a
     ok("image", "build", "--dry-run", "--arch-list", "8.0;9.0;10.0", "--out", tmp_path / "img")  # the example
 
 
+@pytest.mark.parametrize("archs, old", [("7.0", "'7.0' is"), ("6.1;7.0;9.0", "'6.1', '7.0' are"),
+                                         ("Pascal 9.0", "'Pascal' is")])
+def test_archs_the_default_base_cannot_compile_for_are_refused_before_the_build(tmp_path, archs, old):
+    """Before: accepted, and the default base's nvcc (CUDA 13) refused compute_70 in the build."""
+    result = vitctl("image", "build", "--dry-run", "--arch-list", archs, "--out", tmp_path / "img")
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert f"error: --arch-list {archs!r}: {old} older than what CUDA 13.0, the default base's, compiles for (sm_75 " \
+           "and newer)" in " ".join(result.stderr.split())
+    fix = "8.0;9.0;10.0"
+    assert f"e.g. --arch-list '{fix}'" in result.stderr
+    ok("image", "build", "--dry-run", "--arch-list", fix, "--out", tmp_path / "img")  # the fix, followed
+    other = ok("image", "build", "--dry-run", "--arch-list", archs, "--base", "localhost/vitctl-base:cu12",
+               "--out", tmp_path / "img").output  # another base's nvcc is its own to judge
+    assert shlex.join(["--build-arg", f"TORCH_CUDA_ARCH_LIST={archs}"]) in other
+
+
 @pytest.mark.parametrize("archs", ["8.0;9.0;10.0", "9.0", "9.0a 10.0", "8.6+PTX;9.0", "Ampere Hopper", "12.0a"])
 def test_arch_lists_torch_takes_pass(tmp_path, archs):
     bud = ok("image", "build", "--dry-run", "--arch-list", archs, "--out", tmp_path / "img").output

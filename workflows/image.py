@@ -28,6 +28,7 @@ CONTAINERFILE = Path("containers/Containerfile")
 VENDOR = Path("containers/vendor")  # ignored by git: third-party archives staged for an offline build
 DEFAULT_BASE = "nvcr.io/nvidia/pytorch:25.10-py3"
 DEFAULT_ARCHS = "8.0;9.0;10.0"
+DEFAULT_BASE_CUDA, DEFAULT_BASE_OLDEST_ARCH = "13.0", 75  # CUDA 13's nvcc dropped Maxwell, Pascal and Volta
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 # enroot keeps what its images need to start in /etc; zstd unpacks fast and squashfs-tools has had it for years.
 SQUASH_OPTIONS = ("-comp", "zstd", "-Xcompression-level", "3", "-wildcards", "-e", "dev/*")
@@ -91,6 +92,21 @@ def _torch_compiles_for(entry: str) -> bool:
         except ValueError:
             return False
     return True
+
+
+def _below(arch_list: str, oldest: int) -> list[str]:
+    """The entries of a valid `arch_list` for which torch would compile a compute capability older than `oldest` (75:
+    7.5), each as written (names such as Pascal included)."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    from torch.utils import cpp_extension
+
+    old = []
+    for entry in dict.fromkeys(re.split("[ ;]", arch_list)):
+        with _environment("TORCH_CUDA_ARCH_LIST", entry):
+            flags = " ".join(cpp_extension._get_cuda_arch_flags())
+        if any(int(cc) < oldest for cc in re.findall(r"compute_(\d+)", flags)):
+            old.append(repr(entry))
+    return old
 
 
 @contextmanager
@@ -259,7 +275,14 @@ def check_tools() -> None:
 
 
 def check_request(request: ImageRequest) -> None:
-    """Refuse an --apex archive or an --out that the build would fail on only after minutes to an hour."""
+    """Refuse an --apex archive, an --out, or archs the default base cannot compile for, that the build would fail on
+    only after minutes to an hour."""
+    if request.base == DEFAULT_BASE and (old := _below(request.arch_list, DEFAULT_BASE_OLDEST_ARCH)):
+        raise LaunchError(
+            f"--arch-list {request.arch_list!r}: {', '.join(old)} {'is' if len(old) == 1 else 'are'} older than what "
+            f"CUDA {DEFAULT_BASE_CUDA}, the default base's, compiles for (sm_{DEFAULT_BASE_OLDEST_ARCH} and newer); "
+            f"leave {'it' if len(old) == 1 else 'them'} out (e.g. --arch-list '{DEFAULT_ARCHS}'); GPUs older than "
+            f"sm_{DEFAULT_BASE_OLDEST_ARCH} need a base whose torch and nvcc are CUDA 12 (--base IMAGE)")
     if request.apex_archive:
         check_apex_archive(request.apex_archive)
     out = request.out.absolute()
