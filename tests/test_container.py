@@ -105,6 +105,21 @@ def test_image_builds_on_a_stub_base_into_an_oci_archive_and_an_enroot_squashfs(
     assert sorted(p.name for p in request.out.iterdir()) == ["vitctl-ci-test.oci.tar", "vitctl-ci-test.sqsh"]
 
 
+def test_the_dry_run_prints_the_enroot_configuration_as_a_command_that_runs(tmp_path):
+    """Before: a comment stood for it, and the printed lines made a .sqsh without /etc/environment (the ranks' PATH)
+    and /etc/rc."""
+    lines = ok("image", "build", "--dry-run", "--tag", "localhost/vitctl:t", "--out", tmp_path / "img").output
+    configure = next(line for line in lines.splitlines() if "enroot_configure" in line)
+    config = {"OCIv1": {"config": {"Env": ["PATH=/opt/venv/bin:/usr/bin"], "WorkingDir": "/work"}}}
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    # buildah as a shell function: its inspect prints the image's config as buildah does
+    script = f"buildah() {{ echo {shlex.quote(json.dumps(config))}; }}\nrootfs={shlex.quote(str(rootfs))}\n{configure}"
+    subprocess.run(["bash", "-c", script], check=True)
+    assert (rootfs / "etc/environment").read_text() == "PATH=/opt/venv/bin:/usr/bin\n"
+    assert "cd /work && unset OLDPWD || exit 1" in (rootfs / "etc/rc").read_text()
+
+
 @needs_tools
 def test_enroot_layout_of_a_tiny_rootfs(tmp_path):
     rootfs = tmp_path / "rootfs"

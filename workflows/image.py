@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 import zlib
@@ -212,9 +213,16 @@ def plan(request: ImageRequest) -> list[str]:
             f"rootfs=$({tool} mount {ctr})",
             "# as `enroot import`: /etc/environment (Env), /etc/fstab (Volumes), /etc/rc (labels, workdir, entrypoint, "
             "cmd) and /etc/rc.local from the image's config",
+            f"{shlex.quote(sys.executable)} -c {shlex.quote(CONFIGURE)} \"$rootfs\" "
+            f"\"$({tool} inspect --type image {shlex.quote(request.tag)})\"",
             shlex.join(squash_command(Path("ROOTFS"), partial(done.squashfs))).replace("ROOTFS", '"$rootfs"'),
             f"{tool} umount {ctr}; {tool} rm {ctr}",
             shlex.join(["mv", str(partial(done.squashfs)), str(done.squashfs)])]
+
+
+# enroot_configure as the dry run prints it: python3 -c CONFIGURE ROOTFS "$(buildah inspect --type image TAG)"
+CONFIGURE = ("import json, sys; from pathlib import Path; from vitctl.workflows.image import enroot_configure; "
+             'enroot_configure(Path(sys.argv[1]), json.loads(sys.argv[2])["OCIv1"].get("config") or {})')
 
 
 def enroot_configure(rootfs: Path, config: dict[str, Any]) -> None:
