@@ -38,6 +38,7 @@ demo: $(BIN)/.installed
 		--from-ckpt $(DEMO_DIR)/runs/pretrain \
 		--epochs 3 --set model.img_size=48 --set optim.warmup_epochs=0
 	$(BIN)/vitctl status
+	@echo "vitctl is installed in $(BIN): 'source $(BIN)/activate' puts it on PATH"
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -144,10 +144,15 @@ def status_command(job: str | None, watch: bool, as_json: bool) -> None:
 @click.command(short_help=summary("jobs"))
 def jobs() -> None:
     """The jobs this machine submitted (newest last)."""
-    table = Table("job", "executor", "name", "run folder", "submitted", title=str(registry.registry_path()))
-    for r in registry.load_records():
-        submitted = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted))
-        table.add_row(r.job_id or "(submitting)", r.executor, r.name, r.run_dir, submitted)
+    headers = ("job", "executor", "name", "run folder", "submitted")
+    rows = [(r.job_id or "(submitting)", r.executor, r.name, r.run_dir,
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.submitted))) for r in registry.load_records()]
+    if not console.is_terminal:  # piped: whole paths, one tab-separated line a job, as `status` prints them
+        click.echo("\n".join("\t".join(row) for row in (headers, *rows)))
+        return
+    table = Table(*(Column(h, overflow="fold") for h in headers), title=str(registry.registry_path()))
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 

@@ -67,6 +67,19 @@ def test_doctor_says_which_ops_can_run_and_why_not():
         assert any("cuda" in line and "needs CUDA" in line for line in lines)
 
 
+def test_doctor_without_a_gpu_does_not_promise_a_build_here(monkeypatch):
+    """Before: 'not prebuilt: built just in time on first use', on a machine where no CUDA op can build or run."""
+    from vitctl.trainer.ops import cuda
+    from vitctl.workflows import doctor
+
+    monkeypatch.setattr(cuda, "prebuilt", lambda: (None, "No module named 'vitctl_cuda_ops'"))
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: False)
+    assert {state for _, state in doctor.op_builds()} == {
+        "not prebuilt: built just in time on first use on a machine with a CUDA GPU (none here)"}
+    monkeypatch.setattr(doctor.torch.cuda, "is_available", lambda: True)
+    assert {state for _, state in doctor.op_builds()} == {"not prebuilt: built just in time on first use"}
+
+
 def test_bench_compile_mode_needs_compile():
     result = vitctl("bench", "train", "--compile-mode", "reduce-overhead")
     assert result.exit_code == 2 and "--compile-mode reduce-overhead needs --compile" in result.output

@@ -204,6 +204,17 @@ def test_a_bare_folder_name_that_names_jobs_in_several_places_is_refused_with_th
     assert "job 7002 (vit_micro-a) is not running" in ok("cancel", theirs).output
 
 
+def test_jobs_piped_prints_whole_paths_one_line_a_job(home, tmp_path):
+    """Before: the run folder column was cut to 80 columns (`/tmp/walkF/repo/…`), so two runs read the same."""
+    deep = tmp_path / ("a-rather-long-folder-name-" * 3) / "runs"
+    for job_id, name in (("7001", "pretrain"), ("7002", "finetune")):
+        registry.add_record(record(job_id, str(deep / name)))
+    lines = ok("jobs").output.splitlines()
+    assert lines[0] == "job\texecutor\tname\trun folder\tsubmitted"
+    assert [line.split("\t")[:4] for line in lines[1:]] == [
+        ["7001", "local", "vit_micro-a", str(deep / "pretrain")], ["7002", "local", "vit_micro-a", str(deep / "finetune")]]
+
+
 def test_a_job_is_found_by_the_name_vitctl_jobs_shows(home, tmp_path):
     """Before: `no job 'vit_micro-a'` for the name in `vitctl jobs`' name column."""
     registry.add_record(record("7001", str(tmp_path / "sweep/a")))

@@ -36,10 +36,12 @@ def this_vitctl() -> str:
 
 
 def op_builds() -> list[tuple[str, str]]:
-    """(function of vitctl_cuda_ops, 'prebuilt', 'built just in time on first use' or 'missing: why')."""
+    """(function of vitctl_cuda_ops, 'prebuilt', 'not prebuilt: built just in time on first use ...' or 'missing:
+    why')."""
     module, why = cuda.prebuilt()
     if module is None:
-        state = f"missing: {why}" if cuda.prebuilt_only() else "not prebuilt: built just in time on first use"
+        state = f"missing: {why}" if cuda.prebuilt_only() else "not prebuilt: built just in time on first use" + (
+            "" if torch.cuda.is_available() else " on a machine with a CUDA GPU (none here)")
         return [(name, state) for name in OP_FUNCTIONS]
     return [(name, "prebuilt" if hasattr(module, name) else "missing from the prebuilt module")
             for name in OP_FUNCTIONS]
