@@ -336,3 +336,13 @@ def test_a_run_folder_entry_of_the_wrong_kind_is_refused_before_launch_and_statu
         "another --out")
     (run / "submitit").unlink()
     assert "srun" in ok("train", *LOCAL, "--out", run, "--dry-run").output  # the fix it names
+
+
+def test_a_local_job_of_more_ranks_than_cpus_is_warned_of(tmp_path, monkeypatch):
+    """Before: 8 ranks on 2 CPUs started without a word, and its first step had not ended after 17 minutes."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # vitctl runs in this process
+    stderr = refused(*LOCAL, "--tasks-per-node", 8, "--set", "parallel.tp=3", "--out", tmp_path / "run")
+    assert ("warning: --tasks-per-node 8 runs 8 ranks on this machine's 2 CPUs: they would take turns, and each step "
+            "may take many times as long; --tasks-per-node 2 or fewer\n") in stderr
+    stderr = refused(*LOCAL, "--tasks-per-node", 2, "--set", "parallel.tp=3", "--out", tmp_path / "run")
+    assert "warning: --tasks-per-node" not in stderr  # the fix, followed

@@ -361,6 +361,15 @@ def cpus_warning(request: LaunchRequest, loader_workers: int, node_cpus: int | N
             f"{' or '.join(fixes)}, or fewer --tasks-per-node")
 
 
+def local_cpus_warning(tasks: int, cpus: int) -> str | None:
+    """Why a local job's ranks would crowd this machine: more of them than its CPUs. (Loader workers, mostly waiting
+    on the rank, share fine; a Slurm job's CPUs are cpus_warning's.)"""
+    if tasks <= cpus:
+        return None
+    return (f"--tasks-per-node {tasks} runs {tasks} ranks on this machine's {cpus} CPU{'s' if cpus != 1 else ''}: "
+            f"they would take turns, and each step may take many times as long; --tasks-per-node {cpus} or fewer")
+
+
 # sinfo's node states (%T, less the suffixes such as * for "not responding") in which a node starts no new job.
 UNAVAILABLE_STATES = {"down", "drained", "draining", "fail", "failing", "maint", "reserved", "inval", "future"}
 

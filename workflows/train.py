@@ -47,6 +47,7 @@ from .submit import (
     command_line,
     cpus_warning,
     default_executor,
+    local_cpus_warning,
     refuse_busy_run_dir,
     refuse_entries_of_another_kind,
     resolve_container_image,
@@ -160,6 +161,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
         if not dry_run and (ignored := _slurm_only(request)):
             echo(f"warning: {ignored} only tell Slurm how to run the job: --executor local runs it here without "
                  "them (pass --executor slurm to submit it, or --dry-run for its sbatch script)")
+        if not dry_run and (crowded := local_cpus_warning(request.tasks, len(os.sched_getaffinity(0)))):
+            echo(f"warning: {crowded}")
     check_time(request)
     request = resolve_container_image(request)
     run_dir = Path(config.train.out_dir).resolve()  # one name per folder (not `..` or a link) for the registry
