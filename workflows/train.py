@@ -156,12 +156,17 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     With `dry_run`, returns an sbatch script that runs the job and submits nothing; None where a resumed run has
     nothing left to train (echo said so), and nothing was started.
     """
+    launch_problems = []  # reported with the config's, at once
     if request.executor == "local":
-        check_local(request)
+        try:
+            check_local(request)
+        except ConfigError as e:
+            launch_problems.append(str(e))
         if not dry_run and (ignored := _slurm_only(request)):
             echo(f"warning: {ignored} only tell Slurm how to run the job: --executor local runs it here without "
                  "them (pass --executor slurm to submit it, or --dry-run for its sbatch script)")
-        if not dry_run and (crowded := local_cpus_warning(request.tasks, len(os.sched_getaffinity(0)))):
+        cpu_ranks = not request.gpus_per_node and not dry_run
+        if cpu_ranks and (crowded := local_cpus_warning(request.tasks, len(os.sched_getaffinity(0)))):
             echo(f"warning: {crowded}")
     check_time(request)
     request = resolve_container_image(request)
@@ -179,7 +184,10 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     name = f"{config.model.name}-{run_dir.name}"
     node_cpus = None
     if request.executor == "slurm" and (not dry_run or shutil.which("sbatch")):
-        node_cpus = _checked_against_cluster(request, dry_run, echo)
+        try:
+            node_cpus = _checked_against_cluster(request, dry_run, echo)
+        except (ConfigError, LaunchError) as e:  # the request against the partitions; Slurm not answering
+            launch_problems.append(str(e))
     if request.executor == "slurm" or dry_run:  # a dry run prints an sbatch script, whatever the executor
         given = request.cpus_per_gpu is not None
         request = with_cpus_per_task(request, node_cpus, config.data.workers)
@@ -189,7 +197,13 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
     # a run that goes on from its own checkpoints does not read finetune.from_ckpt again: it may be gone by now
     resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
-    strategy = preflight(config, request.nodes * request.tasks, local_device, resuming)
+    try:  # the device is not checked against a request that cannot have it
+        strategy = preflight(config, request.nodes * request.tasks, None if launch_problems else local_device,
+                             resuming)
+    except ConfigError as e:
+        raise ConfigError("; ".join([*launch_problems, str(e)])) from None
+    if launch_problems:
+        raise ConfigError("; ".join(launch_problems))
     plan = schedule(config, request.nodes * request.tasks, strategy)
     for warning in filter(None, [steps_warning(config, plan), warmup_warning(config), *unread_settings(config)]):
         echo(f"warning: {warning}")
