@@ -211,8 +211,8 @@ def test_jobs_piped_prints_whole_paths_one_line_a_job(home, tmp_path):
         registry.add_record(record(job_id, str(deep / name)))
     lines = ok("jobs").output.splitlines()
     assert lines[0] == "job\texecutor\tname\trun folder\tsubmitted"
-    assert [line.split("\t")[:4] for line in lines[1:]] == [
-        ["7001", "local", "vit_micro-a", str(deep / "pretrain")], ["7002", "local", "vit_micro-a", str(deep / "finetune")]]
+    assert [line.split("\t")[:4] for line in lines[1:]] == [["7001", "local", "vit_micro-a", str(deep / "pretrain")],
+                                                            ["7002", "local", "vit_micro-a", str(deep / "finetune")]]
 
 
 def test_a_job_is_found_by_the_name_vitctl_jobs_shows(home, tmp_path):
