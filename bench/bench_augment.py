@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from bench_ops import time_ms  # bench/ is the script's folder
 
+from vitctl.trainer.bench import cuda_or_exit
 from vitctl.trainer.config import load_config
 from vitctl.trainer.data import gpu_augment
 from vitctl.trainer.data.augment import recipe_of
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=8, help="batches of draws cycled through")
     parser.add_argument("--kernels", action="store_true", help="also print the costliest kernels")
     args = parser.parse_args()
+    cuda_or_exit("python bench/bench_augment.py")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("\n| recipe | batch | GPU ms a batch | host ms a batch |\n|---|---:|---:|---:|")
     for case in args.cases.split(","):

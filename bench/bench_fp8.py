@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from fp8_te import TE_MODES, TE_RECIPES, TEAutocast, TEGraphed, convert_to_te
 
-from vitctl.trainer.bench import TIMM_STRONGEST, BenchResult, measure, timm_model
+from vitctl.trainer.bench import TIMM_STRONGEST, BenchResult, cuda_or_exit, measure, timm_model
 from vitctl.trainer.config import COMPILE_MODES, FP8_RECIPES, ModelConfig, TrainConfig
 from vitctl.trainer.fp8 import convert_to_float8
 from vitctl.trainer.models import MODELS, build_model
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args()
+    cuda_or_exit("python bench/bench_fp8.py")
     models = args.models.split(",")
     if unknown := [m for m in models if m not in BATCHES]:
         parser.error(f"--models: {', '.join(unknown)} not among {', '.join(BATCHES)}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from bench_data import ensure_images
 
-from vitctl.trainer.bench import training_step
+from vitctl.trainer.bench import cuda_or_exit, training_step
 from vitctl.trainer.config import LOADER_BRANCHES, load_config
 from vitctl.trainer.data import build_data
 from vitctl.trainer.data.augment import Recipe, recipe_of
@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every loader, e.g. augment.rand_augment=null (crop and flip only)")
     args = parser.parse_args()
+    cuda_or_exit("python bench/bench_loaders.py")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must each be at least 1")
     root, shards = prepare(args.work, args.images)

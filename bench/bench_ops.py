@@ -6,6 +6,7 @@ import statistics
 
 import torch
 
+from vitctl.trainer.bench import cuda_or_exit
 from vitctl.trainer.models.swin import relative_position_index, shift_mask
 from vitctl.trainer.ops import cuda, reference, sdpa
 
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--ops", choices=("all", "process", "attention", "mlp"), default="all")
     args = parser.parse_args()
+    cuda_or_exit("python bench/bench_ops.py")
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, batch {args.batch}, median of 50")
     cases = {

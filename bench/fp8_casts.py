@@ -10,6 +10,7 @@ from functools import partial
 import torch
 from bench_ops import time_ms  # bench/ is the script's folder
 
+from vitctl.trainer.bench import cuda_or_exit
 from vitctl.trainer.ops import float8_rows as f
 
 BYTES = {"quantize_rows": (2, 1), "gelu_quantize_rows": (2, 1), "gelu_backward_quantize_rows": (4, 5)}  # per value
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--widths", default="768,2304,3072")
     parser.add_argument("--sweep", action="store_true", help="also every rows-per-program x warps launch")
     args = parser.parse_args()
+    cuda_or_exit("python bench/fp8_casts.py")
     m = args.rows
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {m} rows; GB/s (bytes read + written)")
     widths = [int(n) for n in args.widths.split(",")]

@@ -10,6 +10,7 @@ from bench_ops import time_ms  # bench/ is the script's folder
 from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+from vitctl.trainer.bench import cuda_or_exit
 from vitctl.trainer.config import FP8_RECIPES
 from vitctl.trainer.fp8 import FUSED_ROWWISE, FusedRowwiseLinear
 
@@ -38,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
+    cuda_or_exit("python bench/fp8_linear.py")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; median of {args.steps} fwd+bwd, compiled")
     print("| layer | rows x in -> out | bf16 ms | " + " | ".join(f"fp8 {r} ms (x bf16)" for r in FP8_RECIPES) + " |")
     print("|---|---|---:|" + "---:|" * len(FP8_RECIPES))

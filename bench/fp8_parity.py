@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitctl.trainer.bench import cuda_or_exit
 from vitctl.trainer.config import FP8_RECIPES, ModelConfig
 from vitctl.trainer.fp8 import ALIGNMENT, convert_to_float8
 from vitctl.trainer.models import build_model
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, metavar="JSON",
                         help="no run: summarise a JSON written before and plot it to --out's PNG")
     args = parser.parse_args()
+    cuda_or_exit("python bench/fp8_parity.py")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.plot:
         results = json.loads(args.plot.read_text())

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from gpu_time import median_gpu_ms
 
+from vitctl.trainer.bench import cuda_or_exit
 from vitctl.trainer.ops.cuda import extension
 
 
@@ -165,6 +166,7 @@ def measure(name: str, rows: int, width: int, hidden: int) -> tuple[float, float
 
 
 def main() -> None:
+    cuda_or_exit("python bench/probe_gelu_matmul.py")
     torch.manual_seed(0)
     totals: dict[str, tuple[float, float]] = {}
     for name, rows, width, hidden, blocks in SHAPES:

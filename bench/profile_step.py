@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from vitctl.trainer.bench import TIMM_STRONGEST, step_times, timm_model, training_step
+from vitctl.trainer.bench import TIMM_STRONGEST, cuda_or_exit, step_times, timm_model, training_step
 from vitctl.trainer.config import FP8_RECIPES, ModelConfig, TrainConfig
 from vitctl.trainer.fp8 import convert_to_float8
 from vitctl.trainer.models import build_model
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
+    cuda_or_exit("python bench/profile_step.py")
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     images = torch.randn(args.batch, 3, 224, 224, device=device)

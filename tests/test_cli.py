@@ -272,3 +272,13 @@ def test_the_status_table_keeps_every_cell_and_note_whole_in_a_terminal(width):
     assert all(cell in text for cell in cells), text
     assert note in " ".join(line.strip() for line in text[text.index("7407: "):].splitlines()), text  # whole, below
     assert (width < 120) == ("7288: checkpoint step-00000096" in text), text  # moved below only where narrow
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU here runs them")
+@pytest.mark.parametrize("script", ["profile_step", "bench_fp8", "bench_ops", "fp8_parity"])
+def test_the_gpu_benchmark_scripts_on_a_machine_without_one_say_so(script):
+    """Before: `RuntimeError: Found no NVIDIA driver on your system` and a traceback (profile_step.py: the README)."""
+    done = subprocess.run([sys.executable, f"bench/{script}.py"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"error: python bench/{script}.py measures on a CUDA GPU, and torch ")

@@ -114,6 +114,21 @@ def _compiled(compile_: bool, mode: str) -> str:
     return f" + compile{_mode_note(mode)}" if compile_ else ""
 
 
+def require_cuda(command: str, what: str) -> None:
+    """ConfigError, for a benchmark on a machine whose torch sees no CUDA GPU."""
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{command} {what} on a CUDA GPU, and torch {torch.__version__} sees none on this machine; "
+                          f"run it on a GPU node (e.g. `srun --gpus 1 {command}`)")
+
+
+def cuda_or_exit(command: str) -> None:
+    """For the scripts in bench/: exit 1 with require_cuda's message, not a traceback, where no GPU is seen."""
+    try:
+        require_cuda(command, "measures")
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bool, fused: str,
                 compare: str | None, timm_setting: str, img_size: int = 224, steps: int = 30,
                 warmup: int = 10, compile_mode: str = "default") -> list[BenchResult]:
@@ -124,9 +139,7 @@ def bench_train(model_name: str, batch: int, precisions: list[str], compile_: bo
     if compare == "timm" and MODELS[model_name].timm_name is None:
         with_timm = ", ".join(name for name, spec in MODELS.items() if spec.timm_name)
         raise ConfigError(f"--compare timm: {model_name} has no timm counterpart; compare one of {with_timm}")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"vitctl bench train times a training step on a CUDA GPU, and torch {torch.__version__} "
-                          "sees none on this machine; run it on a GPU node (e.g. `srun --gpus 1 vitctl bench train`)")
+    require_cuda("vitctl bench train", "times a training step")
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     results = []
