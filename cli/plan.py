@@ -85,10 +85,12 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
 
 
 def _train_flags(outcome: wf.PlanOutcome, out: Path) -> str:
-    """The `vitctl train` flags that run the plan: its model, image size, ranks and per-rank batch."""
+    """The `vitctl train` flags that run the plan: its model, image size, ranks (CPU ranks, for a CPU profile's) and
+    per-rank batch."""
     r = outcome.request
     flags = [f"--model {r.model}", f"--plan {shlex.quote(str(out))}", f"--batch {wf.per_rank_batch(outcome)}"]
-    flags += [f"--nodes {r.nodes}"] * (r.nodes > 1) + [f"--gpus {r.gpus}"]
+    ranks = [f"--gpus {r.gpus}"] if outcome.profile.device != "cpu" else [f"--gpus 0 --tasks-per-node {r.gpus}"]
+    flags += [f"--nodes {r.nodes}"] * (r.nodes > 1) + ranks  # a CPU profile's plan: CPU ranks, as it measured
     flags += [f"--set model.img_size={r.img_size}"] * (r.img_size != 224)
     return " ".join(flags)
 

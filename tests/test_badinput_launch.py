@@ -129,8 +129,13 @@ def test_more_gpus_than_this_machine_has_names_the_ways_on(tmp_path):
     if torch.cuda.device_count():
         pytest.skip("this machine has a GPU")
     assert refused(*QUICK, "--executor", "local", "--gpus", 1, "--out", tmp_path / "run") == (
-        "error: --gpus 1 but this machine has 0 CUDA devices; use --gpus 0 for CPU ranks, or run on GPU nodes with "
-        "--executor slurm\n")
+        "error: --gpus 1 but this machine has 0 CUDA devices; use --gpus 0 for as many CPU ranks, or run on GPU nodes "
+        "with --executor slurm\n")
+    # before: --gpus 0 alone, which ran one rank where a plan for two was given (a CPU plan's printed command)
+    assert refused(*QUICK, "--executor", "local", "--gpus", 2, "--out", tmp_path / "run") == (
+        "error: --gpus 2 but this machine has 0 CUDA devices; use --gpus 0 --tasks-per-node 2 for as many CPU ranks, "
+        "or run on GPU nodes with --executor slurm\n")
+    ok("train", *QUICK, "--executor", "local", "--gpus", 0, "--tasks-per-node", 2, "--out", tmp_path / "run")
 
 
 def test_tasks_per_node_beside_gpus_is_refused_not_ignored(tmp_path, monkeypatch):
@@ -361,3 +366,13 @@ def test_a_partition_that_does_not_exist_is_reported_with_the_config_s_problems_
     stderr = refused(*SLURM, "--partition", "gpu", "--set", "model.img_size=100", "--out", tmp_path / "run")
     assert "--partition 'gpu' does not exist; partitions: debug" in stderr and \
         "; model vit_micro: image size 100 is not a multiple of the patch size 8; the nearest that is: 96" in stderr
+
+
+def test_tensor_parallel_groups_across_nodes_are_reported_with_the_other_problems(tmp_path, monkeypatch):
+    """Before: the batch's problem alone, and once fixed, on the next try, tp's."""
+    no_sbatch(monkeypatch)
+    stderr = refused(*SLURM, "--nodes", 2, "--tasks-per-node", 1, "--batch", 65, "--set", "parallel.tp=2",
+                     "--model", "vit_mini", "--dry-run", "--out", tmp_path / "run")
+    assert "parallel.tp=2 would split tensor-parallel groups across nodes of 1 ranks" in stderr, stderr
+    assert "data.batch_size 65 x 1 data-parallel ranks = 65 samples a step, more than the 64 train samples" \
+        in stderr, stderr

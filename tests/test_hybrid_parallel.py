@@ -196,8 +196,10 @@ def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shard
 @pytest.mark.parametrize(("overrides", "message"), [
     (["parallel.tp=3"], "parallel.tp=3 x parallel.pp=1 = 3 does not divide the 4 ranks"),
     (["parallel.tp=4"], "parallel.tp=4 must divide every block's attention heads and MLP width; vit_micro has 3"),
-    (["parallel.pp=2", "parallel.microbatches=5"], "data.batch_size 6 does not divide into parallel.microbatches=5"),
-    (["parallel.microbatches=4"], "data.batch_size 6 does not divide into parallel.microbatches=4"),
+    (["parallel.pp=2", "parallel.microbatches=5"], "data.batch_size 6 does not divide into parallel.microbatches=5; "
+                                                   "use parallel.microbatches=3 or 6, which divide it"),
+    (["parallel.microbatches=4"], "data.batch_size 6 does not divide into parallel.microbatches=4; use "
+                                  "parallel.microbatches=2 or 3, which divide it"),
     (["parallel.pp=2", "parallel.microbatches=1"],
      "the 1f1b schedule needs at least parallel.pp=2 micro-batches, got parallel.microbatches=1: raise it to 2 or "
      "more"),

@@ -554,6 +554,18 @@ def test_the_printed_train_flags_run_the_plan(tmp_path, prepared_shards):
        "--set", "train.precision=fp32", "--executor", "local", "--dry-run", "--out", tmp_path / "run")
 
 
+def test_the_train_flags_of_a_cpu_profile_s_plan_run_cpu_ranks_as_printed(tmp_path, prepared_shards):
+    """Before: `--gpus 4` for a plan searched from a CPU profile; here --gpus 4 is refused, and its fix (--gpus 0)
+    ran one rank, which the plan of 4 refused in turn."""
+    profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile_path.write_text(replace(hand_made_profile(), device="cpu").to_json())
+    said = re.search(r"\(train with (.+)\)", ok(*_plan_args(profile_path, out, 80)).stdout.replace("\n", ""))
+    flags = said.group(1).split()
+    assert flags[flags.index("--gpus"):flags.index("--gpus") + 4] == ["--gpus", "0", "--tasks-per-node", "4"], flags
+    ok("train", *flags, "--config", "demo_vit", "--data", prepared_shards, "--set", "model.num_classes=5",
+       "--set", "train.precision=fp32", "--executor", "local", "--dry-run", "--out", tmp_path / "run")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the missing profile is measured")
 def test_cli_without_a_profile_on_a_cpu_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -32,11 +32,18 @@ from .pretrained import exported_model, fit, shapes_only, source_kind
 from .runlock import LOCK
 
 
-def preflight(config: RunConfig, world_size: int, device: torch.device | None, resuming: bool = False) -> Strategy:
+def preflight(config: RunConfig, world_size: int, device: torch.device | None, resuming: bool = False,
+              tasks_per_node: int | None = None) -> Strategy:
     """Raises one ConfigError listing every problem; returns the parallel strategy. `device` None: the ranks' device
     is not known here (a Slurm job's nodes), so its checks wait for the ranks. `resuming`: the weights come from the
-    run's own checkpoint, not from finetune.from_ckpt."""
+    run's own checkpoint, not from finetune.from_ckpt. `tasks_per_node`, where the launch knows it: tensor-parallel
+    groups must not span nodes."""
     problems, strategy = _config_checks(config, resuming, device)
+    if strategy is not None and tasks_per_node and tasks_per_node % strategy.tp:
+        # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
+        problems.append(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
+                        f"{tasks_per_node} ranks (their all-reduces run every block); use a tp that divides "
+                        f"{tasks_per_node}")
     dims = None
     if strategy is not None:
         found = strategy_problems(strategy, model_shape(config.model), world_size, config.data.batch_size,

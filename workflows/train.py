@@ -199,7 +199,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
     try:  # the device is not checked against a request that cannot have it
         strategy = preflight(config, request.nodes * request.tasks, None if launch_problems else local_device,
-                             resuming)
+                             resuming, request.tasks)
     except ConfigError as e:
         raise ConfigError("; ".join([*launch_problems, str(e)])) from None
     if launch_problems:
@@ -207,10 +207,6 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     plan = schedule(config, request.nodes * request.tasks, strategy)
     for warning in filter(None, [steps_warning(config, plan), warmup_warning(config), *unread_settings(config)]):
         echo(f"warning: {warning}")
-    if request.tasks % strategy.tp:  # the mesh puts tp innermost: a group stays in a node when tp divides its ranks
-        raise ConfigError(f"parallel.tp={strategy.tp} would split tensor-parallel groups across nodes of "
-                          f"{request.tasks} ranks (their all-reduces run every block); use a tp that divides "
-                          f"{request.tasks}")
     existed = run_dir.exists()
     refuse_entries_of_another_kind(run_dir)
     if dry_run:
@@ -319,8 +315,9 @@ def check_local(request: LaunchRequest) -> None:
     have = visible_gpus()
     if request.gpus_per_node > have:
         fewer = f"--gpus {have} or fewer, or " if have else ""  # "CUDA devices": as torch counts them
+        cpu = "--gpus 0" if request.gpus_per_node == 1 else f"--gpus 0 --tasks-per-node {request.gpus_per_node}"
         raise ConfigError(f"--gpus {request.gpus_per_node} but this machine has {have} CUDA devices; use {fewer}"
-                          "--gpus 0 for CPU ranks, or run on GPU nodes with --executor slurm")
+                          f"{cpu} for as many CPU ranks, or run on GPU nodes with --executor slurm")
 
 
 def _other_data(last: Path, saved: dict, config: RunConfig) -> str | None:

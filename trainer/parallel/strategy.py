@@ -305,8 +305,11 @@ def _fewer_stages(s: Strategy, n_blocks: int) -> str:
 
 
 def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]:
+    near = sorted(sorted((d for d in range(1, batch_size + 1) if batch_size % d == 0),
+                         key=lambda d: (abs(d - s.microbatches), d))[:2])
     divides = [] if batch_size % s.microbatches == 0 else \
-        [f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}"]
+        [f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}; use "
+         f"parallel.microbatches={' or '.join(map(str, near))}, which divide{'s' if len(near) == 1 else ''} it"]
     if s.pp == 1:  # micro-batches without a pipeline: the batch split, the gradients accumulated
         return divides + ([] if not s.stages and s.virtual_stages == 1 else
                           ["parallel.stages and parallel.virtual_stages need parallel.pp > 1"])
