@@ -510,7 +510,11 @@ def test_cli_fails_clearly_when_nothing_fits(tmp_path):
     assert "does not fit" in result.output
     assert "no strategy for vit_mini" in result.stderr and "--memory-gib" in result.stderr
     assert not out.exists()
-    least = re.search(r"pass --memory-gib (\d+\.\d) or more", result.stderr)
+    least = re.search(r"needs is (\d+(?:\.\d+)?) GiB \((\S+), ([^)]+)\): pass --memory-gib \1 or more", result.stderr)
+    assert least and re.fullmatch(r"(every block|\d+ blocks) (dp|fsdp), checkpoint (none|selective|full).*",
+                                  least[3]), result.stderr  # before: "every block FSDP ...", of a pp2 without FSDP
+    below = vitctl(*_plan_args(profile_path, out, f"{float(least[1]) - 0.01:.2f}"))
+    assert below.exit_code == 1 and not out.exists()  # the least of every strategy searched: before, one fit below it
     ok(*_plan_args(profile_path, out, least[1]))  # the figure it names fits: before, it was rounded down
     assert out.exists()
 

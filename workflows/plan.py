@@ -4,6 +4,7 @@ plan that `vitctl train --set parallel.plan=FILE` runs."""
 import math
 import os
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from vitctl.datasets.atomic import partial_open, publish
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.parallel.env import init_distributed
-from vitctl.trainer.parallel.strategy import is_plan
+from vitctl.trainer.parallel.strategy import Strategy, is_plan
 from vitctl.trainer.planner.cost import ALLOCATOR_ROOM, Cluster
 from vitctl.trainer.planner.profile import (
     SHIPPED,
@@ -135,15 +136,24 @@ def _no_fit(outcome: PlanOutcome) -> str:
     if least is None:
         return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
                 f"--memory-gib {r.memory_gib:g}; raise --memory-gib, add GPUs (--nodes, --gpus) or lower --batch")
-    least_gib = math.ceil(least.prediction.needs_bytes / 2**30 * 10) / 10  # rounded up: the figure given then fits
+    least_gib = math.ceil(least.prediction.needs_bytes / 2**30 * 100) / 100  # rounded up: the figure given then fits
     if least_gib > MOST_GIB:
         return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
                 f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:,.1f} GiB a GPU, "
                 f"more than any GPU holds: add GPUs (--nodes, --gpus) or lower --batch")
     return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
-            f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:.1f} GiB "
-            f"({least.strategy.layout(outcome.world)}, every block FSDP and fully checkpointed): pass --memory-gib "
-            f"{least_gib:.1f} or more, or add GPUs (--nodes, --gpus) or lower --batch")
+            f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:g} GiB "
+            f"({least.strategy.layout(outcome.world)}, {_blocks(least.strategy)}): pass --memory-gib "
+            f"{least_gib:g} or more, or add GPUs (--nodes, --gpus) or lower --batch")
+
+
+def _blocks(strategy: Strategy) -> str:
+    """How a strategy keeps its blocks, as the plan's table names it: e.g. `every block fsdp, checkpoint full`."""
+    kinds = Counter(("fsdp" if b.fsdp else "dp", b.checkpoint) for b in strategy.blocks)
+    if len(kinds) == 1:
+        (weights, checkpoint), = kinds
+        return f"every block {weights}, checkpoint {checkpoint}"
+    return "; ".join(f"{n} blocks {weights}, checkpoint {checkpoint}" for (weights, checkpoint), n in kinds.items())
 
 
 def load_profile(model: str, img_size: int, path: Path | None,

@@ -114,12 +114,18 @@ def search(layout: ModelLayout, profile: Profile, cluster: Cluster, global_batch
                                     cluster, global_batch, budget_bytes)
                 if planned.fits and (best is None or planned.prediction.step_s < best.prediction.step_s):
                     best = planned
-        smallest = replace(base, blocks=(BlockStrategy(setting.dp > 1, "full"),) * len(layout.blocks),
-                           fsdp_rest=setting.dp > 1)
-        planned = _evaluate("least memory", smallest, layout, profile, cluster, global_batch, budget_bytes)
-        if least is None or planned.prediction.needs_bytes < least.prediction.needs_bytes:  # runnable: predicted
-            least = planned
+                least = _less(least, planned)
+        # every block fully checkpointed, sharded or not: FSDP's allocator room can outweigh what it saves
+        for sharded in {False, setting.dp > 1}:
+            smallest = replace(base, blocks=(BlockStrategy(sharded, "full"),) * len(layout.blocks), fsdp_rest=sharded)
+            least = _less(least, _evaluate("least memory", smallest, layout, profile, cluster, global_batch,
+                                           budget_bytes))
     return SearchResult(best, uniform(layout, profile, cluster, global_batch, budget_bytes), least)
+
+
+def _less(least: Planned | None, planned: Planned) -> Planned:
+    """Of two runnable strategies, the one that needs less memory a GPU (the allocator's room included)."""
+    return planned if least is None or planned.prediction.needs_bytes < least.prediction.needs_bytes else least
 
 
 def configurations(layout: ModelLayout, profile: Profile, cluster: Cluster,
