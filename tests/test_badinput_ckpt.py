@@ -82,9 +82,10 @@ def test_a_full_disk_stops_the_run_keeps_the_last_checkpoint_and_resume_goes_on(
 # ---------------------------------------------------------------- a step folder that lost a file
 
 
-@pytest.mark.parametrize("lost", ["meta.json", ".metadata"])
+@pytest.mark.parametrize("lost", ["meta.json", ".metadata", "__0_0.distcp"])
 def test_a_last_checkpoint_that_lost_a_file_is_named_not_skipped(run_copy, tmp_path, lost):
-    """Before, export, --from-ckpt and --resume took step 2 without a word, and the resumed run wrote over step 3."""
+    """Before, export, --from-ckpt and --resume took step 2 without a word, and the resumed run wrote over step 3; a
+    lost shard of the weights (.distcp) was found only by the ranks, a job started for it."""
     last, out = run_copy / "checkpoints/step-00000003", tmp_path / "w.safetensors"
     (last / lost).unlink()
     expected = (f"error: checkpoint {last} is damaged: {lost} is missing. To go on from the previous checkpoint, "

@@ -183,7 +183,16 @@ def read_checked(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _mismatches(path: Path, names: list[str], recorded: dict[str, dict[str, Any]]) -> list[str]:
+def check_sizes(path: Path) -> None:
+    """ConfigError where a file the checkpoint's meta.json records is missing or of another size: what a launch
+    checks at once, before any rank starts (the ranks compare every file's sha256 too)."""
+    recorded = read_meta(path).get("files", {})
+    if problems := _size_problems(path, sorted(recorded), recorded)[0]:
+        raise ConfigError(_damaged(path, "; ".join(problems)))
+
+
+def _size_problems(path: Path, names: list[str], recorded: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(the files missing or of another size, the names of the others)."""
     problems, same_size = [], []
     for name in names:
         size = (path / name).stat().st_size if (path / name).is_file() else None
@@ -193,6 +202,11 @@ def _mismatches(path: Path, names: list[str], recorded: dict[str, dict[str, Any]
             problems.append(f"{name} has {size} bytes, not the {recorded[name]['bytes']} it was saved with")
         else:
             same_size.append(name)
+    return problems, same_size
+
+
+def _mismatches(path: Path, names: list[str], recorded: dict[str, dict[str, Any]]) -> list[str]:
+    problems, same_size = _size_problems(path, names, recorded)
     digests = files_sha256([path / name for name in same_size])
     return problems + [f"{name} does not match the sha256 taken when it was saved"
                        for name, digest in zip(same_size, digests, strict=True) if digest != recorded[name]["sha256"]]

@@ -239,7 +239,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
 
 def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo) -> bool:
     """What a resumed run should know of its last checkpoint `last`: nothing left to train (then True, and nothing
-    is started), other settings, other train samples."""
+    is started), other settings, other train samples; a file of it missing, before any rank starts."""
+    checkpoint.check_sizes(last)
     meta = checkpoint.read_meta(last)
     step = meta["step"]
     if config.train.max_steps and step > config.train.max_steps:
