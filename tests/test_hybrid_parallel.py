@@ -199,7 +199,7 @@ def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shard
     (["parallel.pp=2", "parallel.microbatches=5"], "data.batch_size 6 does not divide into parallel.microbatches=5; "
                                                    "use parallel.microbatches=3 or 6, which divide it"),
     (["parallel.microbatches=4"], "data.batch_size 6 does not divide into parallel.microbatches=4; use "
-                                  "parallel.microbatches=2 or 3, which divide it"),
+                                  "parallel.microbatches=3 or 6, which divide it"),
     (["parallel.pp=2", "parallel.microbatches=1"],
      "the 1f1b schedule needs at least parallel.pp=2 micro-batches, got parallel.microbatches=1: raise it to 2 or "
      "more"),

@@ -304,12 +304,18 @@ def _fewer_stages(s: Strategy, n_blocks: int) -> str:
     return f"use {fixes[0]}"
 
 
+def _microbatches_problem(batch_size: int, microbatches: int) -> str:
+    """The batch does not divide into the micro-batches: the nearest counts below and above that it divides into."""
+    below = next(d for d in range(min(microbatches, batch_size), 0, -1) if batch_size % d == 0)
+    above = next((d for d in range(microbatches + 1, min(2 * microbatches, batch_size) + 1) if batch_size % d == 0),
+                 None)  # searched as far above as below: a batch of a large prime has none near
+    near = [d for d in (below, above) if d is not None]
+    return (f"data.batch_size {batch_size} does not divide into parallel.microbatches={microbatches}; use "
+            f"parallel.microbatches={' or '.join(map(str, near))}, which divide{'s' if len(near) == 1 else ''} it")
+
+
 def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]:
-    near = sorted(sorted((d for d in range(1, batch_size + 1) if batch_size % d == 0),
-                         key=lambda d: (abs(d - s.microbatches), d))[:2])
-    divides = [] if batch_size % s.microbatches == 0 else \
-        [f"data.batch_size {batch_size} does not divide into parallel.microbatches={s.microbatches}; use "
-         f"parallel.microbatches={' or '.join(map(str, near))}, which divide{'s' if len(near) == 1 else ''} it"]
+    divides = [] if batch_size % s.microbatches == 0 else [_microbatches_problem(batch_size, s.microbatches)]
     if s.pp == 1:  # micro-batches without a pipeline: the batch split, the gradients accumulated
         return divides + ([] if not s.stages and s.virtual_stages == 1 else
                           ["parallel.stages and parallel.virtual_stages need parallel.pp > 1"])
