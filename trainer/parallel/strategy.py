@@ -306,9 +306,10 @@ def _fewer_stages(s: Strategy, n_blocks: int) -> str:
 
 def _microbatches_problem(batch_size: int, microbatches: int) -> str:
     """The batch does not divide into the micro-batches: the nearest counts below and above that it divides into."""
-    below = next(d for d in range(min(microbatches, batch_size), 0, -1) if batch_size % d == 0)
-    above = next((d for d in range(microbatches + 1, min(2 * microbatches, batch_size) + 1) if batch_size % d == 0),
-                 None)  # searched as far above as below: a batch of a large prime has none near
+    start, reach = min(microbatches, batch_size), min(microbatches, 10_000)  # a bounded search: 1 always divides
+    below = next((d for d in range(start, max(0, start - reach), -1) if batch_size % d == 0), 1)
+    above = next((d for d in range(microbatches + 1, min(microbatches + reach, batch_size) + 1) if batch_size % d == 0),
+                 None)  # as far above as below: a batch of a large prime has none near
     near = [d for d in (below, above) if d is not None]
     return (f"data.batch_size {batch_size} does not divide into parallel.microbatches={microbatches}; use "
             f"parallel.microbatches={' or '.join(map(str, near))}, which divide{'s' if len(near) == 1 else ''} it")
