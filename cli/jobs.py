@@ -221,9 +221,10 @@ def _no_log(record: registry.JobRecord, rank: int, follow: bool) -> None:
     if state.state == "UNKNOWN":
         raise registry.UnknownJobError(f"no log for rank {rank} of {where} in {record.folder}, and whether that rank "
                                        f"started cannot be told here{note}")
-    if status.ran(record, rank) or state.state == "COMPLETED":
-        raise registry.UnknownJobError(f"the log of rank {rank} of {where} is gone: the rank ran (its result is in "
-                                       f"{record.folder}), but its log files were deleted")
+    if (ran := status.ran(record, rank)) or state.state == "COMPLETED":
+        why = f"its result is in {record.folder}" if ran else "the job completed"
+        raise registry.UnknownJobError(f"the log of rank {rank} of {where} is gone: the rank ran ({why}), but its "
+                                       "log files were deleted")
     if not state.live:
         raise registry.UnknownJobError(f"{where} ended without a log for rank {rank} in {record.folder}: that rank "
                                        f"never started{note}")

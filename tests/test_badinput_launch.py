@@ -355,7 +355,8 @@ def test_a_local_job_of_more_ranks_than_cpus_is_warned_of(tmp_path, monkeypatch)
 
 def test_a_request_this_machine_cannot_run_is_reported_with_the_config_s_problems_at_once(tmp_path):
     """Before: `--gpus 64 but this machine has N CUDA devices` alone; the image size's problem came on the next try."""
-    stderr = refused(*LOCAL[:-1], 64, "--set", "model.img_size=100", "--out", tmp_path / "run")
+    stderr = refused(*QUICK, "--executor", "local", "--gpus", 64, "--set", "model.img_size=100", "--out",
+                     tmp_path / "run")
     assert stderr.startswith("error: --gpus 64 but this machine has ") and \
         "; model vit_micro: image size 100 is not a multiple of the patch size 8; the nearest that is: 96" in stderr
 

@@ -83,31 +83,28 @@ def _torch_compiles_for(entry: str) -> bool:
     """Whether torch's extension build takes `entry` alone as TORCH_CUDA_ARCH_LIST."""
     if entry in ("", "native"):  # torch reads both as "the GPUs here", and the build sees none
         return False
+    return _arch_flags(entry) is not None
+
+
+def _below(arch_list: str, oldest: int) -> list[str]:
+    """The entries of a valid `arch_list` for which torch would compile a compute capability older than `oldest` (75:
+    7.5), each as written (names such as Pascal included)."""
+    return [repr(entry) for entry in dict.fromkeys(re.split("[ ;]", arch_list))
+            if any(int(cc) < oldest for cc in re.findall(r"compute_(\d+)", " ".join(_arch_flags(entry) or [])))]
+
+
+def _arch_flags(entry: str) -> list[str] | None:
+    """nvcc's -gencode flags torch's extension build derives from `entry` as TORCH_CUDA_ARCH_LIST; None if it refuses
+    it."""
     # its import warns when this machine has no CUDA runtime, which the check does not need
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils import cpp_extension
 
     with _environment("TORCH_CUDA_ARCH_LIST", entry):
         try:
-            cpp_extension._get_cuda_arch_flags()
+            return cpp_extension._get_cuda_arch_flags()
         except ValueError:
-            return False
-    return True
-
-
-def _below(arch_list: str, oldest: int) -> list[str]:
-    """The entries of a valid `arch_list` for which torch would compile a compute capability older than `oldest` (75:
-    7.5), each as written (names such as Pascal included)."""
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    from torch.utils import cpp_extension
-
-    old = []
-    for entry in dict.fromkeys(re.split("[ ;]", arch_list)):
-        with _environment("TORCH_CUDA_ARCH_LIST", entry):
-            flags = " ".join(cpp_extension._get_cuda_arch_flags())
-        if any(int(cc) < oldest for cc in re.findall(r"compute_(\d+)", flags)):
-            old.append(repr(entry))
-    return old
+            return None
 
 
 @contextmanager
