@@ -35,6 +35,7 @@ COMMANDS = {
     "jobs": Command("jobs", "The jobs this machine submitted (newest last)."),
     "logs": Command("jobs", "A task's log: its stdout and stderr, merged in time order."),
     "cancel": Command("jobs", "Cancel a job: its ranks checkpoint, then stop."),
+    "forget": Command("jobs", "Drop ended jobs from the job list; their run folders stay."),
 }
 
 

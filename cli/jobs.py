@@ -1,4 +1,4 @@
-"""`vitctl status`, `jobs`, `logs`, `cancel`: watch the jobs `vitctl train` submitted."""
+"""`vitctl status`, `jobs`, `logs`, `cancel`, `forget`: watch the jobs `vitctl train` submitted."""
 
 import json
 import math
@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Column, Table
 from rich.text import Text
 
+from vitctl.workflows import forget as forgetting
 from vitctl.workflows import registry, status
 from vitctl.workflows.errors import LaunchError
 
@@ -283,3 +284,24 @@ def cancel(job: str) -> None:
         reason = f": {found.note}" if found.note else ""
         verb = "has already ended" if found.finished else "is not running"
         click.echo(f"job {record.job_id} ({record.name}) {verb} ({found.state}{reason}); nothing to cancel")
+
+
+@click.command(short_help=summary("forget"))
+@click.argument("jobs", nargs=-1)
+@click.option("--gone", is_flag=True, help="Also every job whose run folder no longer exists (a moved one is found "
+              "again by `vitctl status NEW_PLACE`, until it is forgotten).")
+def forget(jobs: tuple[str, ...], gone: bool) -> None:
+    """Drop ended jobs from the job list that status, logs and cancel read (JOB: a job id, or a run folder or name:
+    all of its jobs); their run folders, checkpoints and logs are left as they are."""
+    if not jobs and not gone:
+        raise click.UsageError("name the jobs to forget (a job id, run folder or name; `vitctl jobs` lists them), or "
+                               "give --gone for those whose run folder no longer exists")
+    forgotten, kept = forgetting.forget(forgetting.selected(jobs, gone))
+    for r in forgotten:
+        click.echo(f"forgot job {r.job_id or '(never submitted)'} ({r.name}, {r.run_dir})")
+    if forgotten:
+        click.echo("nothing on disk was changed: run folders, checkpoints and logs stay where they are")
+    elif not kept:
+        click.echo(f"no job's run folder is gone: nothing to forget ({registry.registry_path()})")
+    if kept:
+        raise LaunchError("; ".join(f"kept job {r.job_id or '(submitting)'} ({r.name}): {why}" for r, why in kept))

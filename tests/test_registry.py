@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,58 @@ def test_status_of_many_failed_jobs_reads_the_registry_a_fixed_number_of_times(h
     assert [r.state for r in rows] == ["UNKNOWN"] * 20 + ["FAILED"] * 20  # the earlier 20 have a successor
     assert all(f"job {100020 + i} ran there since" in rows[i].note for i in range(20)), rows[0].note
     assert len(loads) <= 3, len(loads)
+
+
+def test_forget_drops_the_jobs_it_names_and_touches_no_file(home, tmp_path):
+    """A job id names that job; a run folder or name every job of that folder; --gone those whose folder is gone."""
+    kept_run, other_run, gone_run = tmp_path / "runs/a", tmp_path / "runs/b", tmp_path / "runs/gone"
+    for run_dir in (kept_run, other_run):
+        (run_dir / "checkpoints").mkdir(parents=True)
+        (run_dir / "checkpoints/step-1").write_text("weights")
+    for job_id, run_dir in (("7001", kept_run), ("7002", kept_run), ("7003", other_run), ("7004", gone_run)):
+        registry.add_record(record(job_id, str(run_dir)))
+    assert ok("forget", "7001").output.startswith(f"forgot job 7001 (vit_micro-a, {kept_run})\n")
+    assert [r.job_id for r in registry.load_records()] == ["7002", "7003", "7004"]
+    forgotten = ok("forget", other_run, "--gone").output
+    assert forgotten == (f"forgot job 7003 (vit_micro-a, {other_run})\nforgot job 7004 (vit_micro-a, {gone_run})\n"
+                         "nothing on disk was changed: run folders, checkpoints and logs stay where they are\n")
+    assert [r.job_id for r in registry.load_records()] == ["7002"]
+    assert json.loads(registry.backup_path().read_text()) == json.loads(registry.registry_path().read_text())
+    assert (other_run / "checkpoints/step-1").read_text() == "weights"
+    assert [s["job_id"] for s in json.loads(ok("status", "--json").output)] == ["7002"]
+    assert ok("forget", "--gone").output.startswith("no job's run folder is gone: nothing to forget")
+    assert "forgot job 7002" in ok("forget", "a").output  # the run folder's name
+    assert vitctl("forget").exit_code == 2  # nothing named: not every job
+
+
+def test_forget_keeps_a_running_job_and_says_how_to_end_it(home, tmp_path):
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        pid = str(running.pid)
+        registry.add_record(record(pid, str(tmp_path / "runs/live"), started=start_time(running.pid)))
+        registry.add_record(record("7001", str(tmp_path / "runs/ended")))
+        result = vitctl("forget", pid, "7001")
+        assert result.exit_code == 1 and "Traceback" not in result.stderr
+        assert result.output.startswith(f"forgot job 7001 (vit_micro-a, {tmp_path / 'runs/ended'})\n")
+        assert result.stderr == (f"error: kept job {pid} (vit_micro-a): it is RUNNING; forget it once it has ended "
+                                 f"(`vitctl cancel {pid}` stops it)\n")
+        assert [r.job_id for r in registry.load_records()] == [pid]
+    finally:
+        running.kill()
+        running.wait()
+
+
+def test_forget_keeps_a_slurm_job_whose_end_slurm_cannot_confirm(home, tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sacct", "squeue"):
+        (bin_dir / tool).write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\n"
+                                    "exit 1\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    registry.add_record(replace(record("101", str(tmp_path / "runs/s")), executor="slurm"))
+    result = vitctl("forget", "101")
+    assert result.exit_code == 1 and result.stderr.startswith(
+        "error: kept job 101 (vit_micro-a): whether it has ended cannot be told: Slurm is unreachable: "), result.stderr
+    assert "forget it once Slurm answers again" in result.stderr
+    assert [r.job_id for r in registry.load_records()] == ["101"]

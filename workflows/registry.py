@@ -20,7 +20,7 @@ import time
 import types
 import typing
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -136,9 +136,9 @@ def update_record(key: str, **changes: object) -> JobRecord:
         return record
 
 
-def remove_record(key: str) -> None:
+def remove_records(keys: Collection[str]) -> None:
     with editing() as records:
-        records[:] = [r for r in records if r.key != key]
+        records[:] = [r for r in records if r.key not in keys]
 
 
 def reload(record: JobRecord) -> JobRecord:

@@ -530,15 +530,15 @@ def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str])
         with _terminal_interrupts_ignored(request.executor == "local"), contextlib.redirect_stderr(io.StringIO()):
             submitted = make_executor(request, folder, name, job.config).submit(TrainTask(job, request))
     except submitit.core.utils.FailedJobError as e:  # sbatch's refusal, its stderr as the message
-        registry.remove_record(record.key)  # else the next command settles it as the FAILED job sacct records
+        registry.remove_records({record.key})  # else the next command settles it as the FAILED job sacct records
         raise LaunchError(f"sbatch refused the job: {_sbatch_errors(str(e))}; nothing was submitted: change what it "
                           "names (--mem, --account, --qos, --partition, ...) and run the command again") from None
     except PermissionError as e:  # submitit writes the job's pickle and logs into the run folder's submitit/
-        registry.remove_record(record.key)
+        registry.remove_records({record.key})
         raise LaunchError(f"submission failed: this user cannot write {e.filename} ({e.strerror}); give this user "
                           f"write access to {folder}, or choose another --out") from None
     except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError, OSError) as e:
-        registry.remove_record(record.key)
+        registry.remove_records({record.key})
         raise LaunchError(f"submission failed: {e}") from None
     job_id = str(submitted.job_id)
     started = start_time(int(job_id)) if request.executor == "local" else None
