@@ -287,7 +287,7 @@ def cancel(job: str) -> None:
 
 
 @click.command(short_help=summary("forget"))
-@click.argument("jobs", nargs=-1)
+@click.argument("jobs", nargs=-1, metavar="[JOB]...")
 @click.option("--gone", is_flag=True, help="Also every job whose run folder no longer exists (a moved one is found "
               "again by `vitctl status NEW_PLACE`, until it is forgotten).")
 def forget(jobs: tuple[str, ...], gone: bool) -> None:
