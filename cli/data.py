@@ -9,6 +9,7 @@ from rich.table import Table
 
 from vitctl.datasets import extract as ex
 from vitctl.datasets import ilsvrc, manifest, valprep
+from vitctl.datasets.errors import count
 from vitctl.datasets.index import index_folder, unfinished_splits
 from vitctl.datasets.parallel import default_workers
 from vitctl.datasets.shard import ShardSpec, read_source, shard_split
@@ -113,8 +114,8 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
     valprep.check_train_classes(val_dir, labels, devkit or solution)
     moved = valprep.sort_into_folders(val_dir, labels)
     done = len(labels) - moved
-    console.print(f"valprep: moved {moved:,} images into {len(set(labels.values()))} WNID folders"
-                  + (f" ({done:,} were already in place)" if done else ""))
+    console.print(f"valprep: moved {count(moved, 'image')} into {count(len(set(labels.values())), 'WNID folder')}"
+                  + (f" ({count(done, 'was', 'were')} already in place)" if done else ""))
 
 
 @data.command(short_help="Write WebDataset shards and manifest.json; a rerun resumes.")
@@ -223,4 +224,5 @@ def verify_command(shards: Path, decode: int, workers: int) -> None:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     if report.problems:
         raise SystemExit(1)
-    console.print(f"[green]OK[/] every shard matches the manifest and its index; {report.decoded} images decoded")
+    console.print(f"[green]OK[/] every shard matches the manifest and its index; {count(report.decoded, 'image')} "
+                  "decoded")

@@ -106,7 +106,10 @@ def _check_file_names(members: list[TarMember], where: str, fix: str) -> None:
     """Each member must become a distinct visible file: no empty, hidden ('.') or repeated names."""
     seen = set()
     for m in members:
-        check_safe(m, where)
+        try:
+            check_safe(m, where)
+        except DataError as e:  # its fix (use the original) leaves out what to remove first
+            raise DataError(e.what, where, fix) from None
         if not m.name or m.name.startswith("."):
             raise DataError(f"member {m.name!r} is not a file name (empty or starting with a dot)", where, fix)
         if m.name in seen:
@@ -170,10 +173,7 @@ def extract_class(archive: Path, inner: TarMember, dest: Path) -> tuple[str, int
     wnid = inner.name.removesuffix(".tar")
     where, fix = f"{archive} member {inner.name}", _train_damaged(dest)
     with open(archive, "rb", buffering=0) as f:
-        try:
-            members = list(scan(_Window(f, inner.offset), inner.size, where))
-        except DataError as e:  # its own fix (decompress it, download it again) names a file the user cannot pass
-            raise DataError(e.what, where, fix) from None
+        members = _inner_members(f, archive, inner, dest)
     _check_file_names(members, where, fix)
     _check_class_images(members, wnid, where, fix)
     partial = partial_path(dest / wnid)
@@ -184,14 +184,32 @@ def extract_class(archive: Path, inner: TarMember, dest: Path) -> tuple[str, int
     return wnid, len(members), inner.size
 
 
+def _inner_members(f: Any, archive: Path, inner: TarMember, dest: Path) -> list[TarMember]:
+    """The members of the class tar `inner`, scanned where it lies in `archive` (open as `f`)."""
+    where = f"{archive} member {inner.name}"
+    try:
+        return list(scan(_Window(f, inner.offset), inner.size, where))
+    except DataError as e:  # its own fix (decompress it, download it again) names a file the user cannot pass
+        raise DataError(e.what, where, _train_damaged(dest)) from None
+
+
 def _check_class_images(members: list[TarMember], wnid: str, where: str, fix: str) -> None:
     """A class tar of no images (extracted, its class would train on nothing, and shard's fix, to move the empty
-    folder away, would then be refused as a lost class), or holding another class's images (named <wnid>_N.JPEG)."""
+    folder away, would then be refused as a lost class), holding another class's images (named <wnid>_N.JPEG), or
+    two members of one sample key (x.JPEG, x.JPEG.bak): shard refuses those, and moving one out, as it says, would
+    be refused in turn as an image lost since extract."""
     if not members:
         raise DataError("holds no images: an empty class tar", where, fix)
     if stray := next((m.name for m in members if (named := TRAIN_IMAGE_CLASS.match(m.name)) and named[1] != wnid),
                      None):
         raise DataError(f"member {stray!r} is an image of another class than {wnid}", where, fix)
+    first_of = {}
+    for m in members:
+        key = m.name.split(".", 1)[0]  # the sample key shard gives it
+        if key in first_of:
+            raise DataError(f"members {first_of[key]!r} and {m.name!r} share the sample key {key!r} (the name up to "
+                            "the first dot): `vitctl data shard` would refuse them", where, fix)
+        first_of[key] = m.name
 
 
 class _Window:
@@ -252,16 +270,19 @@ def _recorded_classes(ledger: dict[str, Any], identity: dict[str, Any], dest: Pa
 def _plan_classes(archive: Path, members: list[TarMember], recorded: dict[str, int], dest: Path,
                   progress: Progress) -> tuple[ExtractReport, list[tuple[Path, TarMember, Path]]]:
     """Report the classes an earlier run completed; the others are the tasks to do. Refuses folders not ours."""
-    report, todo, foreign = ExtractReport(), [], []
+    report, todo, foreign, changed = ExtractReport(), [], [], []
     for m in members:
         wnid = m.name[:-4]
-        if wnid in recorded and _count_files(dest / wnid) == recorded[wnid]:
+        found = _count_files(dest / wnid)
+        if wnid in recorded and found == recorded[wnid]:
             report.classes[wnid] = recorded[wnid]
             report.skipped.append(wnid)
             progress(m.size)
             continue
         if wnid not in recorded and os.path.lexists(dest / wnid):
             foreign.append(wnid)
+        elif wnid in recorded and found >= 0:
+            changed.append(m)
         todo.append((archive, m, dest))
     if len(foreign) == 1:
         raise DataError(f"{dest / foreign[0]} exists but was not written by `vitctl data extract`", str(dest),
@@ -273,7 +294,31 @@ def _plan_classes(archive: Path, members: list[TarMember], recorded: dict[str, i
                         f"by `vitctl data extract`{why}", str(dest),
                         f"move them away (all at once: `mv {shlex.quote(str(dest))} "
                         f"{shlex.quote(str(dest) + '.old')}`), or extract into an empty folder")
+    _check_only_ours(archive, changed, dest)
     return report, todo
+
+
+def _check_only_ours(archive: Path, changed: list[TarMember], dest: Path) -> None:
+    """Refuse to redo recorded classes whose folders hold entries that are no member of their class tar: redoing a
+    class removes its folder, and with it whatever the user added there (`augmented/`, `NOTES.txt`). Hidden files
+    (`.DS_Store`, `._x.JPEG`: what file browsers write, and what the whole pipeline leaves out) go with it."""
+    added = []
+    with open(archive, "rb", buffering=0) as f:
+        for inner in changed:
+            folder = dest / inner.name[:-4]
+            ours = {m.name for m in _inner_members(f, archive, inner, dest)}
+            added += [f"{folder.name}/{e.name}" for e in os.scandir(folder) if not _ours_to_remove(e, ours)]
+    if added:
+        one = len(added) == 1
+        raise DataError(f"{listed(added)}: {len(added)} {'entry' if one else 'entries'} that `vitctl data extract` "
+                        "did not write, in class folders whose images changed since it recorded them: extracting "
+                        f"those classes again would remove {'it' if one else 'them'}", str(dest),
+                        f"move {'it' if one else 'them'} out of the class folder, then rerun")
+
+
+def _ours_to_remove(entry: os.DirEntry, ours: set[str]) -> bool:
+    """Whether redoing a class may remove `entry` of its folder: one of its images (`ours`), or a hidden file."""
+    return entry.is_file(follow_symlinks=False) and (entry.name in ours or entry.name.startswith("."))
 
 
 def extract_train(archive: Path, root: Path, workers: int, progress: Progress,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DataError
+from .errors import DataError, listed
 
 WNID = re.compile(r"n\d{8}")
 VAL_NAME = "ILSVRC2012_val_{:08d}.JPEG"
@@ -33,6 +33,8 @@ SOLUTION_CSV = "LOC_val_solution.csv"
 DEVKIT_NAME = "ILSVRC2012_devkit_t12.tar.gz"
 DEVKIT_DIR = "ILSVRC2012_devkit_t12"  # the folder every member of the devkit lies in
 DEVKIT_AGAIN = f"download {DEVKIT_NAME} again (md5 fa75699e90414af021442c21a62c3abf)"
+MEMBER_CAP = 16 << 20  # bytes read of meta.mat or the ground truth; the originals are about 0.5 MB and 250 kB
+NOT_ORIGINAL = f"the devkit is not the original: {DEVKIT_AGAIN}"
 SOLUTION_FIX = (f"pass Kaggle's {SOLUTION_CSV} (a CSV text file with the columns ImageId,PredictionString), or the "
                 "devkit with --devkit")
 
@@ -90,7 +92,7 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
                 missing = META_MAT if meta is None else GROUND_TRUTH
                 raise DataError(f"not an ILSVRC2012 devkit: no {missing}{_year_hint(tar)}", where,
                                 "use ILSVRC2012_devkit_t12.tar.gz (md5 fa75699e90414af021442c21a62c3abf)")
-            mat_bytes, truth_bytes = tar.extractfile(meta).read(), tar.extractfile(truth).read()
+            mat_bytes, truth_bytes = _read_capped(tar, meta, where), _read_capped(tar, truth, where)
     except (tarfile.TarError, EOFError, OSError) as e:
         if _is_solution_csv(path):
             raise DataError(f"this is Kaggle's {SOLUTION_CSV}, not the devkit", where,
@@ -104,6 +106,15 @@ def read_devkit(path: Path) -> tuple[list[Synset], list[int]]:
     except UnicodeDecodeError as e:
         raise DataError(f"member {truth.name} is damaged: not text ({e})", where, DEVKIT_AGAIN) from None
     return parse_meta(mat_bytes, where, meta.name), parse_ground_truth(truth_text, where)
+
+
+def _read_capped(tar: tarfile.TarFile, member: tarfile.TarInfo, where: str) -> bytes:
+    """The bytes of `member`, refused unread when it declares more than MEMBER_CAP (a gzip of a few MB can hold a
+    member of GiBs, which would be read whole into memory)."""
+    if member.size > MEMBER_CAP:
+        raise DataError(f"member {member.name} is {member.size:,} bytes, where the original's is under 1 MB (vitctl "
+                        f"reads at most {MEMBER_CAP:,})", where, NOT_ORIGINAL)
+    return tar.extractfile(member).read()
 
 
 def _is_solution_csv(path: Path) -> bool:
@@ -126,7 +137,22 @@ def parse_meta(mat_bytes: bytes, where: str, member: str = META_MAT) -> list[Syn
     if kind == "other ids":
         raise DataError(f"meta.mat is not from ILSVRC2012 (its synsets have {found})", where,
                         "use ILSVRC2012_devkit_t12.tar.gz")
-    return [Synset(*row) for row in found]
+    synsets = [Synset(*row) for row in found]
+    _check_unique(synsets, where)
+    return synsets
+
+
+def _check_unique(synsets: list[Synset], where: str) -> None:
+    """Refuse a meta.mat that gives two synsets the same ILSVRC2012_ID or WNID: valprep would merge their classes."""
+    for field in ("ilsvrc_id", "wnid"):
+        seen, repeated = set(), set()
+        for s in synsets:
+            value = getattr(s, field)
+            (repeated if value in seen else seen).add(value)
+        if repeated:
+            name = "ILSVRC2012_ID" if field == "ilsvrc_id" else "WNID"
+            raise DataError(f"meta.mat gives more than one synset the same {name}: "
+                            f"{listed({str(v) for v in repeated})}", where, NOT_ORIGINAL)
 
 
 def _read_synsets(mat_bytes: bytes) -> tuple[str, Any]:

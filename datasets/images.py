@@ -9,6 +9,9 @@ from PIL import Image, UnidentifiedImageError
 from .errors import DataError
 
 _SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+# Baseline, extended and progressive Huffman frames: what every decoder reads (nvJPEG and DALI too), so kept unopened.
+# Lossless, hierarchical and arithmetic frames go the slow way: Pillow decodes or refuses them.
+_COMMON_SOF = frozenset({0xC0, 0xC1, 0xC2})
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
 JPEG_QUALITY = 95
 # What Pillow raises for image bytes it cannot decode: OSError (UnidentifiedImageError, truncated or broken data),
@@ -60,15 +63,15 @@ def _pillow_refuses(width: int, height: int) -> bool:
 
 
 def _headers_sound(data: bytes) -> bool:
-    """Whether a JPEG's segments up to its first scan are what every decoder reads: an 8-bit frame, then a scan header
-    of the length its component count gives. The others (12-bit, a damaged scan header) take the slow way, where
-    Pillow refuses them, rather than failing where they are trained on."""
+    """Whether a JPEG's segments up to its first scan are what every decoder reads: an 8-bit baseline, extended or
+    progressive frame, then a scan header of the length its component count gives. The others (12-bit, lossless,
+    a damaged scan header) take the slow way, where Pillow refuses them, rather than failing where trained on."""
     frame = False
     for marker, pos, length in _segments(data):
         if length < 2 or pos + 2 + length > len(data):
             return False
         if marker in _SOF_MARKERS:
-            frame = data[pos + 4] == 8
+            frame = marker in _COMMON_SOF and data[pos + 4] == 8
         if marker == 0xDA:
             components = data[pos + 4]
             return frame and 1 <= components <= 4 and length == 6 + 2 * components

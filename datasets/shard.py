@@ -484,22 +484,24 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
         raise
     for future in finished:
         future.result()
-    if split == "train":
-        _check_every_class_kept(root, out, info, classes)
+    _check_every_class_kept(root, split, info, classes, {sample[2] for sample in source.samples[split]})
     info["complete"] = True
     record()
     return SplitResult(info, sorted(set(recorded) - intact), len(intact))
 
 
-def _check_every_class_kept(root: Path, out: Path, info: dict[str, Any], classes: list[str]) -> None:
-    """Refuse a train split in which every image of a class was skipped as unreadable: its label would train on
-    nothing, as that of an empty class folder would (refused before sharding). The split stays unfinished."""
-    lost = mf.classes_without_samples(classes, info["shards"])
+def _check_every_class_kept(root: Path, split: str, info: dict[str, Any], classes: list[str],
+                            planned: set[int]) -> None:
+    """Refuse a split in which every image of a class (one of the `planned` labels) was skipped as unreadable, as an
+    empty class folder is refused before sharding: train would have a label with nothing to train on, val would
+    leave the class out of the evaluation unsaid. The split stays unfinished."""
+    without = set(mf.classes_without_samples(classes, info["shards"]))
+    lost = [classes[label] for label in sorted(planned) if classes[label] in without]
     if not lost:
         return
     skipped = [s for e in info["shards"] for s in e["skipped"] if s["source"].split("/")[1] == lost[0]]
     more = f" (and {len(lost) - 1} more classes)" if len(lost) > 1 else ""
-    raise DataError(f"every train image of class {lost[0]}{more} is unreadable, so its label would train on nothing: "
-                    f"{_some(skipped)}", str(root),
-                    "replace them with readable images, then shard into a new --out folder (the plan changes with "
-                    "the images)")
+    why = "its label would train on nothing" if split == "train" else "the evaluation would leave the class out"
+    raise DataError(f"every {split} image of class {lost[0]}{more} is unreadable, so {why}: {_some(skipped)}",
+                    str(root), "replace them with readable images, then shard into a new --out folder (the plan "
+                    "changes with the images)")

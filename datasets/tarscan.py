@@ -24,6 +24,9 @@ _CORRUPT_FIX = "check that this is the right file and that it is not damaged"
 _COMPRESSED = [(b"\x1f\x8b", "gzip", ".gz", "gunzip --keep"), (b"BZh", "bzip2", ".bz2", "bunzip2 --keep"),
                (b"\xfd7zXZ\x00", "xz", ".xz", "unxz --keep"), (b"\x28\xb5\x2f\xfd", "zstd", ".zst", "unzstd --keep")]
 _ZIP_MAGIC = b"PK\x03\x04"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]").search
+NAME_MAX = 255  # bytes in one file name, on ext4, XFS, btrfs and most others
+_UNSAFE_FIX = "refusing to extract it; use the original archive"
 
 
 class TarMember(NamedTuple):  # a NamedTuple: built once per member on the hot path, cheaper than a dataclass
@@ -122,6 +125,8 @@ def _apply_pax(records: dict[str, str], name: str, size: int, where: str, pos: i
             size = int(records["size"])
         except ValueError:
             raise _corrupt(f"PAX size {records['size']!r}", where, pos) from None
+        if size < 0:  # tarfile takes it, and reads the member as empty
+            raise _corrupt(f"negative PAX size {records['size']!r}", where, pos)
     return name, size
 
 
@@ -225,11 +230,16 @@ def scan_path(path: Path) -> list[TarMember]:
 
 
 def check_safe(member: TarMember, archive: str, flat: bool = True) -> None:
-    """Reject links, devices, absolute paths and `..`; with `flat`, any path with a folder."""
+    """Reject links, devices, absolute paths, `..`, control characters and names too long for a file system; with
+    `flat`, any path with a folder."""
     if not member.is_file:
         raise DataError(f"member {member.name!r} is a {member.type_name}; only regular files are accepted",
                         archive, "this is not a genuine ILSVRC2012 archive, or it was repacked; use the original")
     parts = member.name.split("/")
     if member.name.startswith("/") or ".." in parts or (flat and len(parts) > 1):
-        raise DataError(f"unsafe member path {member.name!r} (absolute, '..' or nested)", archive,
-                        "refusing to extract it; use the original archive")
+        raise DataError(f"unsafe member path {member.name!r} (absolute, '..' or nested)", archive, _UNSAFE_FIX)
+    if _CONTROL(member.name):  # NUL no file name can hold; a newline no shard member name may
+        raise DataError(f"unsafe member path {member.name!r} (it holds a control character)", archive, _UNSAFE_FIX)
+    if (longest := max(len(part.encode("utf-8", "surrogateescape")) for part in parts)) > NAME_MAX:
+        raise DataError(f"unsafe member path {member.name[:40]!r}... (a name of {longest} bytes, more than the "
+                        f"{NAME_MAX} a file system allows)", archive, _UNSAFE_FIX)

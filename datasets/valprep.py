@@ -4,7 +4,7 @@ import os
 import shlex
 from pathlib import Path
 
-from .errors import DataError, listed
+from .errors import DataError, are, count, listed
 from .extract import extract_command
 from .ilsvrc import VAL_PATTERN, WNID
 from .lock import writing_in
@@ -55,8 +55,9 @@ def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
                         f"extract the val archive into it (`{extract_command(val_dir, ['val'])}`), then pass {val} as "
                         "VAL_DIR")
     if links:  # moved into a WNID folder, a relative link would point nowhere
-        raise DataError(f"{len(links)} entries are symbolic links, e.g. {links[0]}: valprep moves each image into its "
-                        "WNID folder, and relative links would break", str(val_dir),
+        what = "is a symbolic link" if len(links) == 1 else "are symbolic links"
+        raise DataError(f"{count(len(links), 'entry', 'entries')} {what}, e.g. {links[0]}: valprep moves each image "
+                        "into its WNID folder, and relative links would break", str(val_dir),
                         "put the images themselves there: `vitctl data extract --val-tar ILSVRC2012_img_val.tar "
                         "--out ROOT` writes them into ROOT/val (or copy them in with cp -L); nothing was moved")
     if foreign:
@@ -70,7 +71,8 @@ def _scan_val(val_dir: Path) -> tuple[set[str], dict[str, str]]:
         val = val_dir.parent / "val"
         example = f"{placed[others[0]]}/{others[0]}" if others[0] in placed else others[0]
         raise DataError(f"holds no validation images (ILSVRC2012_val_<8 digits>.JPEG) but {len(others)} other "
-                        f"files, e.g. {example}: it is not the val folder", str(val_dir),
+                        f"{'file' if len(others) == 1 else 'files'}, e.g. {example}: it is not the val folder",
+                        str(val_dir),
                         f"pass {val} as VAL_DIR" if val.is_dir() and not val.samefile(val_dir) else
                         "pass the val/ folder that `vitctl data extract --val-tar ILSVRC2012_img_val.tar --out ROOT` "
                         "wrote (ROOT/val)")
@@ -86,7 +88,9 @@ def check_train_classes(val_dir: Path, labels: dict[str, str], source: Path) -> 
     classes = {e.name for e in os.scandir(train) if e.is_dir() and WNID.fullmatch(e.name)} if train.is_dir() else set()
     unknown = set(labels.values()) - classes
     if classes and unknown:
-        raise DataError(f"the labels name {len(unknown)} WNIDs that are not classes under {train}: {listed(unknown)}",
+        raise DataError(f"the labels name {count(len(unknown), 'WNID')} that "
+                        f"{'is not a class' if len(unknown) == 1 else 'are not classes'} under "
+                        f"{train}: {listed(unknown)}",
                         str(source), f"pass the devkit or solution file of the dataset in {train}, or finish "
                         "extracting its train archive first; nothing was moved")
 
@@ -98,18 +102,21 @@ def plan_moves(val_dir: Path, labels: dict[str, str]) -> list[tuple[str, str]]:
     present = flat | placed.keys()
     problems = []
     if both:
-        problems.append(f"{len(both)} images are both flat and in a folder: {listed(both)}")
+        problems.append(f"{count(len(both), 'image')} {are(len(both))} both flat and in a folder: {listed(both)}")
     missing, extra = labels.keys() - present, present - labels.keys()
     if missing:
-        problems.append(f"{len(missing)} images named by the labels are missing: {listed(missing)}")
+        problems.append(f"{count(len(missing), 'image')} named by the labels {are(len(missing))} missing: "
+                        f"{listed(missing)}")
     if extra:
-        problems.append(f"{len(extra)} images are not in the labels: {listed(extra)}")
+        problems.append(f"{count(len(extra), 'image')} {are(len(extra))} not in the labels: {listed(extra)}")
     wrong = {name for name, wnid in placed.items() if labels.get(name, wnid) != wnid}
     if wrong:
-        problems.append(f"{len(wrong)} images sit in the wrong WNID folder: {listed(wrong)}")
+        sit = "sits" if len(wrong) == 1 else "sit"
+        problems.append(f"{count(len(wrong), 'image')} {sit} in the wrong WNID folder: {listed(wrong)}")
     if problems:
-        raise DataError(f"labels ({len(labels)} images) do not match the folder ({len(present)} images): "
-                        + "; ".join(problems), str(val_dir), _mismatch_fix(val_dir, labels, wrong, missing, extra))
+        raise DataError(f"labels ({count(len(labels), 'image')}) do not match the folder "
+                        f"({count(len(present), 'image')}): " + "; ".join(problems), str(val_dir),
+                        _mismatch_fix(val_dir, labels, wrong, missing, extra))
     return sorted((name, labels[name]) for name in flat)
 
 

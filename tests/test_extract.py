@@ -144,6 +144,39 @@ def test_rerun_after_a_class_lost_files_redoes_that_class(archives, tmp_path):
     assert len(list(damaged.iterdir())) == TRAIN_PER_CLASS
 
 
+@pytest.mark.parametrize("added, lost", [("NOTES.txt", 0), ("augmented/flip.JPEG", 0), ("augmented/flip.JPEG", 2)])
+def test_a_rerun_keeps_what_the_user_added_to_a_class_folder(small_archives, small_extracted, tmp_path, added, lost):
+    """Before: the class's file count differed from the ledger, so its folder was removed with the user's files."""
+    out = Path(shutil.copytree(small_extracted, tmp_path / "r"))
+    folder = out / "train" / sorted(os.listdir(out / "train"))[0]
+    (folder / added).parent.mkdir(exist_ok=True)
+    (folder / added).write_bytes(b"the user's own")
+    for image in sorted(folder.glob("*.JPEG"))[:lost]:
+        image.unlink()
+    result = vitctl("data", "extract", "--train-tar", small_archives / TRAIN_TAR, "--out", out)
+    entry = f"{folder.name}/{added.split('/')[0]}"
+    assert result.exit_code == 1 and f"{entry}: 1 entry that `vitctl data extract` did not write" in result.stderr
+    assert "fix: move it out of the class folder, then rerun" in result.stderr
+    assert (folder / added).read_bytes() == b"the user's own"
+    shutil.move(folder / added.split("/")[0], tmp_path / "kept")  # the fix
+    ok("data", "extract", "--train-tar", small_archives / TRAIN_TAR, "--out", out)
+    assert _tree(out / "train") == _tree(small_extracted / "train")
+    assert (tmp_path / "kept").exists()
+
+
+def test_a_rerun_after_every_val_image_was_lost_keeps_a_folder_the_user_added(small_archives, small_extracted,
+                                                                               tmp_path):
+    """val/ is extracted again only when it holds no file but hidden ones: a folder of the user's files is kept."""
+    out = Path(shutil.copytree(small_extracted, tmp_path / "r"))
+    for image in (out / "val").iterdir():
+        image.unlink()
+    (out / "val/mine").mkdir()
+    (out / "val/mine/notes.txt").write_text("mine")
+    result = vitctl("data", "extract", "--val-tar", small_archives / VAL_TAR, "--out", out)
+    assert result.exit_code == 1 and "val holds 1 of the" in result.stderr and "rm -r" in result.stderr
+    assert (out / "val/mine/notes.txt").read_text() == "mine"
+
+
 def test_missing_archive_is_a_clear_usage_error(tmp_path):
     result = vitctl("data", "extract", "--train-tar", tmp_path / "nope.tar", "--out", tmp_path / "r")
     assert result.exit_code == 2 and "does not exist" in result.stderr
@@ -269,7 +302,8 @@ def _damaged_train(small_archives: Path, tmp_path: Path, fault: str) -> Path:
     elif fault == "another class's images":
         classes[-1] = (name, classes[0][1])
     else:
-        odd = {"member '.'": (".", b"x"), "empty name": ("", b"x"), "duplicate image": images[0]}[fault]
+        odd = {"member '.'": (".", b"x"), "empty name": ("", b"x"), "duplicate image": images[0],
+               "a .bak copy": (f"{images[0][0]}.bak", images[0][1])}[fault]
         classes[-1] = (name, _tar([*images, odd]))
     path = tmp_path / "copy" / TRAIN_TAR
     path.parent.mkdir()
@@ -280,6 +314,7 @@ def _damaged_train(small_archives: Path, tmp_path: Path, fault: str) -> Path:
 @pytest.mark.parametrize("fault, says", [("member '.'", "member '.' is not a file name"),
                                          ("empty name", "member '' is not a file name"),
                                          ("duplicate image", "appears twice"),
+                                         ("a .bak copy", "share the sample key"),  # before: shard's fix looped
                                          ("duplicate class tar", "member 'n02110185.tar' appears twice"),
                                          ("empty class tar", "holds no images: an empty class tar"),
                                          ("gzipped class tar", "the file is gzip-compressed"),
@@ -295,6 +330,39 @@ def test_odd_train_members_are_named_and_following_the_fix_works(small_archives,
     assert _leftovers(out) == []
     # The fix: the original archive, into this folder once the classes taken from the damaged copy are removed.
     shutil.rmtree(out / "train", ignore_errors=True)
+    ok("data", "extract", "--train-tar", small_archives / TRAIN_TAR, "--out", out, "--workers", 1)
+    assert _tree(out / "train") == _tree(small_extracted / "train")
+
+
+def _pax_class_tar(images: list[tuple[str, bytes]], pax: dict[str, str]) -> bytes:
+    """A class tar of `images` whose first member has the PAX records `pax`."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for i, (name, data) in enumerate(images):
+            info = tarfile.TarInfo(name)
+            info.size, info.pax_headers = len(data), pax if i == 0 else {}
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("pax, says", [
+    ({"path": "n02110185_5\x00x.JPEG"}, "unsafe member path 'n02110185_5\\x00x.JPEG' (it holds a control character)"),
+    ({"path": "n02110185_" + "x" * 290 + ".JPEG"}, "(a name of 305 bytes, more than the 255 a file system allows)"),
+    ({"size": "-5"}, "(negative PAX size '-5')"),
+], ids=["nul", "long", "negative-size"])
+def test_member_names_and_sizes_no_file_system_takes_are_refused_before_extracting(small_archives, small_extracted,
+                                                                                   tmp_path, pax, says):
+    """Before: `ValueError: embedded null byte`; "File name too long" with a fix that looped; an empty image."""
+    classes = _members((small_archives / TRAIN_TAR).read_bytes())
+    classes[-1] = (classes[-1][0], _pax_class_tar(_members(classes[-1][1]), pax))
+    bad, out = tmp_path / TRAIN_TAR, tmp_path / "r"
+    bad.write_bytes(_tar(classes))
+    result = vitctl("data", "extract", "--train-tar", bad, "--out", out, "--workers", 1)
+    assert result.exit_code == 1 and f"{bad} member n02110185.tar: " in result.stderr, result.stderr
+    assert says in result.stderr and "Traceback" not in result.stderr
+    assert _leftovers(out) == [] and not (out / "train/n02110185").exists()
+    assert "fix: the archive is damaged or not the original: download ILSVRC2012_img_train.tar" in result.stderr
+    shutil.rmtree(out / "train")  # the fix: the original archive, once the classes taken from this copy are removed
     ok("data", "extract", "--train-tar", small_archives / TRAIN_TAR, "--out", out, "--workers", 1)
     assert _tree(out / "train") == _tree(small_extracted / "train")
 

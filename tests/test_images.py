@@ -55,3 +55,29 @@ def test_a_colour_jpeg_with_unsound_headers_is_refused_not_kept(damage, says):
     damage(data)
     with pytest.raises(DataError, match=f"x: unreadable image \\(.*{says}"):
         to_rgb_jpeg(bytes(data), "x")
+
+
+def _with_frame(sof: int) -> bytes:
+    """A colour JPEG whose SOF0 marker is made `sof`: a frame of another coding process over the same bytes."""
+    data = bytearray(_encode("RGB", "JPEG"))
+    data[data.find(b"\xff\xc0") + 1] = sof
+    return bytes(data)
+
+
+@pytest.mark.parametrize("sof", [0xC3, 0xC5, 0xC7, 0xCA, 0xCB, 0xCD, 0xCF])
+def test_a_colour_jpeg_of_a_frame_pillow_cannot_decode_is_refused_not_kept(sof):
+    """Before: a lossless, hierarchical or arithmetic frame passed the header check and was kept unopened, though
+    Pillow (and DALI) cannot decode it."""
+    with pytest.raises(DataError, match="x: unreadable image"):
+        to_rgb_jpeg(_with_frame(sof), "x")
+
+
+def test_an_arithmetic_colour_jpeg_pillow_decodes_is_converted_not_kept():
+    """Pillow's libjpeg decodes a sequential arithmetic frame (SOF9); nvJPEG, which DALI uses, does not."""
+    assert to_rgb_jpeg(_with_frame(0xC9), "x")[1] == "jpeg RGB -> RGB JPEG"
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_baseline_or_progressive_colour_jpeg_is_kept_unopened(progressive):
+    data = _encode("RGB", "JPEG", progressive=progressive)
+    assert to_rgb_jpeg(data, "x") == (data, None)

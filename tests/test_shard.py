@@ -130,22 +130,32 @@ def test_truncated_jpeg_is_skipped_and_recorded(root_copy, tmp_path):
     assert sum(e["samples"] for e in info["shards"]) == CLASSES * TRAIN_PER_CLASS - 1
 
 
-def test_a_class_whose_every_image_is_unreadable_is_refused_and_replacing_them_works(root_copy, tmp_path):
-    """Before: exit 0 and verify OK, with the class's label in the model and no sample of it in the shards."""
-    images = sorted((root_copy / "train").iterdir())[1].glob("*.JPEG")
+@pytest.mark.parametrize("split, why", [("train", "its label would train on nothing"),
+                                        ("val", "the evaluation would leave the class out")])
+def test_a_class_whose_every_image_is_unreadable_is_refused_and_replacing_them_works(root_copy, tmp_path, split, why):
+    """Before: exit 0 and verify OK, with the class's label in the model and no sample of it in the shards (val:
+    "skipped 4 unreadable images", and the evaluation without that class)."""
+    images = sorted((root_copy / split).iterdir())[1].glob("*.JPEG")
     originals = {image: image.read_bytes() for image in images}
     for image in originals:
         image.write_bytes(b"")
-    result = vitctl("data", "shard", root_copy, "--out", tmp_path / "s", "--split", "train", "--maxcount", 4)
+    result = vitctl("data", "shard", root_copy, "--out", tmp_path / "s", "--split", split, "--maxcount", 4)
     wnid = next(iter(originals)).parent.name
     assert result.exit_code == 1 and "Traceback" not in result.stderr, result.stderr
-    assert (f"every train image of class {wnid} is unreadable, so its label would train on nothing: "
-            f"train/{wnid}/") in result.stderr and "(empty file (0 bytes))" in result.stderr
-    assert not _manifest(tmp_path / "s")["splits"]["train"]["complete"]  # nothing takes it for a finished split
+    assert (f"every {split} image of class {wnid} is unreadable, so {why}: "
+            f"{split}/{wnid}/") in result.stderr and "(empty file (0 bytes))" in result.stderr
+    assert not _manifest(tmp_path / "s")["splits"][split]["complete"]  # nothing takes it for a finished split
     assert vitctl("data", "verify", tmp_path / "s").exit_code == 1
     for image, raw in originals.items():  # the fix
         image.write_bytes(raw)
-    ok("data", "shard", root_copy, "--out", tmp_path / "new", "--split", "train", "--maxcount", 4)
+    ok("data", "shard", root_copy, "--out", tmp_path / "new", "--split", split, "--maxcount", 4)
+
+
+def test_a_val_split_without_some_train_classes_is_sharded(root_copy, tmp_path):
+    """A class that val/ lacks altogether is no class lost to unreadable images."""
+    shutil.move(sorted((root_copy / "val").iterdir())[1], tmp_path / "moved")
+    (root_copy / LEDGER).unlink()  # else shard refuses the val images lost since extract
+    ok("data", "shard", root_copy, "--out", tmp_path / "s", "--split", "val")
 
 
 def test_truncated_jpeg_with_fail_policy_stops_naming_the_file(root_copy, tmp_path):

@@ -103,6 +103,42 @@ def test_unsafe_members_are_rejected(name, kind, message):
         check_safe(member, "a.tar")
 
 
+def _pax_member(pax: dict[str, str], data: bytes = b"") -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("a.JPEG")
+        info.size, info.pax_headers = len(data), pax
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("n01440764_5\x00x.JPEG", r"'n01440764_5\\x00x.JPEG' \(it holds a control character\)"),
+    ("n01440764_5\nx.JPEG", "it holds a control character"),
+    ("n01440764_" + "x" * 241 + ".JPEG", "a name of 256 bytes, more than the 255 a file system allows"),
+])
+def test_member_names_no_file_system_takes_are_rejected(name, message):
+    """Before: a NUL ended in `ValueError: embedded null byte`, a long name in "File name too long" mid-way."""
+    raw = _pax_member({"path": name})
+    (member,) = scan(io.BytesIO(raw), len(raw), "a.tar")
+    assert member.name == name
+    with pytest.raises(DataError, match=message):
+        check_safe(member, "a.tar")
+
+
+def test_a_name_of_255_bytes_is_accepted():
+    raw = _pax_member({"path": "n01440764_" + "x" * 240 + ".JPEG"})
+    (member,) = scan(io.BytesIO(raw), len(raw), "a.tar")
+    check_safe(member, "a.tar")
+
+
+def test_a_negative_pax_size_is_refused_as_corrupt():
+    """Before: read as a member of 0 bytes, extracted as an empty image."""
+    raw = _pax_member({"size": "-5"}, b"abcde")
+    with pytest.raises(DataError, match="corrupt header at byte 1024 \\(negative PAX size '-5'\\)"):
+        list(scan(io.BytesIO(raw), len(raw), "a.tar"))
+
+
 # Property-based cross-checks: over generated tars (GNU, PAX and ustar, as Python's tarfile writes them, with base-256
 # numbers and signed checksums as old tars wrote them), the scanner reads what tarfile reads, and the index groups
 # members into samples as webdataset does.

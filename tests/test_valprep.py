@@ -12,7 +12,8 @@ import pytest
 import scipy.io
 
 from conftest import CLASSES, VAL_PER_CLASS, ok, vitctl
-from vitctl.datasets.synth import DEVKIT, TRAIN_TAR, VAL_TAR
+from vitctl.datasets.ilsvrc import MEMBER_CAP
+from vitctl.datasets.synth import DEVKIT, LEAVES, TRAIN_TAR, VAL_TAR, synset_struct
 
 
 def _val_dir(archives: Path, tmp_path: Path) -> Path:
@@ -89,7 +90,7 @@ def test_count_mismatch_is_refused_and_nothing_moves(archives, tmp_path):
     before = sorted(p.name for p in val.iterdir())
     result = vitctl("data", "valprep", val, "--devkit", archives / DEVKIT)
     assert result.exit_code == 1
-    assert "1 images named by the labels are missing" in result.stderr and victim.name in result.stderr
+    assert "1 image named by the labels is missing" in result.stderr and victim.name in result.stderr
     # before, only the devkit was blamed: an image deleted by hand is named, to be put back
     assert f"fix: if images were moved, removed or added here by hand, put them back as the labels have them " \
         f"({victim.name}, of n" in result.stderr and "nothing was moved" in result.stderr
@@ -268,7 +269,7 @@ def test_labels_naming_a_class_train_lacks_are_refused_before_anything_moves(arc
     before = sorted(p.name for p in val.iterdir())
     result = vitctl("data", "valprep", val, "--solution", csv)
     assert result.exit_code == 1
-    assert f"{csv}: the labels name 1 WNIDs that are not classes under {tmp_path / 'r/train'}: n01440764" \
+    assert f"{csv}: the labels name 1 WNID that is not a class under {tmp_path / 'r/train'}: n01440764" \
         in result.stderr
     assert "pass the devkit or solution file of the dataset in" in result.stderr and "nothing was moved" \
         in result.stderr
@@ -354,6 +355,47 @@ def test_a_damaged_devkit_member_is_named_and_a_good_devkit_works(archives, tmp_
     assert f"fix: download {DEVKIT} again" in result.stderr
     assert sorted(p.name for p in val.iterdir()) == before
     ok("data", "valprep", val, "--devkit", archives / DEVKIT)  # the fix: the devkit as downloaded
+
+
+def _meta_mat(leaves: list[tuple[str, str]]) -> bytes:
+    out = io.BytesIO()
+    scipy.io.savemat(out, {"synsets": synset_struct(leaves)}, format="5")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("repeated, says", [("wnid", "the same WNID: n02119789"),
+                                            ("id", "the same ILSVRC2012_ID: 2")])
+def test_a_meta_mat_that_repeats_a_wnid_or_an_id_is_refused(archives, tmp_path, repeated, says):
+    """Before: two leaf IDs of one WNID were taken, and valprep merged their images into one class."""
+    val = _val_dir(archives, tmp_path)
+    leaves = LEAVES[:CLASSES]
+    if repeated == "wnid":
+        leaves[1] = (leaves[0][0], leaves[1][1])
+        meta = _meta_mat(leaves)
+    else:
+        struct = synset_struct(leaves)
+        struct[2, 0]["ILSVRC2012_ID"] = 2
+        out = io.BytesIO()
+        scipy.io.savemat(out, {"synsets": struct}, format="5")
+        meta = out.getvalue()
+    bad = _damaged_devkit(archives, tmp_path, "meta.mat", lambda _: meta)
+    before = sorted(p.name for p in val.iterdir())
+    result = vitctl("data", "valprep", val, "--devkit", bad)
+    assert result.exit_code == 1 and f"meta.mat gives more than one synset {says}" in result.stderr, result.stderr
+    assert f"fix: the devkit is not the original: download {DEVKIT} again" in result.stderr
+    assert sorted(p.name for p in val.iterdir()) == before
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
+
+
+def test_a_devkit_member_larger_than_the_original_is_refused_unread(archives, tmp_path):
+    """Before: read whole into memory, whatever its size (a 9 MB gzip held a 2 GiB meta.mat)."""
+    val = _val_dir(archives, tmp_path)
+    bad = _damaged_devkit(archives, tmp_path, "ILSVRC2012_validation_ground_truth.txt",
+                          lambda b: b + b"1\n" * (9 << 20))
+    result = vitctl("data", "valprep", val, "--devkit", bad)
+    assert result.exit_code == 1 and "ground_truth.txt is 18,874,4" in result.stderr, result.stderr
+    assert f"where the original's is under 1 MB (vitctl reads at most {MEMBER_CAP:,})" in result.stderr
+    ok("data", "valprep", val, "--devkit", archives / DEVKIT)
 
 
 def test_a_ground_truth_line_that_is_no_number_names_the_devkit_to_download(archives, tmp_path):
