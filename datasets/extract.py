@@ -406,17 +406,19 @@ def _extract_val(archive: Path, root: Path, members: list[TarMember] | None, wor
         found = _images_under(dest)
         if found or dest.is_symlink() or not dest.is_dir():
             check_val_intact(root, found)  # some lost since: extracting them again would mix into valprep's folders
-            on_total(archive.stat().st_size)  # already done: the whole archive counts as read
-            progress(archive.stat().st_size)
+            done = ledger["val"].get("bytes", archive.stat().st_size)  # as a fresh run counts (older: the file)
+            on_total(done)
+            progress(done)
             return ledger["val"]["images"]
         shutil.rmtree(dest)  # every image gone (folders at most): nothing to keep, extracted again below
     members = _val_images(archive) if members is None else members
-    on_total(sum(m.size for m in members))
+    total = sum(m.size for m in members)
+    on_total(total)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
         ledger["val"] = {"archive": archive_identity(archive), "path": str(archive.absolute()),
-                         "images": len(members), "complete": False}
+                         "images": len(members), "bytes": total, "complete": False}
         write_json_atomic(root / LEDGER, ledger)
         tasks = [(archive, members[i:i + VAL_FILES_PER_TASK], partial)
                  for i in range(0, len(members), VAL_FILES_PER_TASK)]

@@ -39,6 +39,13 @@ def hangup_as_interrupt() -> None:
         signal.signal(signal.SIGHUP, _interrupt_self)
 
 
+def termination_as_interrupt() -> None:
+    """From now on SIGTERM (`kill`, `timeout`) interrupts this process as Ctrl-C does: it removes its unfinished files
+    and says so, where the default would end it at once and silently."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt_self)
+
+
 def _interrupt_self(signum: int, frame: object) -> None:
     os.kill(os.getpid(), signal.SIGINT)  # whatever SIGINT's handler is now: deferred, ignored, KeyboardInterrupt
 
@@ -48,6 +55,7 @@ def _start_worker(stopping: Any, parent: int) -> None:
     _stopping = stopping
     _die_with_parent(parent)
     hangup_as_interrupt()
+    termination_as_interrupt()
     # Ctrl-C reaches the whole process group. A worker interrupted while it waits for work prints a traceback,
     # and can die holding the task queue's lock, which hangs the pool's shutdown: so only tasks are interrupted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -193,10 +193,10 @@ def test_a_rerun_over_finished_shards_writes_nothing_so_a_read_only_copy_checks(
     assert re.search(r"train: kept all \d+ shards an earlier run wrote", result.output), result.output
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
 def test_ctrl_c_halfway_leaves_only_complete_shards_and_a_rerun_finishes(prepared_root, tmp_path, stop):
-    """SIGHUP (a closed terminal) as Ctrl-C: before, it killed vitctl and its workers at once (exit 129, no word,
-    their temporary files left)."""
+    """SIGHUP (a closed terminal) and SIGTERM (`kill`, a batch system's stop) as Ctrl-C: before, each killed vitctl
+    and its workers at once (exit 129 or 143, no word, their temporary files left)."""
     out = tmp_path / "s"
     args = [VITCTL, "data", "shard", str(prepared_root), "--out", str(out), "--maxcount", "1", "--workers", "2"]
     proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
