@@ -107,8 +107,17 @@ def build_index(shard: Path, recorded: int | None = None) -> tuple[str, int]:
         raise DataError("the shard holds no samples, and DALI refuses an index of none", str(shard),
                         "replace or delete the images skipped for it (manifest.json lists them) and shard into a "
                         "new --out folder")
-    write_text_atomic(index_path(shard), format_index(samples))
+    text, path = format_index(samples), index_path(shard)
+    if not _holds(path, text):  # a right index is kept, so that a read-only copy of a finished folder indexes as done
+        write_text_atomic(path, text)
     return shard.name, len(samples)
+
+
+def _holds(path: Path, text: str) -> bool:
+    try:
+        return path.read_text() == text
+    except (OSError, ValueError):  # none yet, or not text
+        return False
 
 
 def unfinished_splits(folder: Path) -> list[str]:

@@ -194,3 +194,16 @@ def test_an_empty_shard_gets_no_index(tmp_path):
 def test_index_help_says_it_reads_what_shard_wrote():
     output = vitctl("data", "index", "--help").output
     assert "manifest.json" in output and "vitctl data shard" in output
+
+
+def test_an_index_run_over_a_finished_read_only_copy_writes_nothing(shards_copy):
+    """Before: `operation not permitted` on a read-only copy whose indexes were already right."""
+    ok("data", "index", shards_copy)
+    written = {p.name: p.stat().st_mtime_ns for p in shards_copy.glob("*.idx")}
+    if subprocess.run(["chattr", "+i", shards_copy], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        ok("data", "index", shards_copy)
+    finally:
+        subprocess.run(["chattr", "-i", shards_copy], check=True)
+    assert {p.name: p.stat().st_mtime_ns for p in shards_copy.glob("*.idx")} == written
