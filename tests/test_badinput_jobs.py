@@ -657,9 +657,8 @@ def test_resuming_a_run_at_the_end_of_its_epochs_says_there_is_nothing_to_train(
     args = [*QUICK, "--set", "train.eval_every_epochs=100", "--out", tmp_path / "run", "--resume"]
     ok("train", *args, "--epochs", 1)
     rerun = ok("train", *args, "--epochs", 1)
-    assert (f"note: {tmp_path / 'run'} is at step 16 already: the run ends there, at step 16, the end of "
-            "train.epochs=1: nothing to train; pass --epochs 2 to train on; no job was started") in rerun.stderr, \
-        rerun.stderr
+    assert (f"note: {tmp_path / 'run'} is at step 16 already: it has trained 1 epoch, and train.epochs=1: nothing to "
+            "train; pass --epochs 2 to train on; no job was started") in rerun.stderr, rerun.stderr
     ok("train", *args, "--epochs", 2)  # the fix
     assert _last_step(tmp_path / "run") == 32
 
@@ -691,6 +690,25 @@ def test_resume_onto_other_data_parallel_ranks_names_the_global_batch_and_the_fi
             "one") in resumed.stderr, resumed.stderr
     kept = ok("train", *QUICK, "--batch", 8, "--steps", 2, "--out", run, "--resume")  # the last --batch counts
     assert "global batch" not in kept.stderr, kept.stderr
+
+
+def test_a_resume_on_other_ranks_trains_the_epochs_left_and_no_more(tmp_path):
+    """Epochs, not steps, tell what is left: before, 1 epoch of 16 steps resumed on 2 ranks (8 steps an epoch) with
+    --epochs 2 was `at step 16 already: nothing to train`, and 2 epochs resumed on 1 rank with --epochs 2 started a job
+    that trained nothing."""
+    args = [*QUICK, "--set", "train.eval_every_epochs=100", "--out", tmp_path / "run", "--resume"]
+    ok("train", *args, "--epochs", 1)
+    assert _last_step(tmp_path / "run") == 16
+    ok("train", *args, "--epochs", 2, "--tasks-per-node", 2)
+    assert _last_step(tmp_path / "run") == 24  # the second epoch, at 8 steps
+    jobs = len(registry.load_records())
+    rerun = ok("train", *args, "--epochs", 2)
+    assert (f"note: {tmp_path / 'run'} is at step 24 already: it has trained 2 epochs, and train.epochs=2: nothing to "
+            "train; pass --epochs 3 to train on; no job was started") in rerun.stderr, rerun.stderr
+    assert len(registry.load_records()) == jobs
+    dry = ok("train", *args, "--epochs", 2, "--dry-run")  # its script is printed, but says it would do nothing
+    assert "nothing to train; pass --epochs 3 to train on; a job of the script below would train nothing" \
+        in dry.stderr and dry.stdout.startswith("#!"), dry.stderr
 
 
 def test_resume_with_other_settings_than_the_checkpoint_s_names_them(tmp_path):

@@ -48,7 +48,7 @@ from .parallel import (
     widen_cuda_queues,
 )
 from .precision import Precision, clip_gradients
-from .preflight import preflight
+from .preflight import preflight, stop_step
 from .pretrained import Pretrained, read_pretrained
 
 log = logging.getLogger("vitctl.train")
@@ -186,8 +186,8 @@ class Trainer:
         self.min_lr = c.optim.min_lr * self.global_batch / LR_REFERENCE_BATCH
         self.warmup_lr = c.optim.warmup_lr * self.global_batch / LR_REFERENCE_BATCH  # scaled as Swin's main.py does
         self.epoch_steps = plan.batches_per_epoch / c.optim.accum_steps  # fractional: a step may span two epochs
-        left = math.ceil(max(0.0, c.train.epochs - self.epochs_done()) * plan.batches_per_epoch - 1e-9)
-        self.stop_step = self.position.step + math.ceil(left / c.optim.accum_steps)
+        self.stop_step = stop_step(self.position.step, self.epochs_done(), c.train.epochs, plan.batches_per_epoch,
+                                   c.optim.accum_steps)
         if c.train.max_steps:
             self.stop_step = min(self.stop_step, c.train.max_steps)
 

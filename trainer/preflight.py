@@ -343,8 +343,14 @@ def schedule(config: RunConfig, world_size: int, strategy: Strategy) -> Schedule
     samples = _train_samples(config)[0]
     global_batch = config.data.batch_size * parallel_dims(strategy, world_size).dp_size
     batches, accum = samples // global_batch, config.optim.accum_steps
-    end = math.ceil(math.ceil(config.train.epochs * batches - 1e-9) / accum)
-    return Schedule(samples, global_batch, batches / accum, end)
+    return Schedule(samples, global_batch, batches / accum, stop_step(0, 0.0, config.train.epochs, batches, accum))
+
+
+def stop_step(step: int, epochs_done: float, epochs: float, batches_per_epoch: int, accum_steps: int) -> int:
+    """The step a run at `step`, `epochs_done` epochs in, ends at once it has trained `epochs`: the steps left are
+    counted at the current global batch, which a resumed run may have changed."""
+    left = math.ceil(max(0.0, epochs - epochs_done) * batches_per_epoch - 1e-9)
+    return step + math.ceil(left / accum_steps)
 
 
 def steps_warning(config: RunConfig, plan: Schedule | None) -> str | None:
@@ -370,19 +376,24 @@ def warmup_warning(config: RunConfig) -> str | None:
             f"{epochs:g} (e.g. --set optim.warmup_epochs={epochs / 20:g}, a twentieth of the run)")
 
 
-def finished_note(config: RunConfig, plan: Schedule | None, step: int) -> str | None:
-    """A resumed run whose checkpoint is at the step this run ends at already: there is nothing to train."""
-    steps = config.train.max_steps
+def finished_note(config: RunConfig, plan: Schedule | None, position: dict[str, int]) -> str | None:
+    """A resumed run whose checkpoint (at `position`: step, epoch, sample) has trained as far as this run goes: there
+    is nothing to train. Counted in epochs, as the trainer counts them: a resume on other ranks steps otherwise."""
+    step, steps = position["step"], config.train.max_steps
     if plan is None or (steps and step > steps):  # a step past train.max_steps gets a warning of its own
         return None
-    end = min(steps, plan.epochs_end) if steps else plan.epochs_end
+    batches = plan.samples // plan.global_batch
+    done = position["epoch"] + position["sample"] / (batches * plan.global_batch)
+    end = stop_step(step, done, config.train.epochs, batches, config.optim.accum_steps)
+    if steps and steps <= end:
+        end = steps
     if step < end:
         return None
     if end == steps:
         return f"the run ends there (train.max_steps={steps}, --steps): nothing to train; pass --steps above {step} " \
                "to train on"
-    return f"the run ends there, at step {end}, the end of train.epochs={config.train.epochs:g}: nothing to train; " \
-           f"pass --epochs {math.floor(config.train.epochs) + 1} to train on"
+    return f"it has trained {done:g} epoch{'' if done == 1 else 's'}, and train.epochs={config.train.epochs:g}: " \
+           f"nothing to train; pass --epochs {math.floor(done + 1e-9) + 1} to train on"
 
 
 def _train_samples(config: RunConfig) -> tuple[int, int | None]:

@@ -224,7 +224,7 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
-    finished = bool(found) and _resume_notes(run_dir, found[-1], config, plan, echo)
+    finished = bool(found) and _resume_notes(run_dir, found[-1], config, plan, echo, dry_run)
     if dry_run:
         return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
     if finished:  # a job would start and end at once, an empty row in `vitctl status`
@@ -237,18 +237,19 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     return record
 
 
-def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo) -> bool:
+def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo, dry_run: bool) -> bool:
     """What a resumed run should know of its last checkpoint `last`: nothing left to train (then True, and nothing
     is started), other settings, other train samples; a file of it missing, before any rank starts."""
+    started = "a job of the script below would train nothing" if dry_run else "no job was started"
     checkpoint.check_sizes(last)
     meta = checkpoint.read_meta(last)
     step = meta["step"]
     if config.train.max_steps and step > config.train.max_steps:
         echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
-             f"there is nothing to train, and no job was started; pass --steps above {step} to train on")
+             f"there is nothing to train, and {started}; pass --steps above {step} to train on")
         return True
-    if note := finished_note(config, plan, step):
-        echo(f"note: {run_dir} is at step {step} already: {note}; no job was started")
+    if note := finished_note(config, plan, meta["position"]):
+        echo(f"note: {run_dir} is at step {step} already: {note}; {started}")
         return True
     if changed := checkpoint.settings_change(meta["config"], config.to_dict()):
         echo(f"warning: --resume with other settings than {last} was saved with: {', '.join(changed)}; the run "
