@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import submitit
 import torch
 from rich.console import Console
 
@@ -20,6 +21,8 @@ from conftest import ok, vitctl
 from vitctl.cli.jobs import status_table
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.workflows import registry, status
+from vitctl.workflows.job import TrainJob
+from vitctl.workflows.submit import TrainTask
 
 pytestmark = pytest.mark.slurm
 RUN = ["--config", "demo_vit", "--batch", 4, "--epochs", 8, "--set", "model.num_classes=5", "--set",
@@ -200,12 +203,33 @@ def test_status_says_when_a_job_s_time_limit_and_requeues_leave_it_too_little_ti
                          rf"of {listed['total_steps']}; then the same command with --resume goes on from its last "
                          "checkpoint", listed["note"])
         assert stop and listed["step"] < int(stop[1]) < listed["total_steps"], listed["note"]
-        registry.update_record(registry.find_record(job).key, max_requeues=10**6)  # as if submitted with that many
+        _set_timeouts_left(registry.find_record(job), 10**6)  # as if submitted with that many
         listed = json.loads(ok("status", job, "--json").output)[0]
         assert re.search(r"its time limit stops this attempt in about 00:0[01]:\d\d, before it is done: it checkpoints "
                          r"and is requeued then \(1000000 requeues left\)", listed["note"]), listed["note"]
     finally:
         subprocess.run(["scancel", job], check=True)
+
+
+def _set_timeouts_left(record: registry.JobRecord, left: int) -> None:
+    """The countdown of time-limit requeues in the job's pickle, where submitit keeps it."""
+    path = Path(record.folder) / f"{record.job_id}_submitted.pkl"
+    delayed = submitit.helpers.DelayedSubmission.load(path)
+    delayed._timeout_countdown = left
+    delayed.dump(path)
+
+
+def test_the_requeues_a_job_has_left_are_submitit_s_count_which_pre_emptions_leave_alone(tmp_path):
+    """Before: every requeue counted against --max-requeues, so after a `scontrol requeue` the note said `no requeue
+    left` while submitit requeued the job once more at its time limit."""
+    record = registry.JobRecord("77", "slurm", "n", str(tmp_path), str(tmp_path / "submitit"), 1, 1, 0, time.time(),
+                                max_requeues=3)
+    Path(record.folder).mkdir()
+    submitit.helpers.DelayedSubmission(TrainTask(TrainJob({}))).dump(Path(record.folder) / "77_submitted.pkl")
+    _set_timeouts_left(record, 2)  # one time limit, and two pre-emptions (3 attempts requeued)
+    state = status.JobState("RUNNING", 10.0, time_left_s=200, time_limit_s=300, requeued=3)
+    note = status._time_limit_note(record, state, {"eta_s": 400.0, "step": 1, "total_steps": 10})
+    assert note.endswith("it checkpoints and is requeued then (2 requeues left)"), note
 
 
 @pytest.mark.parametrize(("extra", "message"), [

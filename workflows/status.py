@@ -570,7 +570,9 @@ def _time_limit_note(record: JobRecord, state: JobState, done: dict[str, Any]) -
     left = max(left - slurm_time.SIGNAL_LEAD_S, 0)  # the ranks stop on the signal before the limit
     if eta <= left:
         return ""
-    requeues = max(record.max_requeues - state.requeued, 0)
+    requeues = _timeouts_left(record)
+    if requeues is None:  # its job pickle unread: every requeue counted, pre-emptions too
+        requeues = max(record.max_requeues - state.requeued, 0)
     room = left + requeues * max(limit - slurm_time.SIGNAL_LEAD_S, 0)
     left_over = f"{requeues or 'no'} requeue{'s' if requeues > 1 else ''} left"
     if eta <= room:
@@ -582,6 +584,35 @@ def _time_limit_note(record: JobRecord, state: JobState, done: dict[str, Any]) -
             f"gives it about {_format_seconds(room)}: it will stop unfinished near step {last} of {total}; then the "
             "same command with --resume goes on from its last checkpoint (give it a longer --time or a higher "
             "--max-requeues)")
+
+
+class _FieldsOnly(pickle.Unpickler):
+    """Reads a pickle's objects as bare attribute holders: no module of theirs is imported (the job's would bring
+    torch into `vitctl status`), and no code of theirs runs."""
+
+    class Fields:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def __setstate__(self, state: Any) -> None:
+            if isinstance(state, tuple):  # (dict, slots)
+                state = state[0]
+            if isinstance(state, dict):
+                self.__dict__.update(state)
+
+    def find_class(self, module: str, name: str) -> type:
+        return self.Fields
+
+
+def _timeouts_left(record: JobRecord) -> int | None:
+    """The time-limit requeues submitit has left for the job (the countdown its job pickle holds, lowered at each
+    time limit but not by a pre-emption or `scontrol requeue`, as --max-requeues counts); None where unread."""
+    try:
+        with open(Path(record.folder) / f"{record.job_id}_submitted.pkl", "rb") as f:
+            left = getattr(_FieldsOnly(f).load(), "_timeout_countdown", None)
+    except Exception:  # none, damaged, or another pickle than submitit's: whatever unpickling its bytes raises
+        return None
+    return left if isinstance(left, int) and not isinstance(left, bool) else None
 
 
 def _next_submission(records: Sequence[JobRecord]) -> dict[tuple[str, float], float]:
