@@ -475,3 +475,25 @@ def test_plain_sbatch_template_trains_across_both_nodes(prepared_shards, tmp_pat
     assert wait_for(job, status.TERMINAL) == "COMPLETED", (tmp_path / f"{job}.out").read_text()[-2000:]
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step-00000006"]
     assert "[rank 0]" in (tmp_path / f"{job}.out").read_text()
+
+
+@pytest.mark.parametrize(("reason", "note"), [
+    ("JobHeldUser", "held: `scontrol release 77` lets it start (JobHeldUser)"),
+    ("job requeued in held state", "held: `scontrol release 77` lets it start (JobHeldUser)"),
+    ("Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions",
+     "waiting for nodes that are down, drained or reserved (`sinfo -R` says which, and why) (ReqNodeNotAvail)"),
+    ("ReqNodeNotAvail, UnavailableNodes:n2", "waiting for nodes that are down, drained or reserved (`sinfo -R` says "
+     "which, and why) (ReqNodeNotAvail, UnavailableNodes:n2)"),
+    ("QOSMaxJobsPerUserLimit", "QOSMaxJobsPerUserLimit"),
+])
+def test_why_a_job_waits_is_said_in_words_that_name_it(tmp_path, monkeypatch, reason, note):
+    """Before: `scontrol release JOB` with JOB as written, and Slurm's sentences for drained nodes or a held requeue
+    as they came, naming no way on."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\n")
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho '77|PENDING|0|5:00|5:00|{reason}'\n")
+    for tool in ("sacct", "squeue"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert status.slurm_states(["77"])["77"].note == note

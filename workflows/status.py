@@ -37,12 +37,15 @@ PENDING_REASONS = {
     "BeginTime": "held until its begin time (Slurm delays a requeued job by about 2 minutes)",
     "Resources": "waiting for free nodes",
     "Priority": "waiting behind jobs of higher priority",
-    "ReqNodeNotAvail": "waiting for nodes that are down, drained or reserved",
+    "ReqNodeNotAvail": "waiting for nodes that are down, drained or reserved (`sinfo -R` says which, and why)",
     "NodeDown": "waiting for a node that is down",
     "Dependency": "waiting for the jobs it depends on",
-    "JobHeldUser": "held: `scontrol release JOB` lets it start",
-    "JobHeldAdmin": "held by an administrator, who alone can release it (`scontrol release JOB`)",
+    "JobHeldUser": "held: `scontrol release {job}` lets it start",
+    "JobHeldAdmin": "held by an administrator, who alone can release it (`scontrol release {job}`)",
 }
+# Reasons squeue gives as sentences rather than names, by their start: the name whose words fit them.
+PENDING_SENTENCES = {"Nodes required for job are DOWN, DRAINED": "ReqNodeNotAvail",
+                     "job requeued in held state": "JobHeldUser"}
 RANK_FAILED = re.compile(r"^[\w.]*RankFailed: ")
 TIME_LIMIT_REACHED = re.compile(r"^[\w.]*TimeLimitReached: (.*)")
 # What torch.distributed's gloo says on a rank whose peer died: the peer is the one to name.
@@ -164,11 +167,19 @@ def slurm_states(ids: list[str]) -> dict[str, JobState]:
         if job_id in unfinished and job_id not in queued and errors:  # squeue failed: sacct's word may be stale
             notes.append(f"as accounting last recorded it: {_unreachable(errors)}")
         if state == "PENDING" and reason not in ("", "None"):
-            name = reason.split(",")[0]
-            notes.append(f"{PENDING_REASONS[name]} ({reason})" if name in PENDING_REASONS else reason)
+            notes.append(_pending_note(job_id, reason))
         states[job_id] = JobState(state, sum(e for _, e in rows), "; ".join(notes), False,
                                   *limits.get(job_id, (None, None)), earlier.count("REQUEUED"))
     return states
+
+
+def _pending_note(job_id: str, reason: str) -> str:
+    """Why a job waits, in words, with squeue's reason after them; a reason vitctl has no words for, as it is."""
+    name = next((named for start, named in PENDING_SENTENCES.items() if reason.startswith(start)), None)
+    if name:  # its own words say less than ours
+        return f"{PENDING_REASONS[name].format(job=job_id)} ({name})"
+    name = reason.split(",")[0]
+    return f"{PENDING_REASONS[name].format(job=job_id)} ({reason})" if name in PENDING_REASONS else reason
 
 
 def _unreachable(errors: list[str]) -> str:
