@@ -308,6 +308,11 @@ def test_a_rank_gets_a_share_of_its_node_s_cpus_for_its_loader_unless_told(tmp_p
                                                             "data.workers=1, or fewer --tasks-per-node")
     for fix in (["--cpus-per-gpu", 4, "--set", "data.workers=3"], ["--cpus-per-gpu", 2, "--set", "data.workers=1"]):
         assert cpus_per_task("--out", tmp_path / "h", *fix)[1] == ""
+    fake_cluster(tmp_path / "tiny", node_cpus=4)  # one task a node already has all of its CPUs: no fewer tasks
+    monkeypatch.setenv("PATH", f"{tmp_path / 'tiny'}:{Path(sys.executable).parent}")
+    cpus, warning = cpus_per_task("--out", tmp_path / "i", "--gpus", 1)
+    assert cpus == 4 and warning.strip().endswith("a node's 4 CPUs are all its one task has: --set data.workers=3"), \
+        warning
 
 
 def test_a_local_dry_run_prints_the_script_with_the_cpus_a_slurm_dry_run_asks_for(tmp_path, monkeypatch):

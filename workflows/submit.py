@@ -357,6 +357,8 @@ def cpus_warning(request: LaunchRequest, loader_workers: int, node_cpus: int | N
     fixes = [f"--set data.workers={cpus - 1}"]
     if share > cpus:
         fixes.insert(0, f"--cpus-per-gpu {share} --set data.workers={share - 1}")
+    if request.tasks == 1:  # it has all of the node's CPUs already
+        return f"{problem}; a node's {node_cpus} CPUs are all its one task has: {' or '.join(fixes)}"
     return (f"{problem}; a node's {node_cpus} CPUs give each of its {request.tasks} tasks at most {share}: "
             f"{' or '.join(fixes)}, or fewer --tasks-per-node")
 
