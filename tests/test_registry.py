@@ -348,3 +348,18 @@ def test_forget_keeps_a_slurm_job_whose_end_slurm_cannot_confirm(home, tmp_path,
         "error: kept job 101 (vit_micro-a): whether it has ended cannot be told: Slurm is unreachable: "), result.stderr
     assert "forget it once Slurm answers again" in result.stderr
     assert [r.job_id for r in registry.load_records()] == ["101"]
+
+
+def test_a_job_vitctl_did_not_submit_is_told_where_to_watch_it(home, tmp_path):
+    """Before: `no job '403' ...; \\`vitctl jobs\\` lists the known ones` for a job submitted by sbatch of a --dry-run
+    script, a dead end."""
+    for command in ("status", "logs", "cancel"):
+        result = vitctl(command, "403")
+        assert result.exit_code == 1 and "`squeue -j 403`, `sacct -j 403`" in result.stderr, result.stderr
+    run = tmp_path / "runs/by-hand"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    result = vitctl("status", run)
+    assert result.exit_code == 1 and f"{run} holds a run, which no job in the list trained: the list holds the jobs " \
+        "`vitctl train` submitted; one submitted by sbatch" in result.stderr, result.stderr
+    assert "holds a run" not in vitctl("status", tmp_path / "runs/none").stderr

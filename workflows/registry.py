@@ -166,8 +166,21 @@ def find_records(key: str) -> list[JobRecord]:
         matches = ([r for r in records if Path(r.run_dir).name == key] or
                    [r for r in records if r.name == key])
     if not matches:
-        raise UnknownJobError(f"no job {where} in {registry_path()}; {hint}")
+        raise UnknownJobError(f"no job {where} in {registry_path()}; {hint}{_submitted_otherwise(key)}")
     return list({r.run_dir: r for r in matches}.values())  # a folder's later jobs replace its earlier ones
+
+
+def _submitted_otherwise(key: str) -> str:
+    """Where a job `key` names may be one vitctl never listed (sbatch of a --dry-run script): how to watch it."""
+    watch = ("the list holds the jobs `vitctl train` submitted; one submitted by sbatch (a `--dry-run` script, "
+             "slurm/*.sbatch) is Slurm's to show: `squeue -j JOB`, `sacct -j JOB`, and its log is the file sbatch's "
+             "--output names")
+    if key.isdigit():
+        return f"; {watch.replace('JOB', key)}"
+    folder = Path(key)
+    if any((folder / name).exists() for name in ("metrics.jsonl", "checkpoints", "job.lock")):
+        return f"; {key} holds a run, which no job in the list trained: {watch}"
+    return ""
 
 
 def _nearby_runs(folder: Path, records: list[JobRecord]) -> str | None:

@@ -476,7 +476,8 @@ def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str, lay
         f"# {name}: {request.nodes} node(s) x {request.tasks} rank(s), written by `vitctl train --dry-run`.",
         "# Submit it as it is (sbatch FILE); its log is NAME-JOBID.out where sbatch ran. Each rank resumes from the",
         "# run folder's last checkpoint, and checkpoints on USR2 (time limit) or SIGTERM (requeue, preemption,",
-        "# scancel) before it stops.",
+        "# scancel) before it stops. `vitctl status` lists the jobs `vitctl train` submits, not this one: squeue and",
+        "# sacct show it.",
         *(f"# {line}" for line in layout),
         *(f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={shlex.quote(str(value))}"
           for key, value in options.items() if value is not None),
