@@ -306,8 +306,8 @@ def test_a_dry_run_script_requeues_no_more_often_than_max_requeues(prepared_shar
     finally:
         subprocess.run(["scancel", job], check=False)
     step = ckpt.list_checkpoints(tmp_path / "run")[-1].name.removeprefix("step-").lstrip("0")
-    assert (f"it reached its time limit with no requeue left (--max-requeues 0, requeued 0 times): every rank "
-            f"checkpointed at step {step}; to go on from there, submit it again") in log.read_text()
+    assert (f"it reached its time limit with no requeue left (--max-requeues 0, requeued on 0 time limits before): "
+            f"every rank checkpointed at step {step}; to go on from there, submit it again") in log.read_text()
 
 
 def test_one_run_folder_takes_one_live_job(prepared_shards, tmp_path):

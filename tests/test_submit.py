@@ -398,3 +398,39 @@ def test_a_flag_and_a_set_of_the_same_key_that_disagree_are_refused(tmp_path, mo
     assert result.exit_code == 1 and f"error: {says}" in result.stderr, result.stderr
     ok(*args, "--set", f"{setting.split('=')[0]}={same}")  # the same value twice agrees
     ok(*args)
+
+
+def test_a_plain_sbatch_job_counts_only_its_time_limits_against_max_requeues(tmp_path, monkeypatch):
+    """As submitit counts for `vitctl train`'s jobs: before, Slurm's SLURM_RESTART_COUNT counted pre-emptions and
+    `scontrol requeue` too, so one flag meant two things."""
+    import signal
+
+    from vitctl.workflows import submit
+    from vitctl.workflows.errors import TimeLimitReached
+    from vitctl.workflows.job import TrainJob
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (tmp_path / "bin/scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "5")  # five pre-emptions before
+
+    def stopped_by_the_time_limit(job, stop):
+        stop.received = signal.SIGUSR2
+        return {"stopped": True, "step": 5}
+
+    monkeypatch.setattr(submit, "train_rank", stopped_by_the_time_limit)
+    job = TrainJob({"train": {"out_dir": str(tmp_path / "run")}})
+    (tmp_path / "run").mkdir()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        submit.run_rank(job, 1)
+        assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
+        with pytest.raises(TimeLimitReached, match=r"--max-requeues 1, requeued on 1 time limit before"):
+            submit.run_rank(job, 1)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"

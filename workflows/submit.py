@@ -32,6 +32,7 @@ from typing import Any
 import submitit
 import yaml
 
+from vitctl.datasets.atomic import write_json_atomic
 from vitctl.trainer import checkpoint, runlock
 from vitctl.trainer.config import ConfigError
 
@@ -55,6 +56,7 @@ from .status import LogTail, log_paths, rank_failures, slurm_states, state_of
 # resolution of its events), so 3 minutes leave at least 30 s; a shorter limit signals every attempt as it starts.
 MIN_TIME_MINUTES = 3
 SUBMITIT_FOLDER = "submitit"  # in the run folder: the jobs' scripts, logs and results
+TIME_LIMIT_REQUEUES = "time-limit-requeues.json"  # in the run folder, for plain-sbatch jobs (submitit keeps its own)
 # torch.distributed's rendezvous port, from the job id: below Linux's ephemeral ports (32768-60999), which any
 # outgoing connection on the node may already hold.
 RENDEZVOUS_PORTS = range(20000, 32768)
@@ -748,8 +750,8 @@ def run_rank(job: TrainJob, max_requeues: int) -> dict[str, Any]:
     """One rank of a job that srun (a plain sbatch script) or torchrun started.
 
     On USR2 every rank checkpoints; rank 0 then requeues the Slurm job, which resumes from that checkpoint, unless
-    Slurm has requeued it `max_requeues` times already. On SIGTERM every rank checkpoints and ends: Slurm requeues or
-    ends the job.
+    its time limit has requeued it `max_requeues` times already (as submitit counts: pre-emptions do not count). On
+    SIGTERM every rank checkpoints and ends: Slurm requeues or ends the job.
     """
     skip_final_collection()
     if "SLURM_JOB_ID" in os.environ and "RANK" not in os.environ:
@@ -758,14 +760,25 @@ def run_rank(job: TrainJob, max_requeues: int) -> dict[str, Any]:
     result = train_rank(job, stop)
     if (result.get("stopped") and stop.received == signal.SIGUSR2 and os.environ.get("RANK", "0") == "0"
             and "SLURM_JOB_ID" in os.environ):
-        requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # every requeue, pre-emptions too
+        job_id, counts = os.environ["SLURM_JOB_ID"], job.run_dir / TIME_LIMIT_REQUEUES
+        requeued = _time_limit_requeues(counts).get(job_id, 0)
         if requeued >= max_requeues:
             raise TimeLimitReached(f"it reached its time limit with no requeue left (--max-requeues {max_requeues}, "
-                                   f"requeued {requeued} times): every rank checkpointed at step {result['step']}; "
-                                   "to go on from there, submit it again with a longer --time or a higher "
-                                   "--max-requeues")
-        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
+                                   f"requeued on {requeued} time limit{'' if requeued == 1 else 's'} before): every "
+                                   f"rank checkpointed at step {result['step']}; to go on from there, submit it again "
+                                   "with a longer --time or a higher --max-requeues")
+        write_json_atomic(counts, _time_limit_requeues(counts) | {job_id: requeued + 1})
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
     return result
+
+
+def _time_limit_requeues(path: Path) -> dict[str, int]:
+    """Slurm job id -> the time limits that requeued it, as rank 0 of a plain-sbatch job records them."""
+    try:
+        counts = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet; or damaged, when the count starts again rather than the job failing
+        return {}
+    return counts if isinstance(counts, dict) else {}
 
 
 def srun_torch_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
