@@ -48,7 +48,7 @@ from .parallel import (
     widen_cuda_queues,
 )
 from .precision import Precision, clip_gradients
-from .preflight import preflight, stop_step
+from .preflight import epochs_trained, preflight, stop_step
 from .pretrained import Pretrained, read_pretrained
 
 log = logging.getLogger("vitctl.train")
@@ -193,7 +193,7 @@ class Trainer:
 
     def epochs_done(self) -> float:
         p, plan = self.position, self.data.plan
-        return p.epoch + p.sample / (plan.batches_per_epoch * plan.global_batch)
+        return epochs_trained(p.epoch, p.sample, plan.batches_per_epoch, plan.global_batch)
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -346,6 +346,11 @@ def schedule(config: RunConfig, world_size: int, strategy: Strategy) -> Schedule
     return Schedule(samples, global_batch, batches / accum, stop_step(0, 0.0, config.train.epochs, batches, accum))
 
 
+def epochs_trained(epoch: int, sample: int, batches_per_epoch: int, global_batch: int) -> float:
+    """Epochs done at a position (`sample`: the samples of epoch `epoch` consumed), in epochs of this global batch."""
+    return epoch + sample / (batches_per_epoch * global_batch)
+
+
 def stop_step(step: int, epochs_done: float, epochs: float, batches_per_epoch: int, accum_steps: int) -> int:
     """The step a run at `step`, `epochs_done` epochs in, ends at once it has trained `epochs`: the steps left are
     counted at the current global batch, which a resumed run may have changed."""
@@ -383,10 +388,9 @@ def finished_note(config: RunConfig, plan: Schedule | None, position: dict[str, 
     if plan is None or (steps and step > steps):  # a step past train.max_steps gets a warning of its own
         return None
     batches = plan.samples // plan.global_batch
-    done = position["epoch"] + position["sample"] / (batches * plan.global_batch)
+    done = epochs_trained(position["epoch"], position["sample"], batches, plan.global_batch)
     end = stop_step(step, done, config.train.epochs, batches, config.optim.accum_steps)
-    if steps and steps <= end:
-        end = steps
+    end = min(end, steps) if steps else end
     if step < end:
         return None
     if end == steps:
