@@ -16,7 +16,7 @@ with quiet_interrupt():
     from rich.markup import escape
 
     from vitctl.datasets.errors import DataError
-    from vitctl.datasets.parallel import hangup_as_interrupt
+    from vitctl.datasets.parallel import hangup_as_interrupt, terminated
     from vitctl.trainer.config import ConfigError
     from vitctl.workflows.errors import Interrupted, LaunchError
     from vitctl.workflows.process import skip_final_collection
@@ -104,3 +104,5 @@ def main() -> None:
     finally:  # the command has ended: a Ctrl-C now would only break the interpreter's shutdown with a traceback
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if signal.getsignal(signal.SIGTERM) is terminated:  # nothing is left to remove: end as by default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,6 +1,7 @@
 """Run independent tasks in worker processes, reporting each result as it completes."""
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
@@ -43,11 +44,28 @@ def termination_as_interrupt() -> None:
     """From now on SIGTERM (`kill`, `timeout`) interrupts this process as Ctrl-C does: it removes its unfinished files
     and says so, where the default would end it at once and silently."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _interrupt_self)
+        signal.signal(signal.SIGTERM, terminated)
+
+
+def terminated(signum: int, frame: Any) -> None:
+    """SIGTERM's handler: what Ctrl-C's does now (it may defer the interrupt to the end of a write), and where SIGINT
+    is ignored, as in a command started with `&` from a script, an interrupt all the same."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):
+        raise KeyboardInterrupt
+    handler(signal.SIGINT, frame)
 
 
 def _interrupt_self(signum: int, frame: object) -> None:
     os.kill(os.getpid(), signal.SIGINT)  # whatever SIGINT's handler is now: deferred, ignored, KeyboardInterrupt
+
+
+def _worker_terminated(parent: int, signum: int, frame: object) -> None:
+    """A worker's SIGTERM: from its parent's death (_die_with_parent) it ends at once, as nobody waits for its task;
+    else it stops its task as Ctrl-C does (a `kill` of the process group), removing the task's unfinished files."""
+    if os.getppid() != parent:
+        os._exit(1)
+    _interrupt_self(signum, frame)
 
 
 def _start_worker(stopping: Any, parent: int) -> None:
@@ -55,7 +73,7 @@ def _start_worker(stopping: Any, parent: int) -> None:
     _stopping = stopping
     _die_with_parent(parent)
     hangup_as_interrupt()
-    termination_as_interrupt()
+    signal.signal(signal.SIGTERM, functools.partial(_worker_terminated, parent))
     # Ctrl-C reaches the whole process group. A worker interrupted while it waits for work prints a traceback,
     # and can die holding the task queue's lock, which hangs the pool's shutdown: so only tasks are interrupted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -221,6 +221,24 @@ def test_ctrl_c_halfway_leaves_only_complete_shards_and_a_rerun_finishes(prepare
     assert not list(out.glob(".*"))
 
 
+def test_sigterm_stops_a_data_command_started_in_the_background(prepared_root, tmp_path):
+    """`cmd &` in a script starts it with SIGINT ignored: before, SIGTERM, passed on as SIGINT, then did nothing, and
+    the command went on to the end."""
+    out = tmp_path / "s"
+    args = [VITCTL, "data", "shard", str(prepared_root), "--out", str(out), "--maxcount", "1", "--workers", "2"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while not list(out.glob("imagenet-train-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # `kill PID`: vitctl alone, not its workers
+    err = proc.communicate(timeout=60)[1].decode()
+    assert 0 < len(list(out.glob("imagenet-*.tar"))) < CLASSES * (TRAIN_PER_CLASS + VAL_PER_CLASS), "too late"
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert not list(out.glob(".*.partial"))
+    ok("data", "shard", prepared_root, "--out", out, "--maxcount", 1, "--workers", 2)
+
+
 def test_folder_with_foreign_files_is_refused_and_left_alone(prepared_root, tmp_path):
     out = tmp_path / "s"
     out.mkdir()
