@@ -49,9 +49,11 @@ test: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python bench/bench_data.py
 
-# Its jobs leave the job list first: forget refuses a job that still runs, and then nothing is removed.
+# The job list's runs in the demo's folder leave it first: forget refuses a job that still runs, and then nothing is
+# removed. (Run folders the list does not hold, as another VITCTL_HOME's, are only removed.)
 clean-demo:
-	if [ -x $(BIN)/vitctl ] && [ -n "$(wildcard $(DEMO_DIR)/runs/*)" ]; then $(BIN)/vitctl forget $(wildcard $(DEMO_DIR)/runs/*); fi
+	if [ -x $(BIN)/vitctl ]; then $(BIN)/vitctl jobs | awk -F '\t' -v demo="$(abspath $(DEMO_DIR))/" \
+		'NR > 1 && index($$4, demo) == 1 { print $$4 }' | sort -u | xargs -r -d '\n' $(BIN)/vitctl forget; fi
 	rm -rf $(DEMO_DIR)
 
 image: $(BIN)/.installed

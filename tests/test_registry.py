@@ -355,11 +355,32 @@ def test_a_job_vitctl_did_not_submit_is_told_where_to_watch_it(home, tmp_path):
     script, a dead end."""
     for command in ("status", "logs", "cancel"):
         result = vitctl(command, "403")
-        assert result.exit_code == 1 and "`squeue -j 403`, `sacct -j 403`" in result.stderr, result.stderr
+        assert result.exit_code == 1 and ("a job not in the list was submitted by sbatch (a `--dry-run` script, "
+                                          "slurm/*.sbatch: `squeue -j 403`, `sacct -j 403`, `scancel 403` reach it"
+                                          in result.stderr), result.stderr
     run = tmp_path / "runs/by-hand"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("")
+    (run / "job-410.yaml").write_text("")
     result = vitctl("status", run)
-    assert result.exit_code == 1 and f"{run} holds a run, which no job in the list trained: the list holds the jobs " \
-        "`vitctl train` submitted; one submitted by sbatch" in result.stderr, result.stderr
+    assert result.exit_code == 1 and f"{run} holds a run none of whose jobs is in the list, which was submitted by " \
+        "sbatch (a `--dry-run` script, slurm/*.sbatch: `squeue -j 410`" in result.stderr, result.stderr
+    assert f"or forgotten (`vitctl forget`: its logs stay in {run}/submitit)" in result.stderr
     assert "holds a run" not in vitctl("status", tmp_path / "runs/none").stderr
+
+
+def test_forget_finds_a_moved_run_folder_and_refuses_a_name_of_several(home, tmp_path):
+    """Before: `forget NEW_PLACE` recorded the new place but forgot nothing (`nothing to forget`), and a bare name
+    forgot the jobs of every run folder of that name."""
+    old = tmp_path / "runs/q1"
+    (old / "submitit").mkdir(parents=True)
+    (old / "submitit/7001_submitted.pkl").write_bytes(str(old).encode())  # the run folder submitit's pickle names
+    registry.add_record(record("7001", str(old)))
+    moved = old.rename(tmp_path / "runs/q1_moved")
+    assert ok("forget", moved).output.startswith(f"forgot job 7001 (vit_micro-a, {moved})\n")
+    assert registry.load_records() == []
+    registry.add_record(record("7002", str(tmp_path / "a/pretrain")))
+    registry.add_record(record("7003", str(tmp_path / "b/pretrain")))
+    result = vitctl("forget", "pretrain")
+    assert result.exit_code == 1 and "'pretrain' names the run folders of 2 jobs in different places" in result.stderr
+    assert [r.job_id for r in registry.load_records()] == ["7002", "7003"]

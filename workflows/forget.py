@@ -10,15 +10,15 @@ from .registry import JobRecord
 def selected(keys: Sequence[str], gone: bool) -> list[JobRecord]:
     """The jobs `keys` name (a job id: that job; a run folder or a name: every job of that folder) and, with `gone`,
     every job whose run folder no longer exists; oldest first, each once."""
-    records = registry.load_records()
+    named = [(key, registry.find_record(key)) for key in keys]  # one run each: a forgotten job is not listed again
+    records = registry.load_records()  # read after: finding a moved run folder records its new place
     chosen: set[str] = set()
-    for key in keys:
-        for found in registry.find_records(key):
-            if key == found.job_id:
-                chosen.add(found.key)
-            else:
-                folder = Path(found.run_dir).resolve()
-                chosen |= {r.key for r in records if Path(r.run_dir).resolve() == folder}
+    for key, found in named:
+        if key == found.job_id:
+            chosen.add(found.key)
+        else:
+            folder = Path(found.run_dir).resolve()
+            chosen |= {r.key for r in records if Path(r.run_dir).resolve() == folder}
     if gone:
         chosen |= {r.key for r in records if not Path(r.run_dir).is_dir()}
     return [r for r in records if r.key in chosen]

@@ -171,16 +171,21 @@ def find_records(key: str) -> list[JobRecord]:
 
 
 def _submitted_otherwise(key: str) -> str:
-    """Where a job `key` names may be one vitctl never listed (sbatch of a --dry-run script): how to watch it."""
-    watch = ("the list holds the jobs `vitctl train` submitted; one submitted by sbatch (a `--dry-run` script, "
-             "slurm/*.sbatch) is Slurm's to show: `squeue -j JOB`, `sacct -j JOB`, and its log is the file sbatch's "
-             "--output names")
+    """Where a job `key` names may be one the list does not hold (submitted by sbatch, or forgotten): how to reach
+    it."""
     if key.isdigit():
-        return f"; {watch.replace('JOB', key)}"
+        return f"; a job not in the list {_elsewhere([key], 'its run folder')}"
     folder = Path(key)
-    if any((folder / name).exists() for name in ("metrics.jsonl", "checkpoints", "job.lock")):
-        return f"; {key} holds a run, which no job in the list trained: {watch}"
-    return ""
+    if not any((folder / name).exists() for name in ("metrics.jsonl", "checkpoints", "job.lock")):
+        return ""
+    by_hand = sorted(p.name[4:-5] for p in folder.glob("job-*.yaml"))  # the configs a --dry-run script writes
+    return f"; {key} holds a run none of whose jobs is in the list, which {_elsewhere(by_hand or ['JOB'], key)}"
+
+
+def _elsewhere(ids: list[str], run_dir: str) -> str:
+    slurm = ", ".join(f"`{tool} {job_id}`" for job_id in ids for tool in ("squeue -j", "sacct -j", "scancel"))
+    return (f"was submitted by sbatch (a `--dry-run` script, slurm/*.sbatch: {slurm} reach it, and its log is the file "
+            f"sbatch's --output names) or forgotten (`vitctl forget`: its logs stay in {run_dir}/submitit)")
 
 
 def _nearby_runs(folder: Path, records: list[JobRecord]) -> str | None:
