@@ -663,6 +663,22 @@ def test_resuming_a_run_at_the_end_of_its_epochs_says_there_is_nothing_to_train(
     assert _last_step(tmp_path / "run") == 32
 
 
+def test_a_resume_without_the_run_s_epochs_names_them_and_their_schedule(tmp_path):
+    """Before: a run of 3 epochs stopped in its second, resumed with the preset's 1, was told `pass --epochs 2`, which
+    ended it early on a schedule cut to 2 epochs, without a word of the 3 it began with."""
+    args = [*QUICK, "--set", "train.eval_every_epochs=100", "--out", tmp_path / "run", "--resume"]
+    ok("train", *args, "--epochs", 3, "--steps", 20)  # 16 steps an epoch: stopped 1.25 epochs in
+    short = ok("train", *args, "--epochs", 1)
+    assert ("it has trained 1.25 epochs, and train.epochs=1: nothing to train; the run began with train.epochs=3: "
+            "pass --epochs 3 to finish it on its learning-rate schedule; no job was started") in short.stderr, \
+        short.stderr
+    longer = ok("train", *args, "--epochs", 4, "--steps", 21, "--dry-run")
+    assert (f"note: --resume with train.epochs=4, where {tmp_path / 'run'} began with 3: its learning-rate schedule "
+            "(warmup, cosine) is the one of 4 epochs from here on; --epochs 3 keeps it") in longer.stderr, longer.stderr
+    assert "train.epochs=" not in ok("train", *args, "--epochs", 3).stderr  # the fix
+    assert _last_step(tmp_path / "run") == 48
+
+
 def test_steps_past_the_end_of_the_epochs_warn_and_the_fix_trains_them(tmp_path):
     """--steps only stops early: before, --steps 40 on 64 samples, batch 4, 2 epochs ran 32 steps with no word why."""
     args = [*QUICK, "--set", "train.eval_every_epochs=100"]

@@ -381,9 +381,11 @@ def warmup_warning(config: RunConfig) -> str | None:
             f"{epochs:g} (e.g. --set optim.warmup_epochs={epochs / 20:g}, a twentieth of the run)")
 
 
-def finished_note(config: RunConfig, plan: Schedule | None, position: dict[str, int]) -> str | None:
-    """A resumed run whose checkpoint (at `position`: step, epoch, sample) has trained as far as this run goes: there
-    is nothing to train. Counted in epochs, as the trainer counts them: a resume on other ranks steps otherwise."""
+def finished_note(config: RunConfig, plan: Schedule | None, position: dict[str, int],
+                  saved_epochs: float) -> str | None:
+    """A resumed run whose checkpoint (at `position`: step, epoch, sample; of a run begun with `saved_epochs`) has
+    trained as far as this run goes: there is nothing to train. Counted in epochs, as the trainer counts them: a
+    resume on other ranks steps otherwise."""
     step, steps = position["step"], config.train.max_steps
     if plan is None or (steps and step > steps):  # a step past train.max_steps gets a warning of its own
         return None
@@ -396,8 +398,12 @@ def finished_note(config: RunConfig, plan: Schedule | None, position: dict[str, 
     if end == steps:
         return f"the run ends there (train.max_steps={steps}, --steps): nothing to train; pass --steps above {step} " \
                "to train on"
-    return f"it has trained {done:g} epoch{'' if done == 1 else 's'}, and train.epochs={config.train.epochs:g}: " \
-           f"nothing to train; pass --epochs {math.floor(done + 1e-9) + 1} to train on"
+    trained = f"it has trained {done:g} epoch{'' if done == 1 else 's'}, and train.epochs={config.train.epochs:g}: " \
+              "nothing to train"
+    if saved_epochs > done + 1e-9:  # a resume without the run's --epochs, which the preset's cut short
+        return f"{trained}; the run began with train.epochs={saved_epochs:g}: pass --epochs {saved_epochs:g} to " \
+               "finish it on its learning-rate schedule"
+    return f"{trained}; pass --epochs {math.floor(done + 1e-9) + 1} to train on"
 
 
 def _train_samples(config: RunConfig) -> tuple[int, int | None]:

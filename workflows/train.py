@@ -248,9 +248,14 @@ def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule |
         echo(f"warning: {run_dir} is at step {step} already, past train.max_steps={config.train.max_steps} (--steps): "
              f"there is nothing to train, and {started}; pass --steps above {step} to train on")
         return True
-    if note := finished_note(config, plan, meta["position"]):
+    saved_epochs = meta["config"].get("train", {}).get("epochs", config.train.epochs)
+    if note := finished_note(config, plan, meta["position"], saved_epochs):
         echo(f"note: {run_dir} is at step {step} already: {note}; {started}")
         return True
+    if config.train.epochs != saved_epochs:
+        echo(f"note: --resume with train.epochs={config.train.epochs:g}, where {run_dir} began with {saved_epochs:g}: "
+             f"its learning-rate schedule (warmup, cosine) is the one of {config.train.epochs:g} epochs from here on"
+             f"; --epochs {saved_epochs:g} keeps it")
     if changed := checkpoint.settings_change(meta["config"], config.to_dict()):
         echo(f"warning: --resume with other settings than {last} was saved with: {', '.join(changed)}; the run "
              "goes on with the new ones (--set the saved values to keep them)")
