@@ -256,7 +256,11 @@ def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule |
         echo(f"note: --resume with train.epochs={config.train.epochs:g}, where {run_dir} began with {saved_epochs:g}: "
              f"its learning-rate schedule (warmup, cosine) is the one of {config.train.epochs:g} epochs from here on"
              f"; --epochs {saved_epochs:g} keeps it")
-    if changed := checkpoint.settings_change(meta["config"], config.to_dict()):
+    # the batch a rank takes and its accumulation only matter through the global batch, which _other_batch names: a
+    # fix for them alone would change it (--set data.batch_size=64 on twice the ranks doubles it)
+    changed = [c for c in checkpoint.settings_change(meta["config"], config.to_dict())
+               if not c.startswith(("data.batch_size=", "optim.accum_steps="))]
+    if changed:
         echo(f"warning: --resume with other settings than {last} was saved with: {', '.join(changed)}; the run "
              "goes on with the new ones (--set the saved values to keep them)")
     for warning in filter(None, [_other_samples(run_dir, meta, config), _other_batch(last, meta, config, plan)]):
