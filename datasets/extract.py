@@ -311,7 +311,7 @@ def _check_only_ours(archive: Path, changed: list[TarMember], dest: Path) -> Non
     if added:
         one = len(added) == 1
         raise DataError(f"{listed(added)}: {len(added)} {'entry' if one else 'entries'} that `vitctl data extract` "
-                        "did not write, in class folders whose images changed since it recorded them: extracting "
+                        "did not write, in class folders whose files changed since it recorded them: extracting "
                         f"those classes again would remove {'it' if one else 'them'}", str(dest),
                         f"move {'it' if one else 'them'} out of the class folder, then rerun")
 
