@@ -104,22 +104,25 @@ def _interruptible(fn: Callable[..., Any], *args: Any) -> Any:
 
 @contextmanager
 def _ctrl_c_deferred() -> Iterator[list[int]]:
-    """Within the block Ctrl-C is only recorded (in the list yielded); KeyboardInterrupt is raised as it ends.
+    """Within the block Ctrl-C (and SIGTERM, where `terminated` takes it as Ctrl-C) is only recorded (in the list
+    yielded); KeyboardInterrupt is raised as it ends.
 
     concurrent.futures takes its locks in steps of plain Python: wait() acquires each future's lock in a loop, and
     submit() records a task before it queues it. A KeyboardInterrupt raised between two steps leaves a lock held or a
     task never queued, and the pool's shutdown then waits for ever.
     """
     pressed: list[int] = []
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # Ctrl-C is not ours to defer
+    ours = [signum for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, terminated))
+            if signal.getsignal(signum) is handler]  # an ignored Ctrl-C (a command started with &) is not ours
+    if threading.current_thread() is not threading.main_thread() or not ours:
         yield pressed
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    previous = {signum: signal.signal(signum, lambda signum, frame: pressed.append(signum)) for signum in ours}
     try:
         yield pressed
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if pressed:
         raise KeyboardInterrupt
 
