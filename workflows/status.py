@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vitctl.datasets.errors import count
 from vitctl.trainer.checkpoint_files import NAME, list_checkpoints
 from vitctl.trainer.metrics import read_metrics
 
@@ -649,16 +650,12 @@ def _run_dir_gone(record: JobRecord) -> str:
             "went with it; if you moved it, `vitctl status NEW_PLACE` records where")
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def log_paths(record: JobRecord, rank: int) -> tuple[Path, Path]:
     """(stdout, stderr) of one task, as submitit names them."""
     if not 0 <= rank < record.ranks:
         ranks = "its one rank is 0" if record.ranks == 1 else f"its ranks are 0-{record.ranks - 1}"
-        raise UnknownJobError(f"job {record.job_id} has no rank {rank}: {ranks} ({_count(record.nodes, 'node')} x "
-                              f"{_count(record.tasks_per_node, 'task')})")
+        raise UnknownJobError(f"job {record.job_id} has no rank {rank}: {ranks} ({count(record.nodes, 'node')} x "
+                              f"{count(record.tasks_per_node, 'task')})")
     stem = Path(record.folder) / f"{record.job_id}_{rank}_log"
     return stem.with_suffix(".out"), stem.with_suffix(".err")
 

@@ -760,14 +760,15 @@ def run_rank(job: TrainJob, max_requeues: int) -> dict[str, Any]:
     result = train_rank(job, stop)
     if (result.get("stopped") and stop.received == signal.SIGUSR2 and os.environ.get("RANK", "0") == "0"
             and "SLURM_JOB_ID" in os.environ):
-        job_id, counts = os.environ["SLURM_JOB_ID"], job.run_dir / TIME_LIMIT_REQUEUES
-        requeued = _time_limit_requeues(counts).get(job_id, 0)
+        job_id, path = os.environ["SLURM_JOB_ID"], job.run_dir / TIME_LIMIT_REQUEUES
+        counts = _time_limit_requeues(path)
+        requeued = counts.get(job_id, 0)
         if requeued >= max_requeues:
             raise TimeLimitReached(f"it reached its time limit with no requeue left (--max-requeues {max_requeues}, "
                                    f"requeued on {requeued} time limit{'' if requeued == 1 else 's'} before): every "
                                    f"rank checkpointed at step {result['step']}; to go on from there, submit it again "
                                    "with a longer --time or a higher --max-requeues")
-        write_json_atomic(counts, _time_limit_requeues(counts) | {job_id: requeued + 1})
+        write_json_atomic(path, counts | {job_id: requeued + 1})
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
     return result
 
