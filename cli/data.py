@@ -13,7 +13,7 @@ from vitctl.datasets.errors import count
 from vitctl.datasets.index import index_folder, unfinished_splits
 from vitctl.datasets.parallel import default_workers, termination_as_interrupt
 from vitctl.datasets.shard import ShardSpec, read_source, shard_split
-from vitctl.datasets.synth import SynthSpec, write_synthetic
+from vitctl.datasets.synth import LEAVES, MIN_CLASSES, SynthSpec, write_synthetic
 from vitctl.datasets.verify import verify as verify_folder
 
 from .commands import summary
@@ -62,7 +62,9 @@ def data() -> None:
 
 @data.command(short_help="Write a small dataset in the ILSVRC2012 archive formats.")
 @click.argument("out", type=GivenPath(file_okay=False, path_type=Path))
-@click.option("--classes", default=10, show_default=True, help="Number of classes (3 to 36 real WNIDs).")
+@click.option("--classes", type=click.IntRange(MIN_CLASSES, len(LEAVES)), metavar="N", default=10, show_default=True,
+              help=f"Number of classes: {MIN_CLASSES} (for the PNG, CMYK and grayscale images) to {len(LEAVES)} (the "
+                   "real WNIDs synth knows).")
 @click.option("--train-per-class", type=click.IntRange(min=1), metavar="N", default=20, show_default=True,
               help="Train images per class.")
 @click.option("--val-per-class", type=click.IntRange(min=1), metavar="N", default=5, show_default=True,

@@ -6,12 +6,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .atomic import PARTIAL_SUFFIX
 from .errors import DataError
 
 _RERUN = "then rerun the same command: it keeps what is finished"
 _EXPLAINED = {
     errno.EACCES: ("permission denied", "give this user access to it, or use another folder"),
-    errno.EPERM: ("operation not permitted", "give this user access to it, or use another folder"),
+    errno.EPERM: ("operation not permitted", "give this user access to it (an immutable file or folder, with an i in "
+                  "`lsattr -d PATH`, needs `chattr -i PATH`), or use another folder"),
     errno.EROFS: ("read-only file system", "write to a folder on a writable file system"),
     errno.ENOSPC: ("no space left on the device", f"free space there or use a folder on another device, {_RERUN}"),
     errno.EDQUOT: ("disk quota exceeded", f"free space within your quota, {_RERUN}"),
@@ -23,8 +25,16 @@ def as_data_error(e: OSError, folder: Path) -> DataError:
     what, fix = _EXPLAINED.get(e.errno, (e.strerror or str(e), f"check the file system, {_RERUN}"))
     if e.filename is None:  # a failed write() names no file
         return DataError(what, str(folder), fix)
-    where = str(e.filename) if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+    where = _written(str(e.filename)) if e.filename2 is None else f"{e.filename} -> {e.filename2}"
     return DataError(what, where, fix)
+
+
+def _written(filename: str) -> str:
+    """The file a write was for: `partial_path`'s hidden temporary name means the file it becomes."""
+    folder, name = os.path.split(filename)
+    if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
+        return os.path.join(folder, name[1:-len(PARTIAL_SUFFIX)])
+    return filename
 
 
 def file_in_the_way(path: Path) -> Path | None:

@@ -207,3 +207,21 @@ def test_an_index_run_over_a_finished_read_only_copy_writes_nothing(shards_copy)
     finally:
         subprocess.run(["chattr", "-i", shards_copy], check=True)
     assert {p.name: p.stat().st_mtime_ns for p in shards_copy.glob("*.idx")} == written
+
+
+def test_an_immutable_folder_that_lacks_an_index_names_the_index_and_the_way_to_write_it(shards_copy):
+    """Before: the error named `.imagenet-train-000000.idx.partial` and only said to give this user access."""
+    ok("data", "index", shards_copy)
+    missing = next(iter(sorted(shards_copy.glob("*.idx"))))
+    missing.unlink()
+    if subprocess.run(["chattr", "+i", shards_copy], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        result = vitctl("data", "index", shards_copy)
+    finally:
+        subprocess.run(["chattr", "-i", shards_copy], check=True)
+    assert result.exit_code == 1, result.output
+    assert f"error: {missing}: operation not permitted\n" in result.stderr
+    assert "needs `chattr -i PATH`" in result.stderr and ".partial" not in result.stderr
+    ok("data", "index", shards_copy)
+    assert missing.exists()
