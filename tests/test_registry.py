@@ -384,3 +384,19 @@ def test_forget_finds_a_moved_run_folder_and_refuses_a_name_of_several(home, tmp
     result = vitctl("forget", "pretrain")
     assert result.exit_code == 1 and "'pretrain' names the run folders of 2 jobs in different places" in result.stderr
     assert [r.job_id for r in registry.load_records()] == ["7002", "7003"]
+
+
+def test_a_job_id_two_jobs_share_is_refused_where_one_job_is_meant_and_both_are_listed(home, tmp_path):
+    """Before: a local job's PID that equalled a Slurm job's id named the newer job alone, so `cancel 4242` could
+    stop the other job than the one meant."""
+    local, slurm = tmp_path / "runs/local", tmp_path / "runs/slurm"
+    registry.add_record(replace(record("4242", str(slurm)), executor="slurm"))
+    registry.add_record(record("4242", str(local)))
+    result = vitctl("forget", "4242")
+    assert result.exit_code == 1, result.output
+    assert (f"job 4242 names 2 jobs (a local job's id is its process id, which the system reuses and a Slurm job's "
+            f"id may equal): slurm ({slurm}), local ({local}); pass the full path of the run folder instead"
+            in " ".join(result.stderr.split()))
+    assert [r.executor for r in registry.find_records("4242")] == ["slurm", "local"]  # status lists both
+    assert ok("forget", local).output.startswith(f"forgot job 4242 (vit_micro-a, {local})\n")
+    assert [r.run_dir for r in registry.load_records()] == [str(slurm)]

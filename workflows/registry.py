@@ -154,7 +154,7 @@ def find_records(key: str) -> list[JobRecord]:
         raise UnknownJobError("the job is empty; give a job id or a run folder (`vitctl jobs` lists them)")
     records, where = load_records(), repr(key)
     if key and os.sep not in key and (by_id := [r for r in records if r.job_id == key]):
-        return by_id[-1:]
+        return list({r.run_dir: r for r in by_id}.values())  # several: a local PID that was once a Slurm id
     hint = "`vitctl jobs` lists the known ones"
     matches = []
     if os.sep in key or (key and Path(key).is_dir()):
@@ -231,6 +231,11 @@ def find_record(key: str) -> JobRecord:
     """The one job `key` names (see find_records); UnknownJobError listing them when a bare folder name names run
     folders in several places."""
     found = find_records(key)
+    if len(found) > 1 and all(r.job_id == key for r in found):
+        listed = ", ".join(f"{r.executor} ({r.run_dir})" for r in found)
+        raise UnknownJobError(f"job {key} names {len(found)} jobs (a local job's id is its process id, which the "
+                              f"system reuses and a Slurm job's id may equal): {listed}; pass the full path of the "
+                              f"run folder instead")
     if len(found) > 1:
         listed = ", ".join(f"{r.job_id or '(submitting)'} ({r.run_dir})" for r in found)
         raise UnknownJobError(f"{key!r} names the run folders of {len(found)} jobs in different places: {listed}; "
