@@ -367,6 +367,9 @@ def test_a_job_vitctl_did_not_submit_is_told_where_to_watch_it(home, tmp_path):
         "sbatch (a `--dry-run` script, slurm/*.sbatch: `squeue -j 410`" in result.stderr, result.stderr
     assert f"or forgotten (`vitctl forget`: its logs stay in {run}/submitit)" in result.stderr
     assert "holds a run" not in vitctl("status", tmp_path / "runs/none").stderr
+    (run / "job-410.yaml").unlink()  # slurm/*.sbatch writes none: the id is the one its rank 0 left in the lock
+    (run / "job.lock").write_text('{"job": "412", "pid": 7, "host": "n1", "since": 0}')
+    assert "`squeue -j 412`, `sacct -j 412`, `scancel 412`" in " ".join(vitctl("logs", run).stderr.split())
 
 
 def test_forget_finds_a_moved_run_folder_and_refuses_a_name_of_several(home, tmp_path):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from vitctl.datasets.atomic import fsync_dir
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
+from vitctl.trainer import runlock
 
 from .errors import LaunchError
 from .process import is_running, start_time, started_at
@@ -179,7 +180,16 @@ def _submitted_otherwise(key: str) -> str:
     if not any((folder / name).exists() for name in ("metrics.jsonl", "checkpoints", "job.lock")):
         return ""
     by_hand = sorted(p.name[4:-5] for p in folder.glob("job-*.yaml"))  # the configs a --dry-run script writes
-    return f"; {key} holds a run none of whose jobs is in the list, which {_elsewhere(by_hand or ['JOB'], key)}"
+    ids = by_hand or [job for job in [_last_locked_by(folder)] if job] or ["JOB"]
+    return f"; {key} holds a run none of whose jobs is in the list, which {_elsewhere(ids, key)}"
+
+
+def _last_locked_by(run_dir: Path) -> str | None:
+    """The job id that last held the run folder's lock (rank 0 writes it there), or None."""
+    try:
+        return str(json.loads((run_dir / runlock.LOCK).read_text())["job"] or "") or None
+    except (OSError, ValueError, KeyError, TypeError):  # no lock, one being written, or not runlock's
+        return None
 
 
 def _elsewhere(ids: list[str], run_dir: str) -> str:
