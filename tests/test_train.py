@@ -220,6 +220,9 @@ def test_cancel_of_a_local_job_checkpoints_every_rank_at_one_step(tmp_path):
                      f"step {step} on a signal: --resume continues from there"]
     assert [p.name for p in ckpt.list_checkpoints(run)] == [f"step-{step:08d}"]
     assert len(list(ckpt.list_checkpoints(run)[0].glob("*.distcp"))) == 2  # both ranks saved that step
+    logs = ok("logs", job).output  # was submitit's "Job completed successfully", for a job cancelled
+    assert "Job completed successfully" not in logs and "after successful completion" not in logs
+    assert f"Job stopped by SIGTERM once every rank had checkpointed at step {step} (a requeue" in logs
     subprocess.run([*args, "--resume", "--steps", str(step + 1)], check=True, capture_output=True)
     assert [e["step"] for e in metrics_events(run, "resume")] == [step] and last_meta(run)["step"] == step + 1
 

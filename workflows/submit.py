@@ -204,6 +204,23 @@ def train_rank(job: TrainJob, stop: StopSignals) -> dict[str, Any]:
         raise RankFailed(os.environ.get("RANK", "0"), error) from None
 
 
+class _StoppedNotCompleted(logging.Filter):
+    """Words submitit's "Job completed successfully", logged after the task returns, for a task stopped by SIGTERM:
+    its job was requeued or cancelled, not completed."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == "Job completed successfully":
+            record.msg, record.args = (f"Job stopped by SIGTERM once every rank had checkpointed at step {self.step} "
+                                       "(a requeue or a pre-emption starts it again; a cancel ends it)"), ()
+        elif record.getMessage() == "Exiting after successful completion":
+            record.msg, record.args = "Exiting", ()
+        return True
+
+
 class TrainTask(submitit.helpers.Checkpointable):
     """What every task of the job runs: torch.distributed variables from the job, then the trainer."""
 
@@ -228,6 +245,8 @@ class TrainTask(submitit.helpers.Checkpointable):
         if environment.name() == "local" and not signal_when_parent_ends(signal.SIGTERM, int(environment.job_id)):
             stop.received = signal.SIGTERM
         result = train_rank(self.job, stop)
+        if result.get("stopped") and stop.received == signal.SIGTERM:
+            logging.getLogger("submitit").addFilter(_StoppedNotCompleted(result["step"]))
         if result.get("stopped") and stop.received == signal.SIGUSR2:
             try:
                 stop.forward()  # rank 0: submitit calls checkpoint() below and requeues; the others just return
