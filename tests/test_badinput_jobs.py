@@ -741,6 +741,11 @@ def test_resume_with_other_settings_than_the_checkpoint_s_names_them(tmp_path):
     # more steps with the settings the last checkpoint (step 2) was saved with
     again = ok("train", *QUICK, "--steps", 3, "--out", run, "--resume", "--set", "optim.lr=1e-3")
     assert "settings" not in again.stderr
+    # another layout is no other setting: the checkpoint is resharded to it, and it trains the same numbers (was:
+    # `parallel.microbatches=1 (now 2)`, and under a plan `--set` values that the plan refuses)
+    relaid = ok("train", *QUICK, "--steps", 4, "--out", run, "--resume", "--set", "optim.lr=1e-3", "--set",
+                "parallel.microbatches=2")
+    assert "settings" not in relaid.stderr, relaid.stderr
 
     unclipped = tmp_path / "unclipped"
     ok("train", *QUICK, "--steps", 1, "--out", unclipped, "--set", "optim.clip_grad=null")

@@ -497,3 +497,18 @@ def test_why_a_job_waits_is_said_in_words_that_name_it(tmp_path, monkeypatch, re
         (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     assert status.slurm_states(["77"])["77"].note == note
+
+
+def test_a_plan_written_again_after_submission_leaves_the_job_its_checked_layout(prepared_shards, tmp_path):
+    """Before: the job read the plan file when its ranks started, so `vitctl plan --out` the same file while the job
+    waited changed its layout unchecked (pp2 submitted, fsdp4 trained)."""
+    from vitctl.trainer.parallel.strategy import BlockStrategy, Strategy
+    plan, blocks = tmp_path / "plan.json", 4  # vit_micro's
+    pipeline = Strategy(pp=2, microbatches=2, stages=(2, 2), blocks=(BlockStrategy(),) * blocks)
+    plan.write_text(pipeline.to_json("vit_micro", 4))
+    job = submit(prepared_shards, tmp_path / "run", "--plan", plan, "--steps", 2)
+    plan.write_text(Strategy(blocks=(BlockStrategy(fsdp=True),) * blocks, fsdp_rest=True).to_json("vit_micro", 4))
+    assert wait_for(job, status.TERMINAL) == "COMPLETED"
+    assert status.collect(registry.load_records())[-1].layout == "2x2 CPU pp2·dp2"
+    copies = list((tmp_path / "run").glob("plan-*.json"))
+    assert [p.read_text() for p in copies] == [pipeline.to_json("vit_micro", 4)]

@@ -155,10 +155,11 @@ RESUME_MAY_CHANGE = ("train.max_steps", "train.epochs", "train.out_dir", "data.p
 
 
 def settings_change(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The config keys (model's aside: model_change refuses them) that a resumed run sets otherwise than its
-    checkpoint was saved with, as `key=saved (now new)`."""
+    """The config keys (model's aside: model_change refuses them; and the layout's) that a resumed run sets otherwise
+    than its checkpoint was saved with, as `key=saved (now new)`."""
     changed, now = [], json.loads(json.dumps(now))  # as meta.json holds it: tuples as lists
-    for section in sorted((saved.keys() | now.keys()) - {"model"}):
+    # parallel.*: a layout, which a resume reshards the checkpoint to; it trains the same numbers
+    for section in sorted((saved.keys() | now.keys()) - {"model", "parallel"}):
         old, new = saved.get(section) or {}, now.get(section) or {}
         for key in sorted(old.keys() | new.keys()):
             if f"{section}.{key}" not in RESUME_MAY_CHANGE and old.get(key) != new.get(key):

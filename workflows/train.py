@@ -1,5 +1,6 @@
 """Turn CLI choices into a validated run config and a launch: Slurm or this machine, both through submitit."""
 
+import hashlib
 import os
 import shlex
 import shutil
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vitctl.datasets.atomic import atomic_open
 from vitctl.datasets.manifest import MANIFEST
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import (
@@ -218,6 +220,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     else:
         refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
         found = check_run_dir(run_dir)
+        if config.parallel.plan:
+            config.parallel.plan = _plan_of_the_run(Path(config.parallel.plan), run_dir)
     check_resumable(found, config)  # first: where it refuses --resume, "pass --resume" is no fix
     if found and not resume:
         raise checkpoint.fresh_start_refused(run_dir, found[-1])
@@ -235,6 +239,21 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if request.executor == "local":
         wait_local(submitted, record, echo)
     return record
+
+
+def _plan_of_the_run(plan: Path, run_dir: Path) -> str:
+    """A copy of the plan in the run folder, named by its content, for the job's ranks and requeues to read: the plan
+    file itself may be written again (`vitctl plan --out`) while the job waits, unchecked."""
+    data = plan.read_bytes()
+    copy = run_dir / f"plan-{hashlib.sha256(data).hexdigest()[:12]}.json"
+    try:
+        if not copy.exists():
+            with atomic_open(copy) as f:
+                f.write(data)
+    except OSError as e:
+        raise ConfigError(f"the plan could not be copied into run folder {run_dir} ({e.strerror}); free space there, "
+                          "or choose another --out") from None
+    return str(copy)
 
 
 def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo, dry_run: bool) -> bool:
