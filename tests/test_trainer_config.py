@@ -236,3 +236,19 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch)
                                       "parallel.plan=~/plan.json"])
     assert (config.train.out_dir, config.data.path) == (f"{tmp_path}/runs/a", f"{tmp_path}/shards")
     assert (config.finetune.from_ckpt, config.parallel.plan) == (f"{tmp_path}/w.pt", f"{tmp_path}/plan.json")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.plan=", "override 'parallel.plan=' has no value (an unset shell variable?); give one, or "
+                       "parallel.plan=null for none"),
+    ("optim.lr=", "override 'optim.lr=' has no value (an unset shell variable?); give one"),
+    ("parallel.plan=''", "parallel.plan is empty; give a path, or null for none"),
+    ("finetune.from_ckpt=''", "finetune.from_ckpt is empty; give a path, or null for none"),
+    ("train.out_dir=' '", "train.out_dir is empty; give a path")])
+def test_an_empty_value_is_refused_rather_than_taken_as_none_or_as_the_current_folder(override, message):
+    """Before: `--set parallel.plan=$UNSET` (and `''`) trained without the plan, and `train.out_dir=''` into the
+    current folder, unsaid."""
+    with pytest.raises(ConfigError) as refused:
+        load_config("demo_vit", [override])
+    assert str(refused.value) == message
+    assert load_config("demo_vit", ["parallel.plan=null"]).parallel.plan is None  # the fix, where one is offered

@@ -335,8 +335,11 @@ def parse_override(text: str) -> dict[str, Any]:
     parts, raw = [part.strip() for part in key.split(".")], raw.strip()  # quotes keep a value's own spaces
     if not sep or not all(parts):
         raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. optim.lr=1e-3)")
+    if not raw:  # else a key that may be null were cleared by an unset variable in `--set KEY=$VAR`, unsaid
+        none = f", or {'.'.join(parts)}=null for none" if type(None) in typing.get_args(_hint(parts)) else ""
+        raise ConfigError(f"override {text!r} has no value (an unset shell variable?); give one{none}")
     try:
-        value: Any = raw if _is_text(parts) and _plain_text(raw) else _load_yaml(raw) if raw else None
+        value: Any = raw if _is_text(parts) and _plain_text(raw) else _load_yaml(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: its value is not valid YAML ({_yaml_problem(e)}); close its "
                           f"brackets, or quote a value that holds YAML syntax: {key}='...'") from None
@@ -345,14 +348,19 @@ def parse_override(text: str) -> dict[str, Any]:
     return value
 
 
-def _is_text(parts: list[str]) -> bool:
-    """Whether the key `parts` names holds text (str, or str or None)."""
+def _hint(parts: list[str]) -> Any:
+    """The type of the key `parts` names (e.g. str | None), or None where no key has that name."""
     kind: Any = RunConfig
     for part in parts:
         if not dataclasses.is_dataclass(kind) or part not in (hints := typing.get_type_hints(kind)):
-            return False
+            return None
         kind = hints[part]
-    return kind in (str, str | None)
+    return kind
+
+
+def _is_text(parts: list[str]) -> bool:
+    """Whether the key `parts` names holds text (str, or str or None)."""
+    return _hint(parts) in (str, str | None)
 
 
 def _plain_text(raw: str) -> bool:
@@ -562,12 +570,22 @@ def validate(c: RunConfig) -> None:
                                                                   "model's own)"),
     ]
     non_finite = _non_finite(c)
-    others = [message for ok, message in checks if not ok] + _recipe_problems(c) + _parallel_problems(c.parallel)
+    others = ([message for ok, message in checks if not ok] + _empty_paths(c) + _recipe_problems(c) +
+              _parallel_problems(c.parallel))
     # what a comparison with nan or inf says of its key (not positive, above optim.lr) is noise beside the key's name
     mentions = [re.compile(rf"(?<![\w.]){re.escape(key)}(?!\w)") for key in non_finite]
     problems = [*non_finite.values(), *(m for m in others if not any(key.search(m) for key in mentions))]
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _empty_paths(c: RunConfig) -> list[str]:
+    """Path keys set to an empty string (`--set KEY=''`, `KEY: ""` in a file): taken as given, the run folder would be
+    the current one, and an empty plan, source or data path would be no setting, unsaid."""
+    paths = {"train.out_dir": c.train.out_dir, "data.path": c.data.path, "finetune.from_ckpt": c.finetune.from_ckpt,
+             "parallel.plan": c.parallel.plan}
+    return [f"{key} is empty; give a path{'' if key == 'train.out_dir' else ', or null for none'}"
+            for key, value in paths.items() if value is not None and not value.strip()]
 
 
 def _non_finite(c: RunConfig) -> dict[str, str]:
