@@ -328,6 +328,16 @@ def test_resume_with_another_model_names_the_keys_and_both_ways_on_work(run_copy
         "num_classes"] == 7
 
 
+def test_resume_with_another_model_name_is_told_the_option_that_sets_it_and_following_it_works(run_copy):
+    """Before: `rerun with --set model.name="vit_micro"`, which beside the run's --model was refused as set twice."""
+    sets = [a for s in base.BASE if not s.startswith("model.name=") for a in ("--set", s)]
+    args = ["train", "--out", run_copy, "--executor", "local", "--gpus", 0, "--resume", "--dry-run", "--steps", 4,
+            *sets]
+    result = vitctl(*args, "--model", "vit_mini")
+    assert result.exit_code == 1 and "rerun with --model vit_micro to go on with the model it saved" in result.stderr
+    ok(*args, "--model", "vit_micro")
+
+
 def test_a_resume_onto_shards_of_other_classes_names_the_data_not_num_classes(tmp_path, monkeypatch):
     """Before, the two checks sent the user round in a circle: --resume said `rerun with --set model.num_classes=3`,
     and then the shards' check said `pass --set model.num_classes=5`."""

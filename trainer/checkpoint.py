@@ -147,7 +147,10 @@ def _changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 def _sets(model: dict[str, Any], keys: list[str]) -> str:
-    return " ".join(f"--set model.{k}={json.dumps(model.get(k))}" for k in keys)  # JSON's values are YAML's too
+    """The options that set `keys` as `model` has them: --model for the name (`--set model.name` beside a --model
+    would be refused as set twice), --set for the rest."""
+    return " ".join(f"--model {model.get(k)}" if k == "name" else f"--set model.{k}={json.dumps(model.get(k))}"
+                    for k in keys)  # JSON's values are YAML's too
 
 
 # What a resumed run is expected to change: how long it trains, where its data and folder are.
