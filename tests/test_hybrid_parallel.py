@@ -280,6 +280,9 @@ def test_a_plan_beside_a_preset_s_strategy_key_names_the_set_that_clears_it(tmp_
         "preset); drop them, or give them their defaults (--set parallel.checkpoint=none)" in result.stderr, \
         result.stderr
     ok(*show, "--set", "parallel.checkpoint=none")
+    # was: `parallel.dp_shard needs parallel.fsdp=true`, a fix that the plan then refused
+    result = vitctl(*show, "--set", "parallel.checkpoint=none", "--set", "parallel.dp_shard=2")
+    assert result.exit_code == 1 and "so parallel.dp_shard cannot be given beside it" in result.stderr, result.stderr
 
 
 def test_the_dry_run_names_the_mesh_the_ranks_build(tmp_path, monkeypatch):

@@ -525,7 +525,9 @@ def validate(c: RunConfig) -> None:
          f"train.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {c.train.fp8_recipe!r}"),
         (c.train.fp8_min_width >= 0, f"train.fp8_min_width must be 0 or more, got {c.train.fp8_min_width}"),
         (c.parallel.dp_shard == -1 or c.parallel.dp_shard >= 1, "parallel.dp_shard must be -1 (all) or at least 1"),
-        (c.parallel.fsdp or c.parallel.dp_shard in (-1, 1), "parallel.dp_shard needs parallel.fsdp=true"),
+        # beside a plan, which sets both, read_plan names dp_shard as a key the plan sets
+        (c.parallel.plan or c.parallel.fsdp or c.parallel.dp_shard in (-1, 1), "parallel.dp_shard needs "
+                                                                                "parallel.fsdp=true"),
         (c.parallel.grad_reduce in GRAD_REDUCE,
          f"parallel.grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {c.parallel.grad_reduce!r}"),
         (c.train.compile_mode in COMPILE_MODES,

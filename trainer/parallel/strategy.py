@@ -110,7 +110,8 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
     """The plan file's strategy; ConfigError if it is not a plan, or one for another model than `model`."""
     where = f"parallel.plan {path}"
     defaults = ParallelConfig()
-    given = [key for key in ("tp", "pp", "fsdp", "checkpoint", "microbatches", "schedule", "virtual_stages", "stages")
+    given = [key for key in ("tp", "pp", "fsdp", "dp_shard", "checkpoint", "microbatches", "schedule",
+                             "virtual_stages", "stages")
              if getattr(config, key) != getattr(defaults, key)]
     if given:
         defaults_back = " ".join(f"--set parallel.{key}={as_set_value(getattr(defaults, key))}" for key in given)
