@@ -222,6 +222,20 @@ def test_strategies_that_cannot_run_are_refused_before_launch(prepared_shards, t
     assert "Traceback" not in result.output + result.stderr
 
 
+@pytest.mark.parametrize(("batch", "microbatches", "message"), [
+    (1, 2, "the 1f1b schedule needs at least parallel.pp=2 micro-batches, more than data.batch_size 1 can be split "
+           "into: raise data.batch_size (--batch) to a multiple of 2, with parallel.microbatches=2"),
+    (5, 4, "data.batch_size 5 does not divide into parallel.microbatches=4; use parallel.microbatches=5, which "
+           "divides it")])
+def test_micro_batch_advice_keeps_to_the_counts_the_1f1b_schedule_runs(tmp_path, batch, microbatches, message):
+    """Before: `use parallel.microbatches=1`, which the 1f1b schedule of two stages then refused."""
+    result = vitctl("train", "--config", "demo_vit", "--set", "data.source=synthetic", "--out", tmp_path / "run",
+                    "--tasks-per-node", 2, "--batch", batch, *COMMON, *sets("parallel.pp=2",
+                                                                         f"parallel.microbatches={microbatches}"),
+                    "--dry-run")
+    assert result.exit_code == 1 and message in result.stderr, result.stderr
+
+
 VIT_MINI = model_shape(ModelConfig(name="vit_mini"))  # 4 blocks
 
 

@@ -305,19 +305,25 @@ def _fewer_stages(s: Strategy, n_blocks: int) -> str:
     return f"use {fixes[0]}"
 
 
-def _microbatches_problem(batch_size: int, microbatches: int) -> str:
-    """The batch does not divide into the micro-batches: the nearest counts below and above that it divides into."""
-    start, reach = min(microbatches, batch_size), min(microbatches, 10_000)  # a bounded search: 1 always divides
-    below = next((d for d in range(start, max(0, start - reach), -1) if batch_size % d == 0), 1)
+def _microbatches_problem(batch_size: int, microbatches: int, least: int = 1) -> str:
+    """The batch does not divide into the micro-batches: the nearest counts below and above that it divides into, of
+    at least `least` (what the pipeline schedule needs; at most the batch)."""
+    start, reach = min(microbatches, batch_size), min(microbatches, 10_000)  # a bounded search: the batch divides
+    below = next((d for d in range(start, max(least - 1, start - reach), -1) if batch_size % d == 0), None)
     above = next((d for d in range(microbatches + 1, min(microbatches + reach, batch_size) + 1) if batch_size % d == 0),
                  None)  # as far above as below: a batch of a large prime has none near
-    near = [d for d in (below, above) if d is not None]
+    near = [d for d in (below, above) if d is not None] or [batch_size]
     return (f"data.batch_size {batch_size} does not divide into parallel.microbatches={microbatches}; use "
             f"parallel.microbatches={' or '.join(map(str, near))}, which divide{'s' if len(near) == 1 else ''} it")
 
 
 def _pipeline_problems(s: Strategy, n_blocks: int, batch_size: int) -> list[str]:
-    divides = [] if batch_size % s.microbatches == 0 else [_microbatches_problem(batch_size, s.microbatches)]
+    least = s.pp if s.pp > 1 and s.schedule == "1f1b" else 1
+    if batch_size < least:  # no count of micro-batches will do: the batch is the one to change
+        return [f"the 1f1b schedule needs at least parallel.pp={s.pp} micro-batches, more than data.batch_size "
+                f"{batch_size} can be split into: raise data.batch_size (--batch) to a multiple of {s.pp}, with "
+                f"parallel.microbatches={s.pp}"]
+    divides = [] if batch_size % s.microbatches == 0 else [_microbatches_problem(batch_size, s.microbatches, least)]
     if s.pp == 1:  # micro-batches without a pipeline: the batch split, the gradients accumulated
         return divides + ([] if not s.stages and s.virtual_stages == 1 else
                           ["parallel.stages and parallel.virtual_stages need parallel.pp > 1"])
