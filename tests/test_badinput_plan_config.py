@@ -247,6 +247,17 @@ def test_an_empty_config_file_is_refused(tmp_path, content, held):
     ok("config", "show", path)
 
 
+@pytest.mark.parametrize("content, message", [
+    ("paralel: {tp: 2}\n", "unknown keys ['paralel']; known: ['augment', 'data', 'eval', 'finetune', 'model', "
+                           "'optim', 'parallel', 'train']; did you mean parallel?"),
+    ("parallel: {tp: 2.5}\n", "parallel.tp: expected int, got 2.5")])
+def test_a_config_file_s_unknown_key_or_wrong_type_names_the_file(tmp_path, content, message):
+    """Before: the problem alone, where its YAML syntax errors named the file."""
+    path = tmp_path / "c.yaml"
+    path.write_text(content)
+    _refused(vitctl("train", "--config", path, "--dry-run"), f"config file {path}: {message}")
+
+
 def test_a_toml_config_file_is_refused_as_toml_and_other_suffixes_are_read_as_files(tmp_path, monkeypatch):
     """Before: `no preset 'my.toml'; presets: ... (or pass a .yaml path)` for a file that is there."""
     monkeypatch.chdir(tmp_path)

@@ -459,6 +459,10 @@ def _read_preset(path: Path) -> dict[str, Any]:
 def load_config(preset: str | None, overrides: list[str] = (), extra: dict[str, Any] | None = None) -> RunConfig:
     """Preset, then `extra` (from CLI flags), then `--set` overrides; validated."""
     values: dict[str, Any] = _read_preset(preset_path(preset)) if preset is not None else {}
+    try:  # the file's own keys and types first, for its problems to name it
+        _build(RunConfig, values, "")
+    except ConfigError as e:
+        raise ConfigError(f"config file {preset_path(preset)}: {e}") from None
     values = _merge(values, extra or {})
     for text in overrides:
         values = _merge(values, parse_override(text))
