@@ -25,11 +25,14 @@ def test_every_preset_loads_and_validates(preset):
     (["augment.recount=3"], "augment.recount=3 applies with augment.reprob above 0 (random erasing) only"),
     (["augment.remode=const"], "augment.remode=const applies with augment.reprob above 0 (random erasing) only"),
     (["augment.mixup=0", "augment.mixup_switch_prob=0.2"], "augment.mixup_switch_prob=0.2 applies with both"),
+    (["parallel.fsdp=true", "parallel.grad_reduce=overlap"],
+     "parallel.grad_reduce=overlap applies to replicated weights only (parallel.fsdp=false); FSDP reduces"),
 ])
 def test_a_key_the_config_never_reads_is_named_and_where_it_applies_it_is_not(overrides, said):
     unread = unread_settings(load_config(None, overrides))
     assert len(unread) == 1 and unread[0].startswith(said) and unread[0].endswith(": it has no effect here"), unread
-    read = {"data.path=/d": "data.source=synthetic", "augment.mixup=0": "augment.mixup=0.8"}
+    read = {"data.path=/d": "data.source=synthetic", "augment.mixup=0": "augment.mixup=0.8",
+            "parallel.fsdp=true": "parallel.fsdp=false"}
     applied = [read.get(o, o) for o in overrides] + ["train.precision=fp8", "finetune.from_ckpt=/w.safetensors",
                                                       "augment.reprob=0.25"]
     assert not unread_settings(load_config(None, applied))

@@ -512,6 +512,9 @@ def unread_settings(c: RunConfig) -> list[str]:
          f"augment.recount={a.recount} applies with augment.reprob above 0 (random erasing) only"),
         (a.reprob == 0 and a.remode != d.augment.remode,
          f"augment.remode={a.remode} applies with augment.reprob above 0 (random erasing) only"),
+        (c.parallel.fsdp and c.parallel.grad_reduce in ("after_backward", "overlap"),  # zero1 is refused beside it
+         f"parallel.grad_reduce={c.parallel.grad_reduce} applies to replicated weights only (parallel.fsdp=false); "
+         "FSDP reduces its gradients itself"),
         ((a.mixup == 0 or a.cutmix == 0) and a.mixup_switch_prob != d.augment.mixup_switch_prob,
          f"augment.mixup_switch_prob={a.mixup_switch_prob:g} applies with both augment.mixup and augment.cutmix "
          "above 0 only"),
