@@ -55,6 +55,12 @@ def test_a_plan_key_no_plan_holds_is_refused_naming_the_valid_ones(tmp_path, cha
     assert result.exit_code == 0, result.stderr
 
 
+def test_a_plan_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """Before: `Unexpected UTF-8 BOM`, for a plan saved by an editor that writes one (YAML configs read it)."""
+    _, result = _train_with(tmp_path, "\ufeff" + json.dumps(_plan()))
+    assert result.exit_code == 0, result.stderr
+
+
 def test_a_key_given_twice_in_a_plan_is_refused(tmp_path):
     """json.loads kept the last of the two, unseen."""
     text = json.dumps(_plan()).replace('"tp": 1', '"tp": 1, "tp": 3', 1)

@@ -100,7 +100,7 @@ def strategy_from_config(config: ParallelConfig, n_blocks: int, model: str | Non
 def is_plan(path: Path) -> bool:
     """Whether `path` holds a plan (of any version): what `vitctl plan --out` may write over."""
     try:
-        plan = json.loads(path.read_text())
+        plan = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
         return False
     return isinstance(plan, dict) and {"version", "groups"} <= set(plan)
@@ -119,7 +119,7 @@ def read_plan(path: Path, config: ParallelConfig, n_blocks: int, model: str | No
                           f"beside it (from --set, or from the preset); drop them, or give them their defaults "
                           f"({defaults_back}), or drop the plan")
     try:
-        plan = json.loads(path.read_text(), object_pairs_hook=_refuse_repeated_keys)
+        plan = json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=_refuse_repeated_keys)
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist; write one with `vitctl plan ... --out {shlex.quote(str(path))}`"
                           ) from None
