@@ -9,9 +9,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,14 @@ def test_image_builds_on_a_stub_base_into_an_oci_archive_and_an_enroot_squashfs(
                                  _apex_archive(tmp_path), storage_root=storage)
     try:
         built = image.build(request, lambda text: None)
+        before = {p.name: p.read_bytes() for p in request.out.iterdir()}
+        # a rebuild whose squashfs fails (a full disk) keeps the last build's pair: was a new .oci.tar beside the
+        # old .sqsh, which `train --container-image` then ran
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(image, "squash_command", lambda rootfs, target: ["sh", "-c", "exit 1"])
+            with pytest.raises(LaunchError, match="mksquashfs failed"):
+                image.build(request, lambda text: None)
+        assert {p.name: p.read_bytes() for p in request.out.iterdir()} == before
         tool = image.buildah(request)
         config = json.loads(subprocess.run([*tool, "inspect", "--type", "image", request.tag], check=True,
                                            capture_output=True, text=True).stdout)["OCIv1"]["config"]
@@ -103,6 +113,33 @@ def test_image_builds_on_a_stub_base_into_an_oci_archive_and_an_enroot_squashfs(
     assert steps[-1].startswith("vitctl doctor --expect-image")  # the self-test ends the build
     assert built.oci_bytes > 0 and tarfile.is_tarfile(built.outputs.oci_archive)
     assert sorted(p.name for p in request.out.iterdir()) == ["vitctl-ci-test.oci.tar", "vitctl-ci-test.sqsh"]
+
+
+def test_a_build_stopped_by_sigterm_removes_the_apex_archive_it_staged(tmp_path):
+    """Before: exit 143 at once, the archive left in containers/vendor/, which every later build context copies."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("buildah", "mksquashfs"):  # a build that takes its time
+        (tools / tool).write_text("#!/bin/sh\nexec sleep 60\n")
+        (tools / tool).chmod(0o755)
+    apex, staged = _apex_archive(tmp_path), image.REPO / image.VENDOR / "apex-test.tar.gz"
+    build = subprocess.Popen([Path(sys.executable).parent / "vitctl", "image", "build", "--out", tmp_path / "img",
+                              "--apex", apex], env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not staged.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert staged.exists()
+        time.sleep(0.5)  # into the build
+        build.send_signal(signal.SIGTERM)
+        _, stderr = build.communicate(timeout=60)
+        left = staged.exists()
+    finally:
+        build.kill()
+        staged.unlink(missing_ok=True)
+    assert build.returncode == 130 and stderr.strip().endswith("interrupted"), stderr
+    assert not left
 
 
 def test_the_dry_run_prints_the_enroot_configuration_as_a_command_that_runs(tmp_path):
@@ -153,11 +190,11 @@ def test_image_build_dry_run_prints_the_commands(tmp_path):
                  f"--build-arg VITCTL_VERSION={vitctl_version()}",
                  "--build-arg APEX_ARCHIVE=containers/vendor/apex-test.tar.gz"]:
         assert part in bud, part
-    img = tmp_path / "img"  # each output written under a .partial name, renamed once complete
+    img = tmp_path / "img"  # each output written under a .partial name, both renamed once both are complete
     assert f"push localhost/vitctl:ci oci-archive:{img}/vitctl-ci.oci.tar.partial:localhost/vitctl:ci" in out
-    assert f"mv {img}/vitctl-ci.oci.tar.partial {img}/vitctl-ci.oci.tar" in lines
     assert f'mksquashfs "$rootfs" {img}/vitctl-ci.sqsh.partial -all-root' in out
-    assert lines[-1] == f"mv {img}/vitctl-ci.sqsh.partial {img}/vitctl-ci.sqsh"
+    assert lines[-2:] == [f"mv {img}/vitctl-ci.oci.tar.partial {img}/vitctl-ci.oci.tar",
+                          f"mv {img}/vitctl-ci.sqsh.partial {img}/vitctl-ci.sqsh"]
     assert not (tmp_path / "img").exists()
 
 

@@ -205,7 +205,6 @@ def plan(request: ImageRequest) -> list[str]:
     ctr, tool, done = "$container", shlex.join(buildah(request)), outputs(request)
     return [f"cd {shlex.quote(str(REPO))}", *staged, shlex.join(bud_command(request, vitctl_version(), git_commit())),
             shlex.join(push_command(request, partial(done.oci_archive))),
-            shlex.join(["mv", str(partial(done.oci_archive)), str(done.oci_archive)]),
             f"container=$({tool} from --pull-never {shlex.quote(request.tag)})",
             f"rootfs=$({tool} mount {ctr})",
             "# as `enroot import`: /etc/environment (Env), /etc/fstab (Volumes), /etc/rc (labels, workdir, entrypoint, "
@@ -214,6 +213,7 @@ def plan(request: ImageRequest) -> list[str]:
             f"\"$({tool} inspect --type image {shlex.quote(request.tag)})\"",
             shlex.join(squash_command(Path("ROOTFS"), partial(done.squashfs))).replace("ROOTFS", '"$rootfs"'),
             f"{tool} umount {ctr}; {tool} rm {ctr}",
+            shlex.join(["mv", str(partial(done.oci_archive)), str(done.oci_archive)]),
             shlex.join(["mv", str(partial(done.squashfs)), str(done.squashfs)])]
 
 
@@ -257,16 +257,15 @@ def _run(command: list[str], what: str, cwd: Path | None = None) -> str:
 
 
 def export_squashfs(request: ImageRequest, target: Path) -> None:
-    """The image's root filesystem, configured as enroot would, into `target`."""
+    """The image's root filesystem, configured as enroot would, into `target` (a temporary name: `build` renames it)."""
     tool = buildah(request)
     container = _run([*tool, "from", "--pull-never", request.tag], "creating a container of the image").strip()
     try:
         rootfs = Path(_run([*tool, "mount", container], "mounting the image").strip())
         inspected = json.loads(_run([*tool, "inspect", "--type", "image", request.tag], "reading the image config"))
         enroot_configure(rootfs, inspected["OCIv1"].get("config") or {})
-        partial(target).unlink(missing_ok=True)  # mksquashfs would append to a file left by an interrupted build
-        _run(squash_command(rootfs, partial(target)), "mksquashfs")
-        partial(target).replace(target)
+        target.unlink(missing_ok=True)  # mksquashfs would append to a file left by an interrupted build
+        _run(squash_command(rootfs, target), "mksquashfs")
     finally:
         subprocess.run([*tool, "umount", container], capture_output=True)
         subprocess.run([*tool, "rm", container], capture_output=True)
@@ -340,10 +339,18 @@ def build(request: ImageRequest, echo: Callable[[str], None]) -> BuiltImage:
     finally:
         if staged:
             staged.unlink(missing_ok=True)
-    echo(f"writing {done.oci_archive}")
-    partial(done.oci_archive).unlink(missing_ok=True)
-    _run(push_command(request, partial(done.oci_archive)), "buildah push (OCI archive)")
-    partial(done.oci_archive).replace(done.oci_archive)
-    echo(f"writing {done.squashfs}")
-    export_squashfs(request, done.squashfs)
+    oci_archive, squashfs = partial(done.oci_archive), partial(done.squashfs)
+    try:
+        echo(f"writing {done.oci_archive}")
+        oci_archive.unlink(missing_ok=True)
+        _run(push_command(request, oci_archive), "buildah push (OCI archive)")
+        echo(f"writing {done.squashfs}")
+        export_squashfs(request, squashfs)
+    except BaseException:
+        oci_archive.unlink(missing_ok=True)
+        squashfs.unlink(missing_ok=True)
+        raise
+    # renamed together once both are written: a build that fails leaves the last build's pair as it was
+    oci_archive.replace(done.oci_archive)
+    squashfs.replace(done.squashfs)
     return BuiltImage(done, time.monotonic() - started, done.oci_archive.stat().st_size, done.squashfs.stat().st_size)
