@@ -14,6 +14,7 @@ from conftest import CLASSES, ok, vitctl
 from vitctl.datasets import atomic
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, load_config
+from vitctl.trainer.data.augment import recipe_of
 from vitctl.trainer.loop import train
 from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import read_state_dict
@@ -34,7 +35,8 @@ def micro_run(prepared_shards, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("model", [["model.name=vit_s16"],
+@pytest.mark.parametrize("model", [["model.name=vit_s16", "data.mean=[0.485,0.456,0.406]",
+                                    "data.std=[0.229,0.224,0.225]", "eval.crop_pct=1.0"],
                                    ["model.name=swin_t", "model.img_size=64", "model.window_size=2"]])
 def test_export_has_timm_names_and_the_timm_call_it_prints_loads_every_weight(prepared_shards, tmp_path, model):
     """The call `export --help` named before, `create_model(NAME, pretrained=True, pretrained_cfg_overlay={"file":
@@ -50,7 +52,11 @@ def test_export_has_timm_names_and_the_timm_call_it_prints_loads_every_weight(pr
                                                                for k in weights)
     saved = timm_layout(ckpt.consolidated(ckpt.list_checkpoints(tmp_path / "run")[-1]))
     assert all(torch.equal(weights[k], saved[k]) for k in saved)
-    assert built(torch.zeros(1, 3, *[load_config(None, [*BASE, *model]).model.img_size] * 2)).shape == (1, CLASSES)
+    config = load_config(None, [*BASE, *model])
+    assert built(torch.zeros(1, 3, *[config.model.img_size] * 2)).shape == (1, CLASSES)
+    view, trained = timm.data.resolve_data_config({}, model=built), recipe_of(config)  # was timm's (0.5, 0.9)
+    assert (view["mean"], view["std"], view["crop_pct"], view["crop_mode"], view["interpolation"]) == \
+        (trained.mean, trained.std, trained.eval_crop_pct, trained.eval_crop_mode, trained.eval_interpolation)
 
 
 def test_export_of_a_model_timm_lacks_names_what_reads_it(micro_run, tmp_path):

@@ -18,6 +18,7 @@ from vitctl.trainer.integrity import nonfinite, tensors_sha256
 from vitctl.trainer.models import MODELS, default_window
 from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import EXPORT_SHA256
+from vitctl.trainer.recipe import model_eval
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,11 @@ class Export:
     timm: str  # how timm reads the file, or why it cannot
 
 
-def timm_call(model: dict, out: Path) -> str:
-    """The `timm.create_model` call that builds this model with the export's weights, head included; or why none
-    does. The class count goes in the overlay too: given only as a keyword, timm drops a head of another size."""
+def timm_call(config: dict, out: Path) -> str:
+    """The `timm.create_model` call that builds the run's model with the export's weights, head included, and the
+    eval view it was trained for; or why none does. The class count goes in the overlay too: given only as a keyword,
+    timm drops a head of another size."""
+    model = config["model"]
     spec = MODELS.get(model["name"])
     if spec is None or spec.timm_name is None:
         return f"timm has no {model['name']}; `vitctl finetune --from-ckpt {shlex.quote(str(out))}` reads it"
@@ -40,7 +43,7 @@ def timm_call(model: dict, out: Path) -> str:
         return ("timm's ViT has no pre-logits layer (it drops one on loading); `vitctl finetune --from-ckpt "
                 f"{shlex.quote(str(out))}` reads it")
     size = model["img_size"]
-    overlay = {"file": str(out.absolute()), "num_classes": model["num_classes"]}
+    overlay = {"file": str(out.absolute()), "num_classes": model["num_classes"], **_eval_view(config)}
     extra = ""
     if size != 224:
         overlay["input_size"] = (3, size, size)
@@ -48,6 +51,16 @@ def timm_call(model: dict, out: Path) -> str:
     if spec.family == "swin" and (window := model.get("window_size") or default_window(size)) != 7:
         extra += f", window_size={window}"
     return f"timm.create_model({spec.timm_name!r}, pretrained=True, pretrained_cfg_overlay={overlay!r}{extra})"
+
+
+def _eval_view(config: dict) -> dict:
+    """The run's eval preprocessing in timm's pretrained_cfg keys (what timm.data.resolve_data_config reads): its
+    own where the config sets it, else the model family's, as the trainer resolves them (recipe.model_eval)."""
+    model, data, view = config["model"], config.get("data", {}), config.get("eval", {})
+    defaults = model_eval(model["name"], model["img_size"])
+    return {"mean": tuple(data.get("mean") or defaults.mean), "std": tuple(data.get("std") or defaults.std),
+            "crop_pct": view.get("crop_pct") or defaults.crop_pct, "crop_mode": view.get("crop_mode") or
+            defaults.crop_mode, "interpolation": view.get("interpolation") or defaults.interpolation}
 
 
 def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = False) -> Export:
@@ -63,7 +76,7 @@ def export_weights(run: Path, out: Path, step: int | None = None, ema: bool = Fa
                           "vitctl_weights": part, "vitctl_checkpoint": str(source.resolve()),
                           EXPORT_SHA256: tensors_sha256(tensors)})
     return Export(source, out, len(tensors), sum(t.numel() for t in tensors.values()), model["name"],
-                  timm_call(model, out))
+                  timm_call(meta["config"], out))
 
 
 READ_ATTEMPTS = 3  # a run that saves every few seconds and keeps one checkpoint may remove each one export takes
