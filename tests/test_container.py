@@ -3,6 +3,7 @@ Containerfile, a busybox base whose python3, pip and vitctl only record their ar
 squashfs, the launch flags for pyxis, the version check at rank start and the no-JIT rule. The full image is built and
 tested by `make image image-test` (containers/README.md)."""
 
+import errno
 import io
 import json
 import os
@@ -317,14 +318,27 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_build(tmp_path, mon
         assert result.exit_code == 1 and "Traceback" not in result.stderr
         assert result.stderr == f"error: --out {tmp_path / out}: {tmp_path / blocker}, not a folder; move it away " \
                                 f"or choose another --out\n"
-    with monkeypatch.context() as patch:  # as a user without write access sees it (root's access is never denied)
-        patch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)
+    def denied(*args, dir, **kwargs):  # as a user without write access meets it (root's access is never denied)
+        raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(image.tempfile, "TemporaryFile", denied)
         result = vitctl("image", "build", "--dry-run", "--out", tmp_path / "img")
     assert result.exit_code == 1
     assert result.stderr == f"error: --out {tmp_path / 'img'}: this user may not write in {tmp_path}; choose " \
                             f"another --out, or give this user write access to {tmp_path}\n"
     assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "img").exists()
     ok("image", "build", "--dry-run", "--out", tmp_path / "img")
+    frozen = tmp_path / "frozen"  # was told to give this user (root) write access, which root has
+    frozen.mkdir()
+    if subprocess.run(["chattr", "+i", frozen], capture_output=True).returncode == 0:
+        try:
+            result = vitctl("image", "build", "--dry-run", "--out", frozen / "img")
+        finally:
+            subprocess.run(["chattr", "-i", frozen], check=True)
+        assert result.exit_code == 1 and f"cannot write in {frozen}: operation not permitted (an immutable folder, " \
+            f"with an i in `lsattr -d {frozen}`, needs `chattr -i {frozen}`)" in result.stderr, result.stderr
+        ok("image", "build", "--dry-run", "--out", frozen / "img")
 
 
 def test_missing_build_tools_are_a_clear_error(tmp_path, monkeypatch):

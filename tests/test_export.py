@@ -4,6 +4,7 @@ checkpoints of earlier versions."""
 import errno
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,22 @@ def test_out_in_a_folder_this_user_may_not_write_is_one_clear_line(micro_run, tm
             "there, or choose another --out") in result.stderr, result.stderr
     assert list(out.parent.iterdir()) == []
     ok("export", micro_run, "--out", tmp_path / "w.safetensors")
+
+
+def test_out_in_an_immutable_folder_is_told_the_flag_that_stops_root(micro_run, tmp_path):
+    """Before: `give this user write access there`, which root has; the immutable flag stopped the write."""
+    folder = tmp_path / "frozen"
+    folder.mkdir()
+    if subprocess.run(["chattr", "+i", folder], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        result = vitctl("export", micro_run, "--out", folder / "w.safetensors")
+    finally:
+        subprocess.run(["chattr", "-i", folder], check=True)
+    assert result.exit_code == 1 and f"cannot write in {folder}: operation not permitted; give this user write " \
+        "access there (an immutable folder, with an i in `lsattr -d PATH`, needs `chattr -i PATH`)" in \
+        " ".join(result.stderr.split()), result.stderr
+    ok("export", micro_run, "--out", folder / "w.safetensors")  # the fix followed
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")

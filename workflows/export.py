@@ -144,7 +144,8 @@ def _is_export(path: Path) -> bool:
 
 WRITE_FIXES = {
     errno.EACCES: "give this user write access there, or choose another --out",
-    errno.EPERM: "give this user write access there, or choose another --out",
+    errno.EPERM: "give this user write access there (an immutable folder, with an i in `lsattr -d PATH`, needs "
+                 "`chattr -i PATH`), or choose another --out",
     errno.EROFS: "choose an --out on a writable file system",
     errno.ENOSPC: "free space there, or choose an --out on another device",
     errno.EDQUOT: "free space within your quota, or choose an --out elsewhere",

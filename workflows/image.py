@@ -1,6 +1,7 @@
 """`vitctl image build`: containers/Containerfile built by buildah, then written as an OCI archive and as the squashfs
 that pyxis runs (`srun --container-image=/path/NAME.sqsh`), laid out as `enroot import` lays out its images."""
 
+import errno
 import gzip
 import json
 import logging
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -294,9 +296,23 @@ def check_request(request: ImageRequest) -> None:
         raise LaunchError(f"--out {request.out}: {what_it_is(blocker)}, not a folder; move it away or choose another "
                           "--out")
     existing = next(p for p in (out, *out.parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise LaunchError(f"--out {request.out}: this user may not write in {existing}; choose another --out, or give "
-                          f"this user write access to {existing}")
+    if problem := _unwritable(existing):
+        raise LaunchError(f"--out {request.out}: {problem}")
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why no file can be created in `folder`, with the fix; None where one can. Tried, not asked of os.access, which
+    tells neither a read-only mount nor an immutable folder from a lack of permission."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+        return None
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            return f"{folder} is on a read-only file system; choose an --out on a writable one"
+        if e.errno == errno.EPERM:
+            return (f"cannot write in {folder}: operation not permitted (an immutable folder, with an i in `lsattr -d "
+                    f"{folder}`, needs `chattr -i {folder}`); choose another --out, or clear the flag")
+        return f"this user may not write in {folder}; choose another --out, or give this user write access to {folder}"
 
 
 def check_apex_archive(archive: Path) -> None:
