@@ -71,8 +71,23 @@ def format_index(samples: list[list[Component]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_index(path: Path) -> list[list[Component]]:
+    """The samples of the index file `path`; DataError where it is not one (also where its bytes are not text)."""
+    data = path.read_bytes()
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        raise DataError(f"not an index file: byte {e.start} is not text (a damaged or foreign file)", str(path),
+                        _rebuild(str(path))) from None
+    return parse_index(text, str(path))
+
+
+def _rebuild(where: str) -> str:
+    return f"rebuild the folder's index files with `vitctl data index {shlex.quote(str(Path(where).parent))}`"
+
+
 def parse_index(text: str, where: str) -> list[list[Component]]:
-    rebuild = f"rebuild the folder's index files with `vitctl data index {shlex.quote(str(Path(where).parent))}`"
+    rebuild = _rebuild(where)
     lines = text.splitlines()
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != VERSION or not head[1].isdigit():

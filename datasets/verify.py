@@ -15,7 +15,7 @@ from PIL import Image, UnidentifiedImageError
 from . import manifest as mf
 from .errors import DataError
 from .images import PIL_ERRORS
-from .index import index_path, parse_index, shard_samples
+from .index import index_path, read_index, shard_samples
 from .lock import check_no_writer
 from .oserrors import os_errors_explained
 from .parallel import run_tasks
@@ -107,7 +107,7 @@ def _check_index(path: Path, samples: list, shard_size: int) -> list[str]:
     if not path.is_file():
         return [f"index {path.name} is missing"]
     try:
-        indexed = parse_index(path.read_text(), str(path))
+        indexed = read_index(path)
     except DataError as e:
         return [f"index {path.name}: {e.what}"]
     problems = []

@@ -47,6 +47,22 @@ def test_index_of_another_shard_is_caught(shards_copy):
     assert "an index of another shard" in result.output
 
 
+def test_an_index_of_bytes_that_are_not_text_is_named_by_verify_and_by_train(shards_copy, tmp_path):
+    """Before: a traceback ending in UnicodeDecodeError from verify, and from train's rank a line naming no file."""
+    index = shards_copy / "imagenet-train-000001.idx"
+    index.write_bytes(b"v1.2 \xab\xc0" + bytes(range(256)))
+    result = _verify(shards_copy)
+    assert result.exit_code == 1 and "Traceback" not in result.output + result.stderr
+    assert "FAIL imagenet-train-000001.tar: index imagenet-train-000001.idx: not an index file: byte 5 is not text " \
+        "(a damaged or foreign file)" in result.output
+    trained = vitctl("train", "--config", "demo_vit", "--data", shards_copy, "--out", tmp_path / "run", "--executor",
+                     "local", "--gpus", 0, "--steps", 1, "--set", "model.num_classes=5", "--batch", 4)
+    assert trained.exit_code == 1 and f"{index}: not an index file: byte 5 is not text" in trained.stderr
+    assert f"fix: rebuild the folder's index files with `vitctl data index {shards_copy}`" in trained.stderr
+    ok("data", "index", shards_copy)  # the fix
+    assert "FAIL" not in _verify(shards_copy).output
+
+
 def test_missing_index_and_missing_shard_are_caught(shards_copy):
     (shards_copy / "imagenet-val-000000.idx").unlink()
     (shards_copy / "imagenet-train-000003.tar").unlink()

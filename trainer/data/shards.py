@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from vitctl.datasets import manifest as mf
-from vitctl.datasets.index import index_path, parse_index
+from vitctl.datasets.index import index_path, read_index
 from vitctl.datasets.shard import shard_command
 
 from ..config import ConfigError
@@ -92,7 +92,7 @@ def read_table(folder: Path, shards: list[dict[str, Any]]) -> SampleTable:
         if not idx.exists():
             raise ConfigError(f"{idx} is missing; run `vitctl data index {shlex.quote(str(folder))}`")
         samples = [{ext: (offset, size) for ext, offset, size, _ in sample}
-                   for sample in parse_index(idx.read_text(), str(idx))]
+                   for sample in read_index(idx)]
         for number, parts in enumerate(samples):
             if "jpg" not in parts or "cls" not in parts:
                 raise ConfigError(f"{idx}: sample {number} has members {sorted(parts)}, not jpg and cls; "
