@@ -16,6 +16,7 @@ from .commands import Deferred, summary
 from .console import GivenPath, console, err_console
 
 wf = Deferred("vitctl.workflows.plan")
+PLANNING_ONLY = ("nodes", "memory_gib", "batch", "out", "profile")  # the options --profile-only has no use for
 
 
 class GiB(click.FloatRange):
@@ -54,6 +55,10 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     replicated weights and activation checkpointing) whose predicted memory fits --memory-gib per GPU, and write it
     for `vitctl train --plan OUT`."""
     if profile_only:
+        if unused := _unused_by_profile_only():
+            raise click.UsageError(f"--profile-only measures and caches this machine's profile, and plans nothing: it "
+                                   f"does not use {', '.join(unused)}; drop them to measure (a later `vitctl plan` "
+                                   f"reads the cached profile), or drop --profile-only to plan")
         if wf.local_device().type == "cpu":
             err_console.print("warning: this machine has no GPU: measuring its CPU, whose profile plans CPU ranks "
                               "only; to plan GPUs, run this on a GPU node", highlight=False, soft_wrap=True)
@@ -82,6 +87,14 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
         raise wf.ConfigError(_indivisible_batch(outcome))
     wf.write_plan(outcome, out)
     console.print(f"plan: {out}  (train with {_train_flags(outcome, out)})", highlight=False, soft_wrap=True)
+
+
+def _unused_by_profile_only() -> list[str]:
+    """The planning options given beside --profile-only, which measures with the model, image size and --gpus only:
+    ignored, --out would never be written."""
+    ctx = click.get_current_context()
+    return [param.opts[0] for param in ctx.command.params if param.name in PLANNING_ONLY
+            and ctx.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT]
 
 
 def _train_flags(outcome: wf.PlanOutcome, out: Path) -> str:

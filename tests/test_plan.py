@@ -519,6 +519,39 @@ def test_cli_fails_clearly_when_nothing_fits(tmp_path):
     assert out.exists()
 
 
+def test_cli_plans_at_the_least_memory_it_names_where_the_programme_rounds_it_out(tmp_path):
+    """Before: Swin-H on 2 GPUs named 10.54 GiB (pp2, every block dp, checkpoint full: 10.535), and refused 10.54 and
+    10.55: the dynamic programme rounds each block's memory up to a step of the budget, past its 5 MiB to spare."""
+    out, profile_path = tmp_path / "plan.json", SHIPPED / "NVIDIA_H200-torch2.11.0_cu130-swin_h-224.json"
+    args = lambda memory_gib: ("plan", "--model", "swin_h", "--gpus", 2, "--memory-gib", memory_gib,  # noqa: E731
+                               "--batch", 256, "--out", out, "--profile", profile_path)
+    result = vitctl(*args(0.5))
+    assert result.exit_code == 1 and not out.exists(), result.stderr
+    least = re.search(r"needs is (\d+(?:\.\d+)?) GiB \(.+\): pass --memory-gib \1 or more", result.stderr)
+    assert least, result.stderr
+    assert vitctl(*args(f"{float(least[1]) - 0.01:.2f}")).exit_code == 1 and not out.exists()
+    ok(*args(least[1]))
+    assert read_plan(out, ParallelConfig(), 48).pp == 2
+
+
+@pytest.mark.parametrize("extra", [["--out", "mine.json"], ["--profile", "p.json"], ["--memory-gib", 80],
+                                   ["--batch", 64], ["--nodes", 2],
+                                   ["--memory-gib", 80, "--batch", 64, "--out", "mine.json"]])
+def test_cli_refuses_planning_options_beside_profile_only_before_measuring(tmp_path, monkeypatch, extra):
+    """Before: exit 0 after minutes of measuring, each ignored (`--out mine.json` never written)."""
+    monkeypatch.chdir(tmp_path)
+    measuring = lambda *_: pytest.fail("measured before refusing the options")  # noqa: E731
+    monkeypatch.setattr("vitctl.workflows.plan.profile_only", measuring)
+    monkeypatch.setattr("vitctl.workflows.plan.local_device", measuring)
+    result = vitctl("plan", "--profile-only", "--model", "vit_mini", "--img-size", 32, "--gpus", 2, *extra)
+    named = [flag for flag in extra if str(flag).startswith("--")]
+    assert result.exit_code == 2, result.output + result.stderr
+    assert (f"--profile-only measures and caches this machine's profile, and plans nothing: it does not use "
+            f"{', '.join(named)}; drop them to measure (a later `vitctl plan` reads the cached profile), or drop "
+            f"--profile-only to plan") in " ".join(result.stderr.split()), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(("edit", "reason"), [
     # version 1 profiles measured FSDP without checkpointing only: read, they would mislead the search
     (('"version": 2', '"version": 1'), "profile version 1, this vitctl reads version 2"),
