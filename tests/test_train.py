@@ -300,6 +300,25 @@ def test_a_diverged_run_stops_unsaved_and_resuming_with_a_lower_lr_goes_on(tmp_p
     assert all(torch.isfinite(t).all() for t in final_weights(run).values())
 
 
+def test_a_checkpoint_whose_own_weights_diverge_is_named_and_moving_it_aside_goes_on(tmp_path):
+    """Before: `To go on from the last checkpoint, step-N, lower the learning rate`, for a checkpoint saved finite
+    but diverging (one update at lr 1e8): every lower rate diverged again from it, with the same advice."""
+    run = tmp_path / "run"
+    ok("train", "--out", run, *DIVERGING, "--steps", 3, "--set", "train.checkpoint_every=1")
+    args = ["train", "--out", run, *DIVERGING, "--resume", "--steps", 8, "--set", "train.checkpoint_every=1"]
+    error = the_error(vitctl(*args, "--set", "train.log_every=100", "--set", "optim.lr=1e8"))
+    step = int(re.search(r"Diverged: step (\d+): ", error)[1])
+    bad, before = run / f"checkpoints/step-{step - 1:08d}", run / f"checkpoints/step-{step - 2:08d}"
+    said = (f"The weights of the last checkpoint, {bad}, give that loss themselves: move it aside (mv {bad} "
+            f"{bad}.diverged) and rerun with --resume from the one before it, {before}; where this run's learning "
+            "rate made them diverge, lower the learning rate (--set optim.lr=..., now 1e+08) too")
+    assert said in error, error
+    assert said.replace("1e+08", "0.002") in the_error(vitctl(*args))  # from it at the usual rate, as the walk did
+    bad.rename(f"{bad}.diverged")  # the fix
+    ok(*args)
+    assert all(torch.isfinite(t).all() for t in final_weights(run).values())
+
+
 def test_a_run_diverged_before_its_first_checkpoint_saves_none_and_a_lower_lr_starts_it_again(tmp_path):
     """The loss is checked at a checkpoint step that is no log step too."""
     run = tmp_path / "run"

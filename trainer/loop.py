@@ -162,6 +162,8 @@ class Trainer:
             self._restore(checkpoints[-1])
         else:
             self.metrics.drop_after(0)  # an earlier attempt here that saved no checkpoint: this run redoes its steps
+        # the last step whose loss is known finite: it vouches for the weights up to the step before it
+        self.finite_through = self.position.step
         self._schedule()
 
     def _read_pretrained(self, model: nn.Module) -> Pretrained | None:
@@ -245,16 +247,30 @@ class Trainer:
         if loss_bad:
             raise self._diverged("the training loss is not finite")
         if weights_bad:
-            raise self._diverged("the weights hold non-finite values (inf or nan) after the update")
+            raise self._diverged("the weights hold non-finite values (inf or nan) after the update", from_loss=False)
+        self.finite_through = self.position.step
 
-    def _diverged(self, what: str) -> Diverged:
-        """The error that stops a diverged run, naming the way on: a lower learning rate, from the last checkpoint."""
+    def _diverged(self, what: str, from_loss: bool = True) -> Diverged:
+        """The error that stops a diverged run, naming the way on: a lower learning rate, from the last checkpoint, or
+        from the one before it where the last one's weights gave the non-finite loss (`from_loss`) themselves."""
         self.writer.wait()  # a save still in flight was checked before it began: publish it, it is the way on
         found, c = ckpt.list_checkpoints(self.run_dir), self.c
         lower = f"lower the learning rate (--set optim.lr=..., now {c.optim.lr:g})"
         if c.train.precision == "fp16":
             lower += " or use --precision bf16 (fp16 overflows where bf16 does not)"
-        if found:
+        last = int(ckpt.NAME.fullmatch(found[-1].name)[1]) if found else None
+        if last is not None and last >= self.finite_through:  # no finite loss came from its weights: they may be off
+            aside = (f"move it aside (mv {shlex.quote(str(found[-1]))} {shlex.quote(str(found[-1]))}.diverged) and "
+                     + (f"rerun with --resume from the one before it, {found[-2]}" if len(found) > 1 else
+                        "start again"))
+            if from_loss and self.position.step == last + 1:  # the loss of its very weights, whatever the rate
+                way = (f"The weights of the last checkpoint, {found[-1]}, give that loss themselves: {aside}; where "
+                       f"this run's learning rate made them diverge, {lower} too")
+            else:
+                way = (f"To go on from the last checkpoint, {found[-1]}, {lower} and rerun with --resume; no finite "
+                       f"loss has come from its weights, which may be diverging already: if it diverges again, "
+                       f"{aside}")
+        elif found:
             way = f"To go on from the last checkpoint, {found[-1]}, {lower} and rerun with --resume"
         else:
             way = f"No checkpoint was saved before it: {lower} and start again"
@@ -424,6 +440,7 @@ class Trainer:
                 loss = self._log(window)
                 if not math.isfinite(loss):  # here the loss is on the host already: no extra sync
                     raise self._diverged(f"the training loss is {loss} (not finite)")
+                self.finite_through = p.step
                 self.writer.poll()
             if stop:  # a signal leaves a grace time (Slurm's KillWait) for the checkpoint alone: no eval
                 vote.close()
