@@ -235,6 +235,24 @@ def test_an_index_of_another_shard_with_the_same_count_is_named_not_blamed_on_a_
     read_every_sample()
 
 
+def test_a_shard_damaged_in_place_is_named_damaged_not_blamed_on_its_index(shards_copy):
+    """Before: `X.idx does not describe this shard`, whose fix (`vitctl data index`) then failed on the damaged
+    header; only `verify` named the cause."""
+    table = read_table(shards_copy, split_shards(shards_copy, "train")[0])
+    shard, offset = Path(table.paths[0]), int(table.offset[(table.shard == 0).nonzero()[0][3]])
+    damaged = bytearray(shard.read_bytes())
+    damaged[offset - 512:offset + 512] = bytes(range(256)) * 4  # its tar header and its JPEG's first bytes
+    shard.write_bytes(bytes(damaged))
+    plan = EpochPlan(len(table), len(table), 0, 1, seed=0)
+    with pytest.raises(DataError) as raised:
+        next(TrainBatches(table, LoaderSpec(Recipe(32), 0, 0, torch.device("cpu"), "pil"), plan)(0, 0))
+    assert (raised.value.where, raised.value.what) == (str(shard), "damaged since it was sharded: its sha256 differs "
+            f"from the one manifest.json records, and no tar header precedes the sample at offset {offset}")
+    assert raised.value.fix.startswith(f"`vitctl data verify {shards_copy}` checks every shard")
+    verified = vitctl("data", "verify", shards_copy)  # the fix's first step names the shard
+    assert verified.exit_code == 1 and f"FAIL {shard.name}: sha256 differs from the manifest" in verified.output
+
+
 def _lose_a_class_and_an_image(root: Path) -> tuple[str, str]:
     """Remove train's first class folder and one image of its second; returns their WNIDs."""
     first, second = sorted(p.name for p in (root / "train").iterdir())[:2]

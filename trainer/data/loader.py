@@ -20,6 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
+from vitctl.datasets import manifest as mf
 from vitctl.datasets.errors import DataError
 from vitctl.datasets.images import PIL_ERRORS
 from vitctl.datasets.index import index_path
@@ -50,6 +51,16 @@ def _cut_short(shard: Path, offset: int, size: int) -> DataError:
     return DataError(f"cut short since the run started: the file is {shard.stat().st_size} bytes, and the sample at "
                      f"offset {offset} needs {offset + size}", str(shard),
                      f"{repair_advice(shard.parent)}; then --resume")
+
+
+def _damaged(shard: Path) -> bool:
+    """Whether the shard's bytes differ from the sha256 its folder's manifest records (False where none is recorded:
+    read once, on the way to an error)."""
+    try:
+        recorded = {e["name"]: e["sha256"] for _, e in mf.all_shards(mf.load(shard.parent) or {"splits": {}})}
+    except DataError:  # a manifest damaged too: its own check names it
+        return False
+    return shard.name in recorded and mf.file_sha256(shard) != recorded[shard.name]
 
 
 class ShardReader:
@@ -105,6 +116,10 @@ class ShardReader:
             member = None
         if offset >= tarfile.BLOCKSIZE and member is not None and member.size == size:
             return
+        if member is None and _damaged(shard):  # no header at all there: the shard's bytes, or another's index
+            raise DataError(f"damaged since it was sharded: its sha256 differs from the one manifest.json records, "
+                            f"and no tar header precedes the sample at offset {offset}", str(shard),
+                            f"{repair_advice(shard.parent)}; then --resume")
         index = index_path(shard)
         raise DataError(f"{index.name} does not describe this shard: no member of {size} bytes starts at offset "
                         f"{offset} (an index of another shard, or the shard was written again since)", str(shard),
