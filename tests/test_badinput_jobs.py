@@ -306,6 +306,15 @@ def test_a_running_job_s_eta_is_its_wall_clock_rate_since_warm_up_counted_down_b
     assert listed["state"] == "RUNNING" and 370 < listed["eta_s"] <= 380, listed
 
 
+def _go_on(run: Path) -> str:
+    """How a note on a job that ended without a word goes on: from the run's last checkpoint, or afresh (was left
+    out where a rank was killed and another lost it, and said of a last checkpoint where there was none)."""
+    found = ckpt.list_checkpoints(run)
+    if found:
+        return f"; --resume goes on from its last checkpoint ({found[-1].name})"
+    return "; it had saved no checkpoint: run the same command again to start afresh"
+
+
 def _rank_1_ended_by(out: Path, signum: int) -> tuple[str, list[str], str]:
     """A two-rank job whose rank 1 gets `signum` as it trains: its job id, vitctl's error lines, rank 1's log."""
     job = _start(out, 400)
@@ -322,7 +331,7 @@ def _rank_1_ended_by(out: Path, signum: int) -> tuple[str, list[str], str]:
 def test_a_killed_rank_is_named_not_the_rank_that_lost_its_connection_to_it(tmp_path):
     job_id, errors, log = _rank_1_ended_by(tmp_path / "run", signal.SIGKILL)
     assert errors == [f"error: job {job_id} failed: rank 1 ended without reporting an error (killed, or out of "
-                      f"memory?), and rank 0 then lost its connection to it; see {log}"]
+                      f"memory?), and rank 0 then lost its connection to it; see {log}{_go_on(tmp_path / 'run')}"]
 
 
 def test_a_rank_that_crashes_in_native_code_is_named_with_where_it_was(tmp_path):
@@ -330,8 +339,8 @@ def test_a_rank_that_crashes_in_native_code_is_named_with_where_it_was(tmp_path)
     memory?)`; now faulthandler writes the Python stack into the rank's log, and the error names its crash and place."""
     job_id, errors, log = _rank_1_ended_by(tmp_path / "run", signal.SIGSEGV)
     assert re.fullmatch(rf"error: job {job_id} failed: rank 1 crashed \(Segmentation fault\) in \w+ "
-                        rf"\(\w+\.py:\d+\), and rank 0 then lost its connection to it; see {re.escape(log)}",
-                        errors[0]), errors[0]
+                        rf"\(\w+\.py:\d+\), and rank 0 then lost its connection to it; see {re.escape(log)}"
+                        rf"{re.escape(_go_on(tmp_path / 'run'))}", errors[0]), errors[0]
     assert "Fatal Python error: Segmentation fault" in Path(log).read_text()
 
 
@@ -933,9 +942,9 @@ def test_a_job_that_could_not_report_for_a_full_or_read_only_disk_is_said_so(tmp
     else:
         monkeypatch.setattr(status.os, "access", lambda path, mode: False)
         why = f"{folder} takes no writes (a read-only file system, or no write access)"
-    assert status.failure(record) == (f"no rank could report an error: {why}; make room or write access, then "
-                                      f"--resume goes on from its last checkpoint (the log, maybe cut short: "
-                                      f"{folder}/1_0_log.err)")
+    assert status.failure(record) == (f"no rank could report an error: {why}; make room or write access (the log, "
+                                      f"maybe cut short: {folder}/1_0_log.err){_go_on(run)}")
+    assert "start afresh" in _go_on(run)  # this run saved none
 
 
 def test_a_job_killed_before_its_first_checkpoint_is_not_said_to_resume_from_one(tmp_path):

@@ -362,10 +362,10 @@ def failure(record: JobRecord) -> str:
     if silent and failures:
         crashed, fix = _crash(record, silent[0]) or ("ended without reporting an error (killed, or out of memory?)", "")
         return (f"rank {silent[0]} {crashed}, and rank {failures[0][0]} then lost its connection to it{fix}; see "
-                f"{log_paths(record, silent[0])[1]}")
+                f"{log_paths(record, silent[0])[1]}{_where_to_go_on(record)}")
     if unwritable := _unwritable(Path(record.folder)):  # the ranks write their results and logs there
-        return (f"no rank could report an error: {unwritable}; make room or write access, then --resume goes on "
-                f"from its last checkpoint (the log, maybe cut short: {log_paths(record, 0)[1]})")
+        return (f"no rank could report an error: {unwritable}; make room or write access (the log, maybe cut short: "
+                f"{log_paths(record, 0)[1]}){_where_to_go_on(record)}")
     log = log_paths(record, 0)[1]
     if not Path(record.run_dir).is_dir():  # its ranks' errors, results and logs went with it
         return (f"its run folder {record.run_dir} was moved or deleted while it ran: its ranks could not write "
