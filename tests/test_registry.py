@@ -397,9 +397,14 @@ def test_a_job_id_two_jobs_share_is_refused_where_one_job_is_meant_and_both_are_
     registry.add_record(record("4242", str(local)))
     result = vitctl("forget", "4242")
     assert result.exit_code == 1, result.output
-    assert (f"job 4242 names 2 jobs (a local job's id is its process id, which the system reuses and a Slurm job's "
-            f"id may equal): slurm ({slurm}), local ({local}); pass the full path of the run folder instead"
-            in " ".join(result.stderr.split()))
+    said = " ".join(result.stderr.split())
+    assert (f"job 4242 names 2 jobs (a local job's id is its process id, which a Slurm job's id may equal): slurm "
+            f"({slurm}), local ({local}); pass the full path of the run folder instead") in said, said
     assert [r.executor for r in registry.find_records("4242")] == ["slurm", "local"]  # status lists both
     assert ok("forget", local).output.startswith(f"forgot job 4242 (vit_micro-a, {local})\n")
     assert [r.run_dir for r in registry.load_records()] == [str(slurm)]
+    reused = tmp_path / "runs/later"  # a PID is reused once its job has ended: the newer local job is the one meant
+    registry.add_record(record("4242", str(reused)))
+    registry.add_record(record("4242", str(tmp_path / "runs/latest")))
+    registry.remove_records([r.key for r in registry.load_records() if r.executor == "slurm"])
+    assert [r.run_dir for r in registry.find_records("4242")] == [str(tmp_path / "runs/latest")]

@@ -155,7 +155,9 @@ def find_records(key: str) -> list[JobRecord]:
         raise UnknownJobError("the job is empty; give a job id or a run folder (`vitctl jobs` lists them)")
     records, where = load_records(), repr(key)
     if key and os.sep not in key and (by_id := [r for r in records if r.job_id == key]):
-        return list({r.run_dir: r for r in by_id}.values())  # several: a local PID that was once a Slurm id
+        # a local job's id is its PID: reused only once that job has ended, so the newest is the one meant; but a
+        # Slurm job's id may equal one, and then neither is
+        return list({r.run_dir: r for r in by_id}.values()) if len({r.executor for r in by_id}) > 1 else by_id[-1:]
     hint = "`vitctl jobs` lists the known ones"
     matches = []
     if os.sep in key or (key and Path(key).is_dir()):
@@ -243,9 +245,8 @@ def find_record(key: str) -> JobRecord:
     found = find_records(key)
     if len(found) > 1 and all(r.job_id == key for r in found):
         listed = ", ".join(f"{r.executor} ({r.run_dir})" for r in found)
-        raise UnknownJobError(f"job {key} names {len(found)} jobs (a local job's id is its process id, which the "
-                              f"system reuses and a Slurm job's id may equal): {listed}; pass the full path of the "
-                              f"run folder instead")
+        raise UnknownJobError(f"job {key} names {len(found)} jobs (a local job's id is its process id, which a Slurm "
+                              f"job's id may equal): {listed}; pass the full path of the run folder instead")
     if len(found) > 1:
         listed = ", ".join(f"{r.job_id or '(submitting)'} ({r.run_dir})" for r in found)
         raise UnknownJobError(f"{key!r} names the run folders of {len(found)} jobs in different places: {listed}; "
