@@ -190,9 +190,9 @@ def logs(job: str, rank: int, follow: bool) -> None:
         err_console.print(f"note: job {record.job_id} is {state.state}" + (f" ({state.note})" if state.note else "")
                           + f"; `vitctl logs {record.job_id} --follow` prints on until it ends", highlight=False,
                           soft_wrap=True)
-    elif live:  # followed to its end: how it ended, which the log's last lines need not say (a rank killed)
+    elif live or state.finished:  # how it ended, which the log's last lines need not say (a rank killed)
         ending = f"job {record.job_id} ended {state.state}" + (f": {state.note}" if state.note else "")
-        if state.state == "FAILED":
+        if live and state.state == "FAILED":  # followed to a failure: a script waiting on the job sees it
             raise LaunchError(ending)
         err_console.print(f"note: {ending}", highlight=False, soft_wrap=True)
 

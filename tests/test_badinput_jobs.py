@@ -452,7 +452,7 @@ def test_logs_of_a_job_whose_run_folder_is_gone_say_so_and_follow_does_not_wait(
         assert done.stderr.strip() == (
             f"error: the logs of job 1 (UNKNOWN) are gone: its folder {run}/submitit no longer exists (the run folder "
             "was moved or deleted); if you moved it, `vitctl logs NEW_PLACE` shows them and records where")
-    assert ok("logs", moved).output.endswith("vitctl.train: run\n")  # the fix, followed
+    assert ok("logs", moved).stdout.endswith("vitctl.train: run\n")  # the fix, followed
     assert registry.find_record("1").run_dir == str(moved)
 
 

@@ -193,7 +193,9 @@ def test_a_chained_traceback_in_a_rank_s_log_is_hidden_whole_and_the_log_lines_k
 
 @pytest.mark.slow
 def test_logs_merge_a_rank_s_stdout_and_stderr_in_time_and_name_the_ranks(finished_job):
-    shown = ok("logs", finished_job.job_id, "--rank", 1).output.splitlines()
+    result = ok("logs", finished_job.job_id, "--rank", 1)
+    shown = result.stdout.splitlines()
+    assert result.stderr == f"note: job {finished_job.job_id} ended COMPLETED\n"  # was no word of how it ended
     out, err = status.log_paths(finished_job, 1)
     assert shown[0] == f"==> rank 1 of job {finished_job.job_id}: {out} and {err.name}, merged by time <=="
     assert sorted(shown[1:]) == sorted(out.read_text().splitlines() + err.read_text().splitlines())
