@@ -11,7 +11,7 @@ from vitctl.datasets import extract as ex
 from vitctl.datasets import ilsvrc, manifest, valprep
 from vitctl.datasets.errors import count
 from vitctl.datasets.index import index_folder, unfinished_splits
-from vitctl.datasets.parallel import default_workers, termination_as_interrupt
+from vitctl.datasets.parallel import default_workers
 from vitctl.datasets.shard import ShardSpec, read_source, shard_split
 from vitctl.datasets.synth import LEAVES, MIN_CLASSES, SynthSpec, write_synthetic
 from vitctl.datasets.verify import verify as verify_folder
@@ -57,7 +57,6 @@ def some(names: list[str]) -> str:
 @click.group(short_help=summary("data"))
 def data() -> None:
     """Prepare ImageNet-1k: synth, extract, valprep, shard, index, verify."""
-    termination_as_interrupt()
 
 
 @data.command(short_help="Write a small dataset in the ILSVRC2012 archive formats.")

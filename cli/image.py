@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-from vitctl.datasets.parallel import termination_as_interrupt
 from vitctl.workflows import image as wf
 from vitctl.workflows.provenance import vitctl_version
 
@@ -17,7 +16,6 @@ from .console import GivenPath, console, err_console
 @click.group(short_help=summary("image"))
 def image() -> None:
     """The prebuilt container image (containers/)."""
-    termination_as_interrupt()  # a build stopped by `kill` or `timeout` removes the apex archive it staged
 
 
 @image.command()

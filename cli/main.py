@@ -16,7 +16,7 @@ with quiet_interrupt():
     from rich.markup import escape
 
     from vitctl.datasets.errors import DataError
-    from vitctl.datasets.parallel import hangup_as_interrupt, terminated
+    from vitctl.datasets.parallel import hangup_as_interrupt, terminated, termination_as_interrupt
     from vitctl.trainer.config import ConfigError
     from vitctl.workflows.errors import Interrupted, LaunchError
     from vitctl.workflows.process import skip_final_collection
@@ -99,6 +99,7 @@ def cli() -> None:
 def main() -> None:
     skip_final_collection()
     hangup_as_interrupt()
+    termination_as_interrupt()  # `kill`, `timeout`, a batch system: as Ctrl-C, also while a command loads (torch)
     try:
         cli()
     finally:  # the command has ended: a Ctrl-C now would only break the interpreter's shutdown with a traceback

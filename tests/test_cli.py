@@ -139,12 +139,13 @@ def test_too_small_a_shard_size_or_image_count_is_a_usage_error_that_names_the_b
     assert sorted(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_while_vitctl_loads_exits_130_with_one_line(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])  # SIGTERM: was exit 143 without a word
+def test_ctrl_c_or_sigterm_while_vitctl_loads_exits_130_with_one_line(tmp_path, signum):
     args = [str(Path(sys.executable).parent / "vitctl"), "train", "--config", "demo_vit", "--out", str(tmp_path / "r"),
             "--executor", "local", "--gpus", "0", "--dry-run"]
     proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)  # Python is up; loading the train command (torch) takes seconds more
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signum)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
