@@ -70,14 +70,18 @@ def test_a_time_limit_within_slurms_warning_is_refused_before_submission(tmp_pat
 
 @pytest.mark.slurm
 def test_a_container_image_on_a_cluster_without_pyxis_is_refused_before_submission(tmp_path, cluster):
-    """Before: submitted; every rank failed at srun's usage error, and status guessed 'killed, or out of memory?'."""
+    """Before: submitted; every rank failed at srun's usage error, and status guessed 'killed, or out of memory?'. A
+    dry run warns instead: its script may be meant for another cluster (it was refused too)."""
     image = "nvcr.io#nvidia/pytorch:25.10-py3"
-    for dry_run in ((), ("--dry-run",)):
-        said = refused(*SLURM, "--time", 10, "--out", tmp_path / "run", "--container-image", image, *dry_run)
-        assert said == (f"error: --container-image {image} runs each rank in the image through pyxis, an srun plugin "
-                        "this cluster lacks (`srun --help` lists no --container-image): drop --container-image to run "
-                        "in this environment, or use a cluster with pyxis and enroot\n"), said
+    problem = (f"--container-image {image} runs each rank in the image through pyxis, an srun plugin this cluster "
+               "lacks (`srun --help` lists no --container-image): drop --container-image to run in this environment, "
+               "or use a cluster with pyxis and enroot")
+    said = refused(*SLURM, "--time", 10, "--out", tmp_path / "run", "--container-image", image)
+    assert said == f"error: {problem}\n", said
     assert registry.load_records() == [] and not (tmp_path / "run").exists()
+    script = ok("train", *SLURM, "--time", 10, "--out", tmp_path / "run", "--container-image", image, "--dry-run")
+    assert f"warning: {problem}; the script's ranks would fail on this cluster" in " ".join(script.stderr.split())
+    assert f"--container-image={image}" in script.stdout and registry.load_records() == []
     ok("train", *SLURM, "--time", 10, "--out", tmp_path / "run", "--dry-run")  # the fix, followed
 
 

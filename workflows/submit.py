@@ -310,9 +310,9 @@ def _mem_problem(mem: str | None, partition: str) -> str | None:
             f"ask for --mem {largest}M or less")
 
 
-def validate_slurm(request: LaunchRequest) -> tuple[str, int]:
-    """Check the request against the cluster before anything is submitted; returns the partition used and its CPUs
-    per node (its smallest node's)."""
+def validate_slurm(request: LaunchRequest, images_checked: bool = True) -> tuple[str, int]:
+    """Check the request against the cluster before anything is submitted (with `images_checked`, that its srun runs
+    --container-image); returns the partition used and its CPUs per node (its smallest node's)."""
     if not shutil.which("sbatch"):
         raise ConfigError("--executor slurm: no sbatch on PATH (use --executor local to run on this machine)")
     partitions = _sinfo_partitions()
@@ -336,13 +336,20 @@ def validate_slurm(request: LaunchRequest) -> tuple[str, int]:
         problems.append(f"--time {request.time} exceeds partition {name}'s limit of {part['limit']} minutes")
     if mem := _mem_problem(request.mem, name):
         problems.append(mem)
-    if request.container_image and not _srun_takes_images():
-        problems.append(f"--container-image {request.container_image} runs each rank in the image through pyxis, "
-                        "an srun plugin this cluster lacks (`srun --help` lists no --container-image): drop "
-                        "--container-image to run in this environment, or use a cluster with pyxis and enroot")
+    if images_checked and (problem := container_image_problem(request)):
+        problems.append(problem)
     if problems:
         raise ConfigError("; ".join(problems))
     return name, part["cpus"]
+
+
+def container_image_problem(request: LaunchRequest) -> str | None:
+    """Why this cluster cannot run the request's --container-image, or None."""
+    if not request.container_image or _srun_takes_images():
+        return None
+    return (f"--container-image {request.container_image} runs each rank in the image through pyxis, an srun plugin "
+            "this cluster lacks (`srun --help` lists no --container-image): drop --container-image to run in this "
+            "environment, or use a cluster with pyxis and enroot")
 
 
 def _srun_takes_images() -> bool:

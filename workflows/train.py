@@ -47,6 +47,7 @@ from .submit import (
     check_run_dir,
     check_time,
     command_line,
+    container_image_problem,
     cpus_warning,
     default_executor,
     local_cpus_warning,
@@ -141,12 +142,14 @@ def _checked_against_cluster(request: LaunchRequest, dry_run: bool, echo) -> int
     """The request checked against the cluster's partitions; returns a node's CPUs. A dry run away from any cluster,
     or while its controller does not answer, prints the script unchecked."""
     try:
-        partition, node_cpus = validate_slurm(request)
+        partition, node_cpus = validate_slurm(request, images_checked=not dry_run)
     except LaunchError as e:
         if not dry_run:
             raise
         echo(f"warning: the request was not checked against the cluster: {e}")
         return None
+    if dry_run and (problem := container_image_problem(request)):  # the script may be meant for another cluster
+        echo(f"warning: {problem}; the script's ranks would fail on this cluster")
     if warning := availability_warning(request, partition):
         echo(f"warning: {warning}")
     return node_cpus
