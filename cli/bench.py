@@ -31,12 +31,14 @@ def bench() -> None:
 
 
 @bench.command(name="train")
-@click.option("--model", "model_name", type=click.Choice(list(MODELS)), default="vit_b16", show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
+@click.option("--model", "model_name", type=click.Choice(list(MODELS)), default="vit_b16", show_default=True,
+              help="Model to time (random weights, synthetic images).")
+@click.option("--batch", type=click.IntRange(min=1), default=256, show_default=True, help="Images a step.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+              help="Mixed precision of our rows.")
 @click.option("--precisions", callback=_precision_list, metavar="P1,P2,...",
               help=f"Several of {', '.join(PRECISIONS)}, comma-separated: the memory / speed table per precision.")
-@click.option("--compile/--no-compile", "compile_", default=False)
+@click.option("--compile/--no-compile", "compile_", default=False, help="torch.compile our model.")
 @click.option("--compile-mode", type=click.Choice(list(COMPILE_MODES)), default="default", show_default=True,
               help="torch.compile mode for our rows; reduce-overhead replays the step as CUDA graphs.")
 @click.option("--fused", default="all", show_default=True, help="all, none, or comma-separated seams.")
@@ -44,9 +46,11 @@ def bench() -> None:
 @click.option("--timm-setting", type=click.Choice(["strongest", "same"]), default="strongest", show_default=True,
               help="strongest: bf16 + compile + fused attention, under each compile mode (the faster is the baseline); "
                    "same: our precision and compile flags.")
-@click.option("--img-size", type=click.IntRange(min=32), default=224, show_default=True)
-@click.option("--steps", type=click.IntRange(min=5), default=30, show_default=True)
-@click.option("--warmup", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--img-size", type=click.IntRange(min=32), default=224, show_default=True, help="Image side, pixels.")
+@click.option("--steps", type=click.IntRange(min=5), default=30, show_default=True,
+              help="Timed steps; the figures are their medians.")
+@click.option("--warmup", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Steps run before timing (compiling, autotuning).")
 def train_bench(model_name, batch, precision, precisions, compile_, compile_mode, fused, compare, timm_setting,
                 img_size, steps, warmup) -> None:
     """Images/s, ms/step, peak memory and MFU of a training step."""
