@@ -247,15 +247,15 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
 def _plan_of_the_run(plan: Path, run_dir: Path) -> str:
     """A copy of the plan in the run folder, named by its content, for the job's ranks and requeues to read: the plan
     file itself may be written again (`vitctl plan --out`) while the job waits, unchecked."""
-    data = plan.read_bytes()
-    copy = run_dir / f"plan-{hashlib.sha256(data).hexdigest()[:12]}.json"
     try:
+        data = plan.read_bytes()
+        copy = run_dir / f"plan-{hashlib.sha256(data).hexdigest()[:12]}.json"
         if not copy.exists():
             with atomic_open(copy) as f:
                 f.write(data)
     except OSError as e:
-        raise ConfigError(f"the plan could not be copied into run folder {run_dir} ({e.strerror}); free space there, "
-                          "or choose another --out") from None
+        raise ConfigError(f"parallel.plan {plan} could not be copied into run folder {run_dir} ({e.strerror}); free "
+                          "space there, or choose another --out") from None
     return str(copy)
 
 
