@@ -112,6 +112,24 @@ def test_ctrl_c_sigterm_or_a_hangup_stops_a_local_job_with_a_checkpoint_and_resu
         assert steps[-1]["step"] == 40 and any(s.get("event") == "resume" for s in steps)
 
 
+@pytest.mark.slow
+def test_sigterm_while_a_local_job_is_submitted_stops_the_job_it_started(tmp_path):
+    """Before: SIGTERM in the instant the job's controller started (its folder just made) ended vitctl, `interrupted`
+    and 130, while the job trained on unseen."""
+    out = tmp_path / "run"
+    job = _start(out, 400)
+    deadline = time.monotonic() + 120
+    while not (out / "submitit").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    os.kill(job.pid, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 130 and "Traceback" not in stderr, stderr
+    record = registry.find_record(str(out))
+    assert record.job_id and stderr.splitlines()[-1].startswith(f"interrupted: job {record.job_id} was stopped"), \
+        stderr
+    assert not Path(f"/proc/{record.job_id}").exists() and not status.state_of(record).live  # nothing runs on
+
+
 def _stop_twice(tmp_path, monkeypatch, first_signals, second_signal: int | None) -> list[str]:
     """`wait_local` of a fake job: the first `follow` receives `first_signals` at once (blocked, then let through
     together), and the cancel receives `second_signal`; the job ids asked to stop."""

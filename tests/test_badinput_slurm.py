@@ -5,6 +5,7 @@ over a job Slurm does not know, a run folder moved away."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,31 @@ def test_a_request_sbatch_refuses_is_one_line_and_leaves_no_job(tmp_path):
     ok("train", *RUN, "--steps", 2, "--time", 10, "--out", out, "--mem", "1000M")  # the fix, followed
     job = registry.load_records()[-1].job_id
     assert wait_for(job, status.TERMINAL) == "COMPLETED"
+
+
+def test_sigterm_while_sbatch_submits_names_the_job_it_submitted(tmp_path):
+    """Before: `interrupted`, exit 130, and a job that ran on with no id in the list (its ranks waiting for a pickle
+    never put in place): status said UNKNOWN, cancel `job  ... nothing to cancel`; only scancel ended it."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    sbatch = shutil.which("sbatch")  # a slow one: the signal comes while it submits
+    (tools / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/sbatch-called\nsleep 3\nexec {sbatch} \"$@\"\n")
+    (tools / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}"}
+    out = tmp_path / "run"
+    vitctl_train = subprocess.Popen([Path(sys.executable).parent / "vitctl", "train", *map(str, RUN), "--steps", "2",
+                                     "--time", "10", "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "sbatch-called").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    vitctl_train.send_signal(signal.SIGTERM)  # to vitctl alone (`kill PID`): sbatch goes on
+    _, stderr = vitctl_train.communicate(timeout=60)
+    job = registry.find_record(str(out)).job_id
+    assert vitctl_train.returncode == 130 and job, stderr
+    assert stderr.splitlines()[-1] == (f"interrupted: job {job} was submitted before the interrupt came, and Slurm "
+                                       f"runs it: `vitctl cancel {job}` stops it"), stderr
+    assert wait_for(job, status.TERMINAL) == "COMPLETED"  # a job submitted whole: its ranks found their pickle
 
 
 def test_more_memory_than_a_node_has_is_refused_before_submission_and_in_a_dry_run(tmp_path):

@@ -547,8 +547,11 @@ def claim_run_dir(record: JobRecord) -> None:
         records.append(record)
 
 
-def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str]) -> tuple[JobRecord, Any]:
-    """Submit the job, recorded in the registry before it is submitted (so that no crash leaves it untracked)."""
+def submit(job: TrainJob, request: LaunchRequest, name: str,
+           command: list[str]) -> tuple[JobRecord, Any, int | None]:
+    """Submit the job, recorded in the registry before it is submitted (so that no crash leaves it untracked); with
+    the stop signal that came meanwhile, held until its id is recorded (a local job's waiter takes it then). A Slurm
+    job so submitted is named in an Interrupted error."""
     folder = job.run_dir / SUBMITIT_FOLDER
     host, pid_namespace = pid_space() if request.executor == "local" else (None, None)
     record = JobRecord("", request.executor, name, str(job.run_dir), str(folder), request.nodes, request.tasks,
@@ -556,9 +559,25 @@ def submit(job: TrainJob, request: LaunchRequest, name: str, command: list[str])
                        host=host, pid_namespace=pid_namespace,
                        max_requeues=request.max_requeues if request.executor == "slurm" else None)
     claim_run_dir(record)
+    with _stops_held(request.executor == "local") as held:
+        try:
+            record, submitted = _submitted(job, request, name, record, folder)
+        except LaunchError:
+            if held.received is None:
+                raise
+            raise KeyboardInterrupt from None  # a Ctrl-C reaches sbatch too: it ended, and nothing was submitted
+    if held.received is not None and request.executor == "slurm":
+        raise Interrupted(f"job {record.job_id} was submitted before the interrupt came, and Slurm runs it: `vitctl "
+                          f"cancel {record.job_id}` stops it")
+    return record, submitted, held.received
+
+
+def _submitted(job: TrainJob, request: LaunchRequest, name: str, record: JobRecord,
+               folder: Path) -> tuple[JobRecord, Any]:
+    """The job submitted, and its record with its id; LaunchError (the record removed) where it could not be."""
     try:
         # submitit prints sbatch's stderr before it raises, and the error below repeats it in one line.
-        with _terminal_interrupts_ignored(request.executor == "local"), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()):
             submitted = make_executor(request, folder, name, job.config).submit(TrainTask(job, request))
     except submitit.core.utils.FailedJobError as e:  # sbatch's refusal, its stderr as the message
         registry.remove_records({record.key})  # else the next command settles it as the FAILED job sacct records
@@ -586,16 +605,27 @@ def _sbatch_errors(stderr: str) -> str:
 TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP)
 
 
+class _Held:
+    received: int | None = None
+
+    def note(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signum
+
+
 @contextlib.contextmanager
-def _terminal_interrupts_ignored(active: bool) -> Iterator[None]:
-    """Processes started in the block ignore the terminal's signals: an ignored signal stays ignored across exec, and
-    Python then raises no KeyboardInterrupt. A Ctrl-C or a hangup, sent to the terminal's whole process group, so
-    reaches only this vitctl, which stops the local job the way `vitctl cancel` does (wait_local); without this,
-    submitit's controller printed its traceback and killed the ranks before they could checkpoint (a hangup killed
-    them all at once)."""
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in TERMINAL_SIGNALS} if active else {}
+def _stops_held(local: bool) -> Iterator[_Held]:
+    """Stop signals in the block are noted, not acted on: an interrupt between the submission and the record of its
+    job id left a job running that no vitctl could see or stop. A local job's controller, started in the block,
+    ignores the terminal's signals (an ignored signal stays ignored across exec): a Ctrl-C or a hangup, sent to the
+    terminal's whole process group, so reaches only this vitctl, which stops the job as `vitctl cancel` does
+    (wait_local); without it, submitit's controller printed its traceback and killed the ranks before they could
+    checkpoint. Those two are then lost within the block, as the controller's start is short."""
+    held = _Held()
+    handlers = {signum: signal.SIG_IGN if local else held.note for signum in TERMINAL_SIGNALS}
+    previous = {signum: signal.signal(signum, handler) for signum, handler in {**handlers,
+                                                                               signal.SIGTERM: held.note}.items()}
     try:
-        yield
+        yield held
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -661,16 +691,20 @@ class TracebackFilter:
         return held
 
 
-def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None]) -> dict[str, Any]:
+def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None],
+               stopped_already: bool = False) -> dict[str, Any]:
     """Follow rank 0's log until a local job ends; rank 0's result, or LaunchError saying why it did not end well.
-    Ctrl-C, SIGTERM or a hangup stops the job as `vitctl cancel` does (its ranks checkpoint) and raises Interrupted
-    once it has ended; a second one leaves it stopping on its own."""
+    Ctrl-C, SIGTERM or a hangup (or one held while the job was submitted: `stopped_already`) stops the job as `vitctl
+    cancel` does (its ranks checkpoint) and raises Interrupted once it has ended; a second one leaves it stopping on
+    its own."""
     log, interrupted = LogTail([log_paths(record, 0)[1]]), False
     stops = _stop_handlers()
     previous = {signum: signal.signal(signum, functools.partial(_first_stop, handler))
                 for signum, handler in stops.items()}
     try:
         try:
+            if stopped_already:
+                raise KeyboardInterrupt
             _follow(submitted, record, log, echo)
         except KeyboardInterrupt:  # the stop signals are ignored from here until the job has been asked to stop
             interrupted = True

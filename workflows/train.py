@@ -238,9 +238,9 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
         return None
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
     job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
-    record, submitted = submit(job, request, name, command_line())
+    record, submitted, stop = submit(job, request, name, command_line())
     if request.executor == "local":
-        wait_local(submitted, record, echo)
+        wait_local(submitted, record, echo, stopped_already=stop is not None)
     return record
 
 
