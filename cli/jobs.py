@@ -192,7 +192,7 @@ def logs(job: str, rank: int, follow: bool) -> None:
                           soft_wrap=True)
     elif live or state.finished:  # how it ended, which the log's last lines need not say (a rank killed)
         ending = f"job {record.job_id} ended {state.state}" + (f": {state.note}" if state.note else "")
-        if live and state.state == "FAILED":  # followed to a failure: a script waiting on the job sees it
+        if follow and state.state == "FAILED":  # a script that waits on the job sees it, ended before or after
             raise LaunchError(ending)
         err_console.print(f"note: {ending}", highlight=False, soft_wrap=True)
 

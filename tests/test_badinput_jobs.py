@@ -590,6 +590,9 @@ def test_logs_follow_ends_saying_how_the_job_ended(tmp_path):
     _, stderr = follower.communicate(timeout=60)
     assert follower.returncode == 1 and stderr.startswith(f"error: job {record.job_id} ended FAILED: no rank reported "
                                                           "an error (killed, or out of memory?)"), stderr
+    again = vitctl("logs", record.job_id, "--follow")  # once it has ended: the same (was exit 0, a note)
+    assert again.exit_code == 1 and again.stderr.startswith(f"error: job {record.job_id} ended FAILED: "), again.stderr
+    assert ok("logs", record.job_id).stderr.startswith(f"note: job {record.job_id} ended FAILED: ")  # not followed
 
 
 def test_logs_of_a_live_job_without_follow_says_it_runs_on_not_that_it_ended(tmp_path):
