@@ -368,8 +368,14 @@ def test_a_job_vitctl_did_not_submit_is_told_where_to_watch_it(home, tmp_path):
     assert f"or forgotten (`vitctl forget`: its logs stay in {run}/submitit)" in result.stderr
     assert "holds a run" not in vitctl("status", tmp_path / "runs/none").stderr
     (run / "job-410.yaml").unlink()  # slurm/*.sbatch writes none: the id is the one its rank 0 left in the lock
-    (run / "job.lock").write_text('{"job": "412", "pid": 7, "host": "n1", "since": 0}')
+    (run / "job.lock").write_text('{"job": "412", "executor": "slurm", "pid": 7, "host": "n1", "since": 0}')
     assert "`squeue -j 412`, `sacct -j 412`, `scancel 412`" in " ".join(vitctl("logs", run).stderr.split())
+    # a local job's id is a process id, which scancel would take for another job's (was: Slurm's commands named)
+    (run / "job.lock").write_text('{"job": "23904", "executor": "local", "pid": 23910, "host": "vm", "since": 0}')
+    said = " ".join(vitctl("logs", run).stderr.split())
+    assert f"{run} holds a run none of whose jobs is in the list: local job 23904 (on vm) trained there last, and " \
+        f"was forgotten (`vitctl forget`) or started under another VITCTL_HOME; its logs stay in {run}/submitit" in \
+        said and "scancel" not in said, said
 
 
 def test_forget_finds_a_moved_run_folder_and_refuses_a_name_of_several(home, tmp_path):

@@ -70,8 +70,10 @@ def holding(run_dir: Path) -> Iterator[None]:
                 raise in_use(run_dir, describe(other), other.get("job"))
             time.sleep(0.2)
         f.truncate(0)
-        f.write(json.dumps({"job": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
-                            "pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        slurm = os.environ.get("SLURM_JOB_ID")
+        f.write(json.dumps({"job": slurm or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+                            "executor": "slurm" if slurm else "local", "pid": os.getpid(),
+                            "host": socket.gethostname(), "since": time.time()}))
         f.flush()
         yield
 
