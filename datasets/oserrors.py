@@ -2,6 +2,7 @@
 
 import errno
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,8 +13,7 @@ from .errors import DataError
 _RERUN = "then rerun the same command: it keeps what is finished"
 _EXPLAINED = {
     errno.EACCES: ("permission denied", "give this user access to it, or use another folder"),
-    errno.EPERM: ("operation not permitted", "give this user access to it (an immutable file or folder, with an i in "
-                  "`lsattr -d PATH`, needs `chattr -i PATH`), or use another folder"),
+    errno.EPERM: ("operation not permitted", "give this user access to it, or use another folder"),  # see _immutable
     errno.EROFS: ("read-only file system", "write to a folder on a writable file system"),
     errno.ENOSPC: ("no space left on the device", f"free space there or use a folder on another device, {_RERUN}"),
     errno.EDQUOT: ("disk quota exceeded", f"free space within your quota, {_RERUN}"),
@@ -26,7 +26,16 @@ def as_data_error(e: OSError, folder: Path) -> DataError:
     if e.filename is None:  # a failed write() names no file
         return DataError(what, str(folder), fix)
     where = _written(str(e.filename)) if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+    if e.errno == errno.EPERM and e.filename2 is None:
+        fix = _immutable(Path(where))
     return DataError(what, where, fix)
+
+
+def _immutable(path: Path) -> str:
+    """EPERM's fix for `path` where root meets it: the immutable flag of it, or of the folder it would be made in."""
+    flagged = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
+    return (f"give this user access to it (an immutable file or folder, with an i in `lsattr -d {flagged}`, needs "
+            f"`chattr -i {flagged}`), or use another folder")
 
 
 def _written(filename: str) -> str:
@@ -35,6 +44,23 @@ def _written(filename: str) -> str:
     if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
         return os.path.join(folder, name[1:-len(PARTIAL_SUFFIX)])
     return filename
+
+
+def write_refusal(path: Path) -> str | None:
+    """Why no file can be created at `path` (a file to write; tried in the nearest folder of it that exists: os.access
+    tells neither a read-only mount nor an immutable folder from a lack of permission), with its fix; None where one
+    can."""
+    folder = next(p for p in path.absolute().parents if p.exists())
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+        return None
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            return f"{folder} is on a read-only file system"
+        if e.errno == errno.EPERM:
+            return (f"{folder} takes no new files: operation not permitted (an immutable folder, with an i in "
+                    f"`lsattr -d {folder}`, needs `chattr -i {folder}`)")
+        return f"this user may not write in {folder} (give this user write access to {folder})"
 
 
 def file_in_the_way(path: Path) -> Path | None:

@@ -322,11 +322,11 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_build(tmp_path, mon
         raise PermissionError(errno.EACCES, "Permission denied", str(dir))
 
     with monkeypatch.context() as patch:
-        patch.setattr(image.tempfile, "TemporaryFile", denied)
+        patch.setattr("tempfile.TemporaryFile", denied)
         result = vitctl("image", "build", "--dry-run", "--out", tmp_path / "img")
     assert result.exit_code == 1
-    assert result.stderr == f"error: --out {tmp_path / 'img'}: this user may not write in {tmp_path}; choose " \
-                            f"another --out, or give this user write access to {tmp_path}\n"
+    assert result.stderr == f"error: --out {tmp_path / 'img'}: this user may not write in {tmp_path} (give this " \
+                            f"user write access to {tmp_path}); choose another --out\n"
     assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "img").exists()
     ok("image", "build", "--dry-run", "--out", tmp_path / "img")
     frozen = tmp_path / "frozen"  # was told to give this user (root) write access, which root has
@@ -336,8 +336,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_build(tmp_path, mon
             result = vitctl("image", "build", "--dry-run", "--out", frozen / "img")
         finally:
             subprocess.run(["chattr", "-i", frozen], check=True)
-        assert result.exit_code == 1 and f"cannot write in {frozen}: operation not permitted (an immutable folder, " \
-            f"with an i in `lsattr -d {frozen}`, needs `chattr -i {frozen}`)" in result.stderr, result.stderr
+        assert result.exit_code == 1 and f"{frozen} takes no new files: operation not permitted (an immutable " \
+            f"folder, with an i in `lsattr -d {frozen}`, needs `chattr -i {frozen}`)" in result.stderr, result.stderr
         ok("image", "build", "--dry-run", "--out", frozen / "img")
 
 

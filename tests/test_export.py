@@ -183,13 +183,14 @@ def test_out_in_an_immutable_folder_is_told_the_flag_that_stops_root(micro_run, 
     folder.mkdir()
     if subprocess.run(["chattr", "+i", folder], capture_output=True).returncode:
         pytest.skip("chattr +i is not available on this filesystem")
-    try:
-        result = vitctl("export", micro_run, "--out", folder / "w.safetensors")
+    try:  # also into a folder to be made in it: the immutable one is named (was: the one that did not exist)
+        results = [vitctl("export", micro_run, "--out", folder / name) for name in ("w.safetensors", "a/w.safetensors")]
     finally:
         subprocess.run(["chattr", "-i", folder], check=True)
-    assert result.exit_code == 1 and f"cannot write in {folder}: operation not permitted; give this user write " \
-        "access there (an immutable folder, with an i in `lsattr -d PATH`, needs `chattr -i PATH`)" in \
-        " ".join(result.stderr.split()), result.stderr
+    for result in results:
+        assert result.exit_code == 1 and f"{folder} takes no new files: operation not permitted (an immutable " \
+            f"folder, with an i in `lsattr -d {folder}`, needs `chattr -i {folder}`); choose another --out" in \
+            " ".join(result.stderr.split()), result.stderr
     ok("export", micro_run, "--out", folder / "w.safetensors")  # the fix followed
 
 

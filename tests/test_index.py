@@ -222,6 +222,6 @@ def test_an_immutable_folder_that_lacks_an_index_names_the_index_and_the_way_to_
         subprocess.run(["chattr", "-i", shards_copy], check=True)
     assert result.exit_code == 1, result.output
     assert f"error: {missing}: operation not permitted\n" in result.stderr
-    assert "needs `chattr -i PATH`" in result.stderr and ".partial" not in result.stderr
+    assert f"needs `chattr -i {shards_copy}`" in result.stderr and ".partial" not in result.stderr
     ok("data", "index", shards_copy)
     assert missing.exists()

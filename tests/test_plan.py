@@ -4,13 +4,14 @@ plan file it writes, the profiler on CPU (blocks, and collectives among gloo ran
 from a saved profile."""
 
 import dataclasses
+import errno
 import functools
 import itertools
 import json
 import random
 import re
+import subprocess
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -723,12 +724,24 @@ def test_cli_says_which_folder_it_may_not_write(tmp_path, monkeypatch):
 def test_cli_refuses_an_out_folder_it_may_not_write_before_searching(tmp_path, monkeypatch):
     profile_path, out = tmp_path / "profile.json", tmp_path / "plans" / "plan.json"
     profile_path.write_text(hand_made_profile().to_json())
-    with monkeypatch.context() as patch:  # as a user without write access sees it (root's access is never denied)
-        patch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)
+    def denied(*args, dir, **kwargs):  # as a user without write access meets it (root's access is never denied)
+        raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+
+    with monkeypatch.context() as patch:
+        patch.setattr("tempfile.TemporaryFile", denied)
         result = vitctl(*_plan_args(profile_path, out, 80))
     assert result.exit_code == 1 and "searched plan" not in result.output
-    assert result.stderr == f"error: cannot write the plan {out}: this user may not write in {tmp_path}; choose " \
-                            f"another --out, or give this user write access to {tmp_path}\n"
+    assert result.stderr == f"error: cannot write the plan {out}: this user may not write in {tmp_path} (give this " \
+                            f"user write access to {tmp_path}); choose another --out\n"
+    frozen = tmp_path / "frozen"  # was told to give root write access, which it has
+    frozen.mkdir()
+    if subprocess.run(["chattr", "+i", frozen], capture_output=True).returncode == 0:
+        try:
+            result = vitctl(*_plan_args(profile_path, frozen / "plan.json", 80))
+        finally:
+            subprocess.run(["chattr", "-i", frozen], check=True)
+        assert f"{frozen} takes no new files: operation not permitted (an immutable folder, with an i in `lsattr -d " \
+            f"{frozen}`, needs `chattr -i {frozen}`); choose another --out" in " ".join(result.stderr.split())
 
 
 # A local dry run of vit_micro (4 blocks) on one rank: read_plan runs in preflight, before anything is launched

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save
 
 from vitctl.datasets.atomic import atomic_open
-from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is
+from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is, write_refusal
 from vitctl.trainer.checkpoint import consolidated, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
@@ -144,9 +144,6 @@ def _is_export(path: Path) -> bool:
 
 WRITE_FIXES = {
     errno.EACCES: "give this user write access there, or choose another --out",
-    errno.EPERM: "give this user write access there (an immutable folder, with an i in `lsattr -d PATH`, needs "
-                 "`chattr -i PATH`), or choose another --out",
-    errno.EROFS: "choose an --out on a writable file system",
     errno.ENOSPC: "free space there, or choose an --out on another device",
     errno.EDQUOT: "free space within your quota, or choose an --out elsewhere",
 }
@@ -159,6 +156,8 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         with atomic_open(out) as f:
             f.write(save(tensors, metadata))
     except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and (refusal := write_refusal(out)):
+            raise ConfigError(f"--out {out}: {refusal}; choose another --out") from None
         what, fix = as_data_error(e, out.parent).what, WRITE_FIXES.get(e.errno, "choose another --out")
         if e.errno == errno.ENOENT and out.parent.is_dir():
             what = "its file system takes no new files (a virtual one, as /proc and /sys are)"

@@ -1,7 +1,6 @@
 """`vitctl image build`: containers/Containerfile built by buildah, then written as an OCI archive and as the squashfs
 that pyxis runs (`srun --container-image=/path/NAME.sqsh`), laid out as `enroot import` lays out its images."""
 
-import errno
 import gzip
 import json
 import logging
@@ -12,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -21,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vitctl.datasets.oserrors import file_in_the_way, what_it_is
+from vitctl.datasets.oserrors import file_in_the_way, what_it_is, write_refusal
 
 from .errors import LaunchError
 from .provenance import git_commit, vitctl_version
@@ -295,24 +293,8 @@ def check_request(request: ImageRequest) -> None:
     if blocker := file_in_the_way(out):
         raise LaunchError(f"--out {request.out}: {what_it_is(blocker)}, not a folder; move it away or choose another "
                           "--out")
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if problem := _unwritable(existing):
-        raise LaunchError(f"--out {request.out}: {problem}")
-
-
-def _unwritable(folder: Path) -> str | None:
-    """Why no file can be created in `folder`, with the fix; None where one can. Tried, not asked of os.access, which
-    tells neither a read-only mount nor an immutable folder from a lack of permission."""
-    try:
-        tempfile.TemporaryFile(dir=folder).close()
-        return None
-    except OSError as e:
-        if e.errno == errno.EROFS:
-            return f"{folder} is on a read-only file system; choose an --out on a writable one"
-        if e.errno == errno.EPERM:
-            return (f"cannot write in {folder}: operation not permitted (an immutable folder, with an i in `lsattr -d "
-                    f"{folder}`, needs `chattr -i {folder}`); choose another --out, or clear the flag")
-        return f"this user may not write in {folder}; choose another --out, or give this user write access to {folder}"
+    if refusal := write_refusal(out / "NAME.oci.tar"):
+        raise LaunchError(f"--out {request.out}: {refusal}; choose another --out")
 
 
 def check_apex_archive(archive: Path) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vitctl.datasets.atomic import partial_open, publish
-from vitctl.datasets.oserrors import file_in_the_way, what_it_is
+from vitctl.datasets.oserrors import file_in_the_way, what_it_is, write_refusal
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.parallel.env import init_distributed
 from vitctl.trainer.parallel.strategy import Strategy, is_plan
@@ -125,10 +125,8 @@ def check_out(out: Path) -> None:
                           "away first")
     if blocker := file_in_the_way(out.absolute().parent):
         raise ConfigError(_file_in_the_way(out, blocker, "choose another --out"))
-    existing = next(p for p in out.absolute().parents if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write the plan {out}: this user may not write in {existing}; choose another "
-                          f"--out, or give this user write access to {existing}")
+    if refusal := write_refusal(out):
+        raise ConfigError(f"cannot write the plan {out}: {refusal}; choose another --out")
 
 
 def _no_fit(outcome: PlanOutcome) -> str:
