@@ -1,6 +1,7 @@
 """Bad input to `vitctl plan`, `vitctl bench train`, `vitctl config show`, config files, `--set` and `--plan` files:
 one `error: ...` line naming what, where and how to fix it (exit 1), and the fix it names works."""
 
+import hashlib
 import json
 import re
 import shlex
@@ -53,6 +54,25 @@ def test_a_plan_key_no_plan_holds_is_refused_naming_the_valid_ones(tmp_path, cha
     _refused(result, f"parallel.plan {path}: {problem}; fix these, or write the plan again with `vitctl plan`")
     _, result = _train_with(tmp_path, _plan())  # the key removed
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_plan_is_copied_into_the_run_folder_only_for_a_job_that_starts_and_a_script_writes_its_own(tmp_path):
+    """The job reads the plan checked at launch from its copy (plan-SHA.json). Before: a --dry-run script's ranks read
+    the plan file as it was when they started, and a refused launch left a copy behind."""
+    path, result = _train_with(tmp_path, _plan())
+    copy = tmp_path / "run" / f"plan-{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}.json"
+    assert f"cat > {copy} <<'VITCTL_PLAN'\n{path.read_text()}\nVITCTL_PLAN\n" in result.stdout  # the script's own
+    assert f"  plan: {copy}\n" in result.stdout and not copy.exists()
+    run = [a for a in DRY_RUN if a != "--dry-run"] + ["--out", tmp_path / "run", "--plan", path, "--steps", 1]
+    ok(*run)
+    assert copy.read_text() == path.read_text() and [p.name for p in (tmp_path / "run").glob("plan-*")] == [copy.name]
+    path.write_text(json.dumps(_plan(microbatches=2)))  # another plan, refused before the job: no copy of it
+    assert vitctl(*run).exit_code == 1 and [p.name for p in (tmp_path / "run").glob("plan-*")] == [copy.name]
+    path.unlink()  # a resume without the plan is told the copy that keeps it (was: the default layout, unsaid)
+    plain = [a for a in run if a not in ("--plan", path)]
+    said = " ".join(ok(*plain[:-1], 2, "--resume").stderr.split())
+    assert f"was saved under the plan {copy}; this resume trains on the layout of the parallel.* keys" in said, said
+    assert f"--plan {copy} keeps the plan" in said
 
 
 def test_a_plan_saved_with_a_byte_order_mark_is_read(tmp_path):

@@ -490,9 +490,11 @@ def make_executor(request: LaunchRequest, folder: Path, name: str, config: dict[
     return executor
 
 
-def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str, layout: list[str]) -> str:
-    """A self-contained sbatch script for the job: every task runs one rank (`vitctl rank`) on the config, written
-    into the run folder when the job starts. Submittable as it is; `layout`: comment lines on how the ranks divide."""
+def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str, layout: list[str],
+                  plan: tuple[Path, str] | None = None) -> str:
+    """A self-contained sbatch script for the job: every task runs one rank (`vitctl rank`) on the config (and `plan`:
+    the path its config names, and its text), written into the run folder when the job starts. Submittable as it is;
+    `layout`: comment lines on how the ranks divide."""
     run_dir = Path(config["train"]["out_dir"])
     options = {"job-name": name, "nodes": request.nodes, "ntasks-per-node": request.tasks,
                "gpus-per-node": request.gpus_per_node or None, "cpus-per-task": request.cpus_per_gpu or 1,
@@ -516,6 +518,7 @@ def sbatch_script(config: dict[str, Any], request: LaunchRequest, name: str, lay
         "cat > \"$config\" <<'VITCTL_CONFIG'",
         yaml.safe_dump(json.loads(json.dumps(config)), sort_keys=False).rstrip("\n"),  # tuples as lists
         "VITCTL_CONFIG",
+        *([f"cat > {shlex.quote(str(plan[0]))} <<'VITCTL_PLAN'", plan[1].rstrip("\n"), "VITCTL_PLAN"] if plan else []),
         shlex.join(["srun", *_srun_args(request, config), _python(request), "-m", "vitctl.cli", "rank",
                     "--max-requeues", str(request.max_requeues), "--config"]) + ' "$config"',
     ]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vitctl.datasets.atomic import atomic_open
+from vitctl.datasets.atomic import write_text_atomic
 from vitctl.datasets.manifest import MANIFEST
 from vitctl.trainer import checkpoint
 from vitctl.trainer.config import (
@@ -223,8 +223,6 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     else:
         refuse_busy_run_dir(run_dir, registry.load_records())  # before its checkpoints are looked at
         found = check_run_dir(run_dir)
-        if config.parallel.plan:
-            config.parallel.plan = _plan_of_the_run(Path(config.parallel.plan), run_dir)
     check_resumable(found, config)  # first: where it refuses --resume, "pass --resume" is no fix
     if found and not resume:
         raise checkpoint.fresh_start_refused(run_dir, found[-1])
@@ -232,10 +230,17 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
     finished = bool(found) and _resume_notes(run_dir, found[-1], config, plan, echo, dry_run)
-    if dry_run:
-        return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request))
+    # the job reads the plan checked here from its copy in the run folder, named by its content: the plan file may
+    # be written again (`vitctl plan --out`) while the job waits, unchecked
+    plan_copy = _plan_copy(Path(config.parallel.plan), run_dir) if config.parallel.plan else None
+    if plan_copy:
+        config.parallel.plan = str(plan_copy[0])
+    if dry_run:  # the script writes the copy when its job starts
+        return sbatch_script(config.to_dict(), request, name, layout_lines(strategy, request), plan_copy)
     if finished:  # a job would start and end at once, an empty row in `vitctl status`
         return None
+    if plan_copy:
+        _write_plan_copy(*plan_copy)
     # Submitted jobs always resume when their folder holds checkpoints: a requeued job must pick up its own.
     job = TrainJob(config.to_dict(), resume=True, use_cuda=request.gpus_per_node > 0)
     record, submitted, stop = submit(job, request, name, command_line())
@@ -244,19 +249,23 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     return record
 
 
-def _plan_of_the_run(plan: Path, run_dir: Path) -> str:
-    """A copy of the plan in the run folder, named by its content, for the job's ranks and requeues to read: the plan
-    file itself may be written again (`vitctl plan --out`) while the job waits, unchecked."""
+def _plan_copy(plan: Path, run_dir: Path) -> tuple[Path, str]:
+    """Where the run folder keeps the plan's copy (named by its content), and the plan's text."""
     try:
-        data = plan.read_bytes()
-        copy = run_dir / f"plan-{hashlib.sha256(data).hexdigest()[:12]}.json"
-        if not copy.exists():
-            with atomic_open(copy) as f:
-                f.write(data)
+        text = plan.read_text(encoding="utf-8-sig")
     except OSError as e:
-        raise ConfigError(f"parallel.plan {plan} could not be copied into run folder {run_dir} ({e.strerror}); free "
-                          "space there, or choose another --out") from None
-    return str(copy)
+        raise ConfigError(f"parallel.plan {plan} could not be read again ({e.strerror}); run the command again"
+                          ) from None
+    return run_dir / f"plan-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json", text
+
+
+def _write_plan_copy(copy: Path, text: str) -> None:
+    try:
+        if not copy.exists():
+            write_text_atomic(copy, text)
+    except OSError as e:
+        raise ConfigError(f"the plan could not be copied into run folder {copy.parent} ({e.strerror}); free space "
+                          "there, or choose another --out") from None
 
 
 def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule | None, echo, dry_run: bool) -> bool:
@@ -287,6 +296,9 @@ def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule |
              "goes on with the new ones (--set the saved values to keep them)")
     for warning in filter(None, [_other_samples(run_dir, meta, config), _other_batch(last, meta, config, plan)]):
         echo(f"warning: {warning}")
+    if (planned := meta["config"].get("parallel", {}).get("plan")) and not config.parallel.plan:
+        echo(f"note: {last} was saved under the plan {planned}; this resume trains on the layout of the parallel.* "
+             f"keys (the same numbers, maybe slower or in more memory); --plan {shlex.quote(planned)} keeps the plan")
     return False
 
 
