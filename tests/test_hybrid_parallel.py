@@ -201,8 +201,8 @@ def test_every_layout_trains_as_one_gpu_in_bf16_with_the_cuda_ops(prepared_shard
     (["parallel.microbatches=4"], "data.batch_size 6 does not divide into parallel.microbatches=4; use "
                                   "parallel.microbatches=3 or 6, which divide it"),
     (["parallel.pp=2", "parallel.microbatches=1"],
-     "the 1f1b schedule needs at least parallel.pp=2 micro-batches, got parallel.microbatches=1: raise it to 2 or "
-     "more"),
+     "the 1f1b schedule needs at least parallel.pp=2 micro-batches, got parallel.microbatches=1: use "
+     "parallel.microbatches=2, the fewest from 2 that data.batch_size 6 divides into"),
     (["parallel.pp=2", "parallel.stages=[1,1]", "parallel.microbatches=2"],
      "parallel.stages [1, 1] must give 2 stages of at least one block each, 4 blocks in all"),
     (["parallel.pp=8"], "parallel.tp=1 x parallel.pp=8 = 8 does not divide the 4 ranks"),
@@ -226,7 +226,9 @@ def test_strategies_that_cannot_run_are_refused_before_launch(prepared_shards, t
     (1, 2, "the 1f1b schedule needs at least parallel.pp=2 micro-batches, more than data.batch_size 1 can be split "
            "into: raise data.batch_size (--batch) to a multiple of 2, with parallel.microbatches=2"),
     (5, 4, "data.batch_size 5 does not divide into parallel.microbatches=4; use parallel.microbatches=5, which "
-           "divides it")])
+           "divides it"),
+    (5, 1, "the 1f1b schedule needs at least parallel.pp=2 micro-batches, got parallel.microbatches=1: use "
+           "parallel.microbatches=5, the fewest from 2 that data.batch_size 5 divides into")])  # was: raise it to 2
 def test_micro_batch_advice_keeps_to_the_counts_the_1f1b_schedule_runs(tmp_path, batch, microbatches, message):
     """Before: `use parallel.microbatches=1`, which the 1f1b schedule of two stages then refused."""
     result = vitctl("train", "--config", "demo_vit", "--set", "data.source=synthetic", "--out", tmp_path / "run",

@@ -349,9 +349,11 @@ def _schedule_problems(s: Strategy, batch_size: int) -> list[str]:
     if s.schedule != INTERLEAVED and s.virtual_stages > 1:
         return [f"parallel.virtual_stages={s.virtual_stages} needs parallel.schedule={INTERLEAVED}; {s.schedule} "
                 f"runs one stage per pipeline rank"]
-    if s.schedule == "1f1b" and m < pp:
+    if s.schedule == "1f1b" and m < pp:  # a batch smaller than pp is refused before (_pipeline_problems)
+        least = next(c for c in range(pp, batch_size + 1) if batch_size % c == 0)
         return [f"the 1f1b schedule needs at least parallel.pp={pp} micro-batches, got parallel.microbatches={m}: "
-                f"raise it to {pp} or more"]
+                f"use parallel.microbatches={least}, the fewest from {pp} that data.batch_size {batch_size} divides "
+                "into"]
     rounds = max(1, m // pp)  # torch's ScheduleInterleaved1F1B runs the micro-batches in this many equal rounds
     if s.schedule == INTERLEAVED and m % rounds:
         # multiples of pp that the batch divides into, the nearest first
