@@ -48,8 +48,10 @@ def test_data_group_lists_every_command():
 
 def test_bad_synth_arguments_are_explained(tmp_path):
     result = vitctl("data", "synth", tmp_path, "--classes", 500)
-    assert result.exit_code == 1
-    assert "--classes must be between 3 (for the PNG, CMYK and grayscale images) and 36" in result.stderr
+    assert result.exit_code == 2  # a usage error, as every other range of synth's
+    assert "Invalid value for '--classes': 500 is not in the range 3<=x<=36." in result.stderr
+    assert "3 (for the PNG, CMYK and grayscale images) to 36 (the real WNIDs synth knows)" in " ".join(
+        vitctl("data", "synth", "--help").output.split())
     assert not list(tmp_path.iterdir())
 
 
