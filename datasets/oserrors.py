@@ -34,8 +34,12 @@ def as_data_error(e: OSError, folder: Path) -> DataError:
 def _immutable(path: Path) -> str:
     """EPERM's fix for `path` where root meets it: the immutable flag of it, or of the folder it would be made in."""
     flagged = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
-    return (f"give this user access to it (an immutable file or folder, with an i in `lsattr -d {flagged}`, needs "
-            f"`chattr -i {flagged}`), or use another folder")
+    return f"give this user access to it ({_flag(flagged, 'an immutable file or folder')}), or use another folder"
+
+
+def _flag(path: Path, what: str) -> str:
+    """How to see and clear the immutable flag that stops even root writing at `path`."""
+    return f"{what}, with an i in `lsattr -d {path}`, needs `chattr -i {path}`"
 
 
 def _written(filename: str) -> str:
@@ -58,8 +62,7 @@ def write_refusal(path: Path) -> str | None:
         if e.errno == errno.EROFS:
             return f"{folder} is on a read-only file system"
         if e.errno == errno.EPERM:
-            return (f"{folder} takes no new files: operation not permitted (an immutable folder, with an i in "
-                    f"`lsattr -d {folder}`, needs `chattr -i {folder}`)")
+            return f"{folder} takes no new files: operation not permitted ({_flag(folder, 'an immutable folder')})"
         return f"this user may not write in {folder} (give this user write access to {folder})"
 
 

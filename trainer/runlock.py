@@ -58,6 +58,17 @@ def holder(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def last_holder(run_dir: Path) -> dict[str, Any]:
+    """What the job that last held the run folder's lock wrote there (job, executor, pid, host, since), held now or
+    not; {} where none did."""
+    try:
+        with open(run_dir / LOCK) as f:
+            held = _read(f)
+    except (OSError, ValueError):  # no lock file, one this user cannot read, or not text
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
 @contextlib.contextmanager
 def holding(run_dir: Path) -> Iterator[None]:
     """Hold the run folder's lock for the block; ConfigError naming the holder if another job has it."""

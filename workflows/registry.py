@@ -182,22 +182,13 @@ def _submitted_otherwise(key: str) -> str:
     if not any((folder / name).exists() for name in ("metrics.jsonl", "checkpoints", "job.lock")):
         return ""
     by_hand = sorted(p.name[4:-5] for p in folder.glob("job-*.yaml"))  # the configs a --dry-run script writes
-    last = {} if by_hand else _last_lock_holder(folder)
+    last = {} if by_hand else runlock.last_holder(folder)
     if last.get("executor") == "local":  # its id is a process id, which Slurm's commands would take for a job's
         return (f"; {key} holds a run none of whose jobs is in the list: local job {last.get('job')} (on "
                 f"{last.get('host')}) trained there last, and was forgotten (`vitctl forget`) or started under another "
                 f"VITCTL_HOME; its logs stay in {key}/submitit")
     ids = by_hand or ([str(last["job"])] if last.get("job") else ["JOB"])
     return f"; {key} holds a run none of whose jobs is in the list, which {_elsewhere(ids, key)}"
-
-
-def _last_lock_holder(run_dir: Path) -> dict:
-    """What the job that last held the run folder's lock wrote there (rank 0: its job id, executor, host), or {}."""
-    try:
-        holder = json.loads((run_dir / runlock.LOCK).read_text())
-    except (OSError, ValueError):  # no lock, or one being written
-        return {}
-    return holder if isinstance(holder, dict) else {}
 
 
 def _elsewhere(ids: list[str], run_dir: str) -> str:
