@@ -245,6 +245,10 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch)
     ("parallel.plan=", "override 'parallel.plan=' has no value (an unset shell variable?); give one, or "
                        "parallel.plan=null for none"),
     ("optim.lr=", "override 'optim.lr=' has no value (an unset shell variable?); give one"),
+    ("parallel.stages=", "override 'parallel.stages=' has no value (an unset shell variable?); give one, or "
+                         "parallel.stages=[] for an empty list"),
+    ("optim.lrr=", "unknown keys ['optim.lrr']; known: ['accum_steps', 'betas', 'clip_grad', 'eps', 'layer_decay', "
+                   "'lr', 'min_lr', 'warmup_epochs', 'warmup_lr', 'weight_decay']; did you mean optim.lr?"),
     ("parallel.plan=''", "parallel.plan is empty; give a path, or null for none"),
     ("finetune.from_ckpt=''", "finetune.from_ckpt is empty; give a path, or null for none"),
     ("train.out_dir=' '", "train.out_dir is empty; give a path")])
@@ -255,3 +259,21 @@ def test_an_empty_value_is_refused_rather_than_taken_as_none_or_as_the_current_f
         load_config("demo_vit", [override])
     assert str(refused.value) == message
     assert load_config("demo_vit", ["parallel.plan=null"]).parallel.plan is None  # the fix, where one is offered
+    assert load_config("demo_vit", ["parallel.stages=[]"]).parallel.stages == []
+
+
+def test_a_value_out_of_range_in_a_config_file_names_the_file_unless_a_flag_or_set_gives_its_key(tmp_path):
+    """Before, only a file's unknown keys and wrong types named it: `log_every: 0` said train.log_every alone."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  log_every: 0\noptim:\n  min_lr: 0.5\n")
+    in_file = "optim.min_lr 0.5 is above optim.lr 0.001, from which the schedule decays down to it; lower optim.min_lr"
+    for overrides, message in [
+            ([], f"config file {path}: {in_file}; train.log_every must be at least 1 (steps)"),
+            (["train.log_every=0"], f"train.log_every must be at least 1 (steps); config file {path}: {in_file}"),
+            (["optim.min_lr=0"], f"config file {path}: train.log_every must be at least 1 (steps)")]:
+        with pytest.raises(ConfigError) as refused:
+            load_config(str(path), overrides)
+        assert str(refused.value) == message
+    with pytest.raises(ConfigError) as refused:  # a shipped preset is no file to fix
+        load_config("demo_vit", ["train.log_every=0"])
+    assert str(refused.value) == "train.log_every must be at least 1 (steps)"

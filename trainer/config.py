@@ -3,6 +3,7 @@
 import dataclasses
 import datetime
 import difflib
+import functools
 import json
 import math
 import os
@@ -181,6 +182,9 @@ class RunConfig:
 
 
 _SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+_ALL_KEYS = {f"{section.name}.{key.name}" for section in dataclasses.fields(RunConfig)
+             for key in dataclasses.fields(section.type)}
+_DOTTED_KEY = re.compile(r"\b[a-z_]+\.[a-z0-9_]+\b")
 
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
@@ -336,8 +340,10 @@ def parse_override(text: str) -> dict[str, Any]:
     if not sep or not all(parts):
         raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. optim.lr=1e-3)")
     if not raw:  # else a key that may be null were cleared by an unset variable in `--set KEY=$VAR`, unsaid
-        none = f", or {'.'.join(parts)}=null for none" if type(None) in typing.get_args(_hint(parts)) else ""
-        raise ConfigError(f"override {text!r} has no value (an unset shell variable?); give one{none}")
+        if (kind := _hint(parts)) is None:  # a typo is the first thing to fix: its value would be refused anyway
+            _build(RunConfig, functools.reduce(lambda value, part: {part: value}, reversed(parts), None), "")
+        raise ConfigError(f"override {text!r} has no value (an unset shell variable?); give one"
+                          f"{_empty_value(parts, kind)}")
     try:
         value: Any = raw if _is_text(parts) and _plain_text(raw) else _load_yaml(raw)
     except yaml.YAMLError as e:
@@ -346,6 +352,14 @@ def parse_override(text: str) -> dict[str, Any]:
     for part in reversed(parts):
         value = {part: value}
     return value
+
+
+def _empty_value(parts: list[str], kind: Any) -> str:
+    """How to write the empty value of the key `parts` names, where it has one: null, or an empty list."""
+    key = ".".join(parts)
+    if type(None) in typing.get_args(kind):
+        return f", or {key}=null for none"
+    return f", or {key}=[] for an empty list" if typing.get_origin(kind) is list else ""
 
 
 def _hint(parts: list[str]) -> Any:
@@ -463,13 +477,35 @@ def load_config(preset: str | None, overrides: list[str] = (), extra: dict[str, 
         _build(RunConfig, values, "")
     except ConfigError as e:
         raise ConfigError(f"config file {preset_path(preset)}: {e}") from None
-    values = _merge(values, extra or {})
+    from_file = _dotted_keys(values) if preset is not None and _names_a_file(preset) else set()
+    values, given = _merge(values, extra or {}), _dotted_keys(extra or {})
     for text in overrides:
-        values = _merge(values, parse_override(text))
+        override = parse_override(text)
+        values, given = _merge(values, override), given | _dotted_keys(override)
     config = _build(RunConfig, values, "")
     _expand_home(config)
-    validate(config)
+    if problems := value_problems(config):
+        if from_file - given:
+            problems = _naming_the_file(problems, from_file - given, given, preset_path(preset))
+        raise ConfigError("; ".join(problems))
     return config
+
+
+def _dotted_keys(values: dict[str, Any]) -> set[str]:
+    """The `section.key` names a nested mapping of sections sets."""
+    return {f"{section}.{key}" for section, keys in values.items() if isinstance(keys, dict) for key in keys}
+
+
+def _naming_the_file(problems: list[str], from_file: set[str], given: set[str], path: Path) -> list[str]:
+    """The problems, those with a key from the config file at `path` and none from a flag or --set (`given`) last,
+    after the file's name: they are to be fixed there."""
+    in_file = []
+    for problem in problems:
+        keys = {match.group() for match in _DOTTED_KEY.finditer(problem)} & _ALL_KEYS
+        if keys & from_file and not keys & given:
+            in_file.append(problem)
+    others = [problem for problem in problems if problem not in in_file]
+    return [*others, f"config file {path}: {'; '.join(in_file)}"] if in_file else others
 
 
 PATH_KEYS = (("data", "path"), ("train", "out_dir"), ("finetune", "from_ckpt"), ("parallel", "plan"))
@@ -486,7 +522,8 @@ def _expand_home(config: RunConfig) -> None:
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
     config = _build(RunConfig, values, "")
-    validate(config)
+    if problems := value_problems(config):
+        raise ConfigError("; ".join(problems))
     return config
 
 
@@ -522,7 +559,8 @@ def unread_settings(c: RunConfig) -> list[str]:
     return [f"{note}: it has no effect here" for applies, note in unread if applies]
 
 
-def validate(c: RunConfig) -> None:
+def value_problems(c: RunConfig) -> list[str]:
+    """Each value out of its key's range, or that another key's value rules out."""
     checks = [
         (c.train.precision in PRECISIONS,
          f"train.precision must be one of {', '.join(PRECISIONS)}, got {c.train.precision!r}"),
@@ -583,9 +621,7 @@ def validate(c: RunConfig) -> None:
               _parallel_problems(c.parallel))
     # what a comparison with nan or inf says of its key (not positive, above optim.lr) is noise beside the key's name
     mentions = [re.compile(rf"(?<![\w.]){re.escape(key)}(?!\w)") for key in non_finite]
-    problems = [*non_finite.values(), *(m for m in others if not any(key.search(m) for key in mentions))]
-    if problems:
-        raise ConfigError("; ".join(problems))
+    return [*non_finite.values(), *(m for m in others if not any(key.search(m) for key in mentions))]
 
 
 def _empty_paths(c: RunConfig) -> list[str]:
