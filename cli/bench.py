@@ -62,7 +62,10 @@ def train_bench(model_name, batch, precision, precisions, compile_, compile_mode
                                f"{','.join([precision, *(p for p in precisions if p != precision)])} runs them all")
     if given("timm_setting") is click.core.ParameterSource.COMMANDLINE and not compare:
         raise click.UsageError(f"--timm-setting {timm_setting} needs --compare timm")
-    wf.check_request(model_name, img_size, fused)
+    try:
+        wf.check_request(model_name, img_size, fused)
+    except wf.ConfigError as e:  # what the options ask for cannot run: a usage error, as click's own
+        raise click.UsageError(str(e)) from None
     results = wf.bench_train(model_name, batch, precisions or [precision], compile_, fused, compare, timm_setting,
                           img_size, steps, warmup, compile_mode)
     table = Table("model", "setting", "images/s (median step)", "ms/step (median)", "peak GiB", "MFU", "vs first",

@@ -5,7 +5,7 @@ import click
 from vitctl.trainer.config import preset_summaries, shadowed_file
 
 from .commands import Deferred, summary
-from .console import err_console
+from .console import GivenText, err_console
 
 wf = Deferred("vitctl.workflows.train")
 
@@ -16,16 +16,13 @@ def config() -> None:
 
 
 @config.command()
-@click.argument("preset", required=False)
+@click.argument("preset", required=False, type=GivenText("give a preset name or a YAML file"))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override any config value, as `vitctl train --set` does (repeatable).")
 def show(preset: str | None, overrides: tuple[str, ...]) -> None:
     """Print the config PRESET (a preset name or a YAML file, as --config takes; none: the built-in defaults that
     train runs without --config) resolves to; the output loads back as a preset file. Exits 1 after printing it if
     `vitctl train` would refuse it whatever the data, ranks and devices (train checks those at launch)."""
-    if preset is not None and not preset.strip():  # an unset shell variable: the defaults would print unseen
-        raise click.BadParameter("is empty (an unset shell variable?); give a preset name or a YAML file",
-                                 param_hint="'PRESET'")
     if warning := shadowed_file(preset):
         err_console.print(f"warning: {warning}", highlight=False, markup=False, soft_wrap=True)
     text, problems, unread = wf.resolved_yaml(preset, list(overrides))

@@ -22,6 +22,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from vitctl.workflows import slurm_time
+
 
 class _StdoutConsole(Console):
     def on_broken_pipe(self) -> None:
@@ -56,13 +58,29 @@ class GivenPath(click.Path):
 
 class GivenText(click.ParamType):
     """A string that must not be empty: "" (an unset shell variable) would reach sbatch or srun as a value they refuse
-    in words of their own (`invalid partition specified: (null)`)."""
+    in words of their own (`invalid partition specified: (null)`), or be taken as no option at all."""
 
     name = "text"
 
+    def __init__(self, advice: str = "give a value, or leave the option out") -> None:
+        self.advice = advice
+
     def convert(self, value, param, ctx) -> str:
         if isinstance(value, str) and not value.strip():
-            self.fail("is empty (an unset shell variable?); give a value, or leave the option out", param, ctx)
+            self.fail(f"is empty (an unset shell variable?); {self.advice}", param, ctx)
+        return value
+
+
+class SlurmTime(GivenText):
+    """A time limit in one of Slurm's formats (30, 4:00:00, 1-12:00:00); whether it leaves time to train is checked
+    at launch."""
+
+    name = "time"
+
+    def convert(self, value, param, ctx) -> str:
+        value = super().convert(value, param, ctx)
+        if value.strip().lower() not in ("unlimited", "infinite") and slurm_time.seconds(value) is None:
+            self.fail(f"{value!r} is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)", param, ctx)
         return value
 
 

@@ -3,6 +3,7 @@
 import shlex
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
@@ -11,6 +12,8 @@ from vitctl.workflows.provenance import vitctl_version
 
 from .commands import summary
 from .console import GivenPath, console, err_console
+
+T = TypeVar("T")
 
 
 @click.group(short_help=summary("image"))
@@ -31,6 +34,7 @@ def image() -> None:
               callback=lambda ctx, param, archs: _checked(archs, wf.arch_list_problem),
               help="TORCH_CUDA_ARCH_LIST: the GPU archs the ops and apex are compiled for.")
 @click.option("--apex", "apex_archive", type=GivenPath(dir_okay=False, path_type=Path),
+              callback=lambda ctx, param, archive: _checked(archive, wf.apex_archive_problem),
               help="apex's source as a .tar.gz, for builds without access to its git repository "
                    "[default: the pinned git ref].")
 @click.option("--max-jobs", type=click.IntRange(min=1), help="Parallel compiler jobs [default: one per CPU].")
@@ -57,7 +61,7 @@ def build(base: str, tag: str | None, out: Path, arch_list: str, apex_archive: P
                   highlight=False, soft_wrap=True)
 
 
-def _checked(value: str | None, problem: Callable[[str], str | None]) -> str | None:
+def _checked(value: T | None, problem: Callable[[T], str | None]) -> T | None:
     """`value` if `problem` finds none in it: what buildah or the build would refuse is refused before it starts."""
     if value is not None and (found := problem(value)):
         raise click.BadParameter(found)

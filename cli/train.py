@@ -10,20 +10,22 @@ from rich.table import Table
 from vitctl.trainer.config import PRECISIONS, shadowed_file
 
 from .commands import Deferred, summary
-from .console import GivenPath, GivenText, console, err_console
+from .console import GivenPath, GivenText, SlurmTime, console, err_console
 
 wf = Deferred("vitctl.workflows.train")
 PRECISION_CHOICE = click.Choice(PRECISIONS)
+PRESET = GivenText("give a preset name or a YAML file")
 
 
 def run_options(command):
     options = [
-        click.option("--config", "preset", help="Preset name (e.g. swin_b_pretrain) or a YAML file [default: the "
-                     "built-in defaults, as `vitctl config show` prints them]."),
+        click.option("--config", "preset", type=PRESET, help="Preset name (e.g. swin_b_pretrain) or a YAML file "
+                     "[default: the built-in defaults, as `vitctl config show` prints them]."),
         click.option("--data", type=GivenPath(path_type=Path), help="Shard folder from `vitctl data shard`."),
         click.option("--out", type=GivenPath(path_type=Path),
                      help="Run folder (checkpoints, metrics, logs) [default: the preset's train.out_dir]."),
-        click.option("--model", help="Model name, e.g. vit_b16, swin_b [default: the preset's]."),
+        click.option("--model", type=GivenText("give a model name, e.g. vit_b16 or swin_t, or leave the option out"),
+                     help="Model name, e.g. vit_b16, swin_b [default: the preset's]."),
         click.option("--batch", type=click.IntRange(min=1),
                      help="Samples per data-parallel rank and step (the ranks of a tensor- or pipeline-parallel group "
                      "share one batch) [default: the preset's; optim.lr scales with the global batch / 512]."),
@@ -54,7 +56,7 @@ def run_options(command):
         click.option("--partition", type=GivenText(), help="Slurm partition [default: the cluster's]."),
         click.option("--account", type=GivenText(), help="Slurm account to charge [default: yours]."),
         click.option("--qos", type=GivenText(), help="Slurm quality of service [default: the account's]."),
-        click.option("--time", default="24:00:00", show_default=True, help="Slurm time limit."),
+        click.option("--time", type=SlurmTime(), default="24:00:00", show_default=True, help="Slurm time limit."),
         click.option("--cpus-per-gpu", type=click.IntRange(min=1),
                      help="CPUs per task (data loading) [default: data.workers + 1, at most a node's share]."),
         click.option("--mem", type=GivenText(), help="Memory per node, e.g. 400G."),
@@ -120,7 +122,7 @@ def _run(o: dict, finetune: bool = False) -> None:
     if finetune and not config.finetune.from_ckpt and o["resume"]:  # its checkpoints say what it started from
         config.finetune.from_ckpt = wf.resumed_finetune_source(config)
     if finetune and not config.finetune.from_ckpt:
-        raise wf.ConfigError("vitctl finetune needs the weights to start from: pass --from-ckpt PATH (a run or "
+        raise click.UsageError("vitctl finetune needs the weights to start from: pass --from-ckpt PATH (a run or "
                              "checkpoint folder, a `vitctl export` file, a timm or official Swin checkpoint)")
     request = _request(o)
     outcome = wf.launch(config, request, o["resume"], o["dry_run"],
@@ -190,7 +192,7 @@ def finetune(**options) -> None:
 
 
 @click.command(short_help=summary("rank"))
-@click.option("--config", "preset", help="Preset name or a YAML file.")
+@click.option("--config", "preset", type=PRESET, help="Preset name or a YAML file.")
 @click.option("--data", type=GivenPath(path_type=Path), help="Shard folder.")
 @click.option("--out", type=GivenPath(path_type=Path), help="Run folder (shared by all ranks).")
 @click.option("--steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")

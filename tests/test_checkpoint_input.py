@@ -370,7 +370,7 @@ def test_finetune_asks_for_weights_and_takes_them_from_set_as_from_flag(pretrain
     """Without weights finetune says how to give them; `--set finetune.from_ckpt=` gives them as --from-ckpt does."""
     where = ["--out", tmp_path / "ft", "--executor", "local", "--gpus", 0, "--steps", 1, *SETS]
     result = vitctl("finetune", *where)
-    assert result.exit_code == 1 and "vitctl finetune needs the weights to start from: pass --from-ckpt PATH" \
+    assert result.exit_code == 2 and "vitctl finetune needs the weights to start from: pass --from-ckpt PATH" \
         in result.stderr, result.stderr
     assert not (tmp_path / "ft").exists()
     ok("finetune", *where, "--set", f"finetune.from_ckpt={pretrained}")

@@ -298,9 +298,9 @@ def test_an_apex_archive_the_build_cannot_unpack_is_refused_before_the_build(tmp
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no buildah: nothing could be built
     archive, what = _bad_apex(kind, tmp_path)
     result = vitctl("image", "build", *(["--dry-run"] if dry_run else []), "--apex", archive, "--out", tmp_path / "img")
-    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert result.exit_code == 2 and "Traceback" not in result.stderr  # a usage error, as --arch-list's and --base's
     message = " ".join(result.stderr.split())
-    assert message.startswith(f"error: --apex {archive}: ") and what in message
+    assert f"Error: Invalid value for '--apex': {archive}: " in message and what in message
     ref = re.search(r"ARG APEX_REF=(\w+)", (image.REPO / image.CONTAINERFILE).read_text())[1]
     assert message.endswith(f"; pass apex's source as GitHub archives it, one folder holding setup.py (e.g. "
                             f"https://github.com/NVIDIA/apex/archive/{ref}.tar.gz, or tar -czf apex.tar.gz apex/)")

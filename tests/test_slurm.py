@@ -240,7 +240,6 @@ def test_the_requeues_a_job_has_left_are_submitit_s_count_which_pre_emptions_lea
                               "a node (--tasks-per-node, or --gpus, with more --nodes)"),
     (["--cpus-per-gpu", 3], "2 tasks x 3 CPUs per node but partition debug's nodes have 2 CPUs: pass --cpus-per-gpu 1, "
                             "or fewer tasks a node"),
-    (["--time", "1:xx"], "is not a Slurm time"),
     (["--partition", "gpu", "--dry-run"], "--partition 'gpu' does not exist; partitions: debug"),
 ])
 def test_bad_requests_are_refused_before_submission(prepared_shards, tmp_path, extra, message):

@@ -26,4 +26,4 @@ def op_report() -> tuple[str, list[tuple[str, str, str | None]]]:
     return str(device), report(device)
 
 
-__all__ = ["BenchResult", "bench_train", "check_request", "op_report"]
+__all__ = ["BenchResult", "ConfigError", "bench_train", "check_request", "op_report"]

@@ -287,8 +287,8 @@ def check_request(request: ImageRequest) -> None:
             f"CUDA {DEFAULT_BASE_CUDA}, the default base's, compiles for (sm_{DEFAULT_BASE_OLDEST_ARCH} and newer); "
             f"leave {'it' if len(old) == 1 else 'them'} out (e.g. --arch-list '{DEFAULT_ARCHS}'); GPUs older than "
             f"sm_{DEFAULT_BASE_OLDEST_ARCH} need a base whose torch and nvcc are CUDA 12 (--base IMAGE)")
-    if request.apex_archive:
-        check_apex_archive(request.apex_archive)
+    if request.apex_archive and (problem := apex_archive_problem(request.apex_archive)):
+        raise LaunchError(f"--apex {problem}")
     out = request.out.absolute()
     if blocker := file_in_the_way(out):
         raise LaunchError(f"--out {request.out}: {what_it_is(blocker)}, not a folder; move it away or choose another "
@@ -297,24 +297,24 @@ def check_request(request: ImageRequest) -> None:
         raise LaunchError(f"--out {request.out}: {refusal}; choose another --out")
 
 
-def check_apex_archive(archive: Path) -> None:
-    """The Containerfile unpacks the archive with `tar -xzf --strip-components=1` and runs the setup.py it finds on
-    top: refuse an archive that is no gzip-compressed tar, is cut short, or holds no setup.py one folder down."""
+def apex_archive_problem(archive: Path) -> str | None:
+    """Why the build would fail on `archive` (it unpacks it with `tar -xzf --strip-components=1` and runs the setup.py
+    it finds on top): no gzip-compressed tar, one cut short, or no setup.py one folder down; or None."""
     ref = re.search(r"^ARG APEX_REF=(\w+)", (REPO / CONTAINERFILE).read_text(), re.MULTILINE)[1]
     fix = (f"pass apex's source as GitHub archives it, one folder holding setup.py (e.g. "
            f"https://github.com/NVIDIA/apex/archive/{ref}.tar.gz, or tar -czf apex.tar.gz apex/)")
     if not archive.is_file():
-        raise LaunchError(f"--apex {archive}: no such file (an archive of apex's source, e.g. apex-{ref[:12]}.tar.gz)")
+        return f"{archive}: no such file (an archive of apex's source, e.g. apex-{ref[:12]}.tar.gz)"
     try:
         with gzip.open(archive) as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
             tops = [m for m in tar if m.isfile() and [p for p in m.name.split("/") if p][1:] == ["setup.py"]]
             stream.read()  # to the end of the gzip stream: a copy cut short after the last member is found too
     except (OSError, EOFError, tarfile.TarError, zlib.error) as e:
-        raise LaunchError(f"--apex {archive}: not a gzip-compressed tar, which the build unpacks with tar -xzf "
-                          f"({e}); {fix}") from None
+        return f"{archive}: not a gzip-compressed tar, which the build unpacks with tar -xzf ({e}); {fix}"
     if not tops:
-        raise LaunchError(f"--apex {archive}: holds no setup.py one folder down (FOLDER/setup.py), where the build "
-                          f"looks for apex's after unpacking it with tar --strip-components=1; {fix}")
+        return (f"{archive}: holds no setup.py one folder down (FOLDER/setup.py), where the build looks for apex's "
+                f"after unpacking it with tar --strip-components=1; {fix}")
+    return None
 
 
 def build(request: ImageRequest, echo: Callable[[str], None]) -> BuiltImage:
