@@ -419,6 +419,17 @@ def test_a_key_the_run_would_not_read_is_warned_of_by_train_and_config_show(tmp_
                                tmp_path / "run").stderr
 
 
+def test_a_gradient_reduction_beside_a_plan_that_shards_with_fsdp_is_warned_of(tmp_path):
+    """Before: only beside parallel.fsdp=true; a plan's FSDP blocks reduce every gradient themselves as well."""
+    sharded = json.loads(Strategy(blocks=(BlockStrategy(fsdp=True),) * 4, fsdp_rest=True).to_json("vit_micro", 1))
+    path, result = _train_with(tmp_path, sharded, "--set", "parallel.grad_reduce=overlap")
+    assert result.exit_code == 0 and result.stderr == (
+        f"warning: parallel.grad_reduce=overlap applies to replicated weights only, and the plan {path} shards weights "
+        "with FSDP, which then reduces every gradient itself: it has no effect here\n")
+    _, result = _train_with(tmp_path, _plan(), "--set", "parallel.grad_reduce=overlap")  # replicated: it applies
+    assert result.exit_code == 0 and result.stderr == ""
+
+
 def test_a_submitit_folder_this_user_cannot_write_is_named_with_the_fix(tmp_path, immutable):
     """Before: `submission failed: [Errno 1] Operation not permitted: '.../submitit/<hash>.pkl'`, and no fix."""
     run = tmp_path / "run"

@@ -136,6 +136,16 @@ def _combination_problems(config: RunConfig, s: Strategy) -> list[str]:
     return problems
 
 
+def unread_by_plan(config: RunConfig, s: Strategy) -> list[str]:
+    """The keys a plan file makes moot, where `unread_settings` cannot tell from the keys alone: any FSDP block
+    reduces every gradient through FSDP, whatever parallel.grad_reduce says."""
+    plan, reduce = config.parallel.plan, config.parallel.grad_reduce
+    if plan and s.fsdp and reduce in ("after_backward", "overlap"):
+        return [f"parallel.grad_reduce={reduce} applies to replicated weights only, and the plan {plan} shards "
+                "weights with FSDP, which then reduces every gradient itself: it has no effect here"]
+    return []
+
+
 def _zero1_unsupported(config: RunConfig, s: Strategy) -> list[str]:
     """What of the run's settings ZeRO-1 does not run with, each as the user set it."""
     plan = f" (parallel.plan {config.parallel.plan})" if config.parallel.plan else ""

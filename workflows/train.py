@@ -33,6 +33,7 @@ from vitctl.trainer.preflight import (
     preflight,
     schedule,
     steps_warning,
+    unread_by_plan,
     warmup_warning,
 )
 from vitctl.trainer.pretrained import missing_source
@@ -210,7 +211,8 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if launch_problems:
         raise ConfigError("; ".join(launch_problems))
     plan = schedule(config, request.nodes * request.tasks, strategy)
-    for warning in filter(None, [steps_warning(config, plan), warmup_warning(config), *unread_settings(config)]):
+    for warning in filter(None, [steps_warning(config, plan), warmup_warning(config), *unread_settings(config),
+                                 *unread_by_plan(config, strategy)]):
         echo(f"warning: {warning}")
     existed = run_dir.exists()
     refuse_entries_of_another_kind(run_dir)
