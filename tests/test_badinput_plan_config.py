@@ -73,6 +73,11 @@ def test_a_plan_is_copied_into_the_run_folder_only_for_a_job_that_starts_and_a_s
     said = " ".join(ok(*plain[:-1], 2, "--resume").stderr.split())
     assert f"was saved under the plan {copy}; this resume trains on the layout of the parallel.* keys" in said, said
     assert f"--plan {copy} keeps the plan" in said
+    result = vitctl(*run[:-1], 3, "--resume")  # given again, deleted: the copy is named (was: write one with plan)
+    assert result.exit_code == 1 and " ".join(result.stderr.split()) == (
+        f"error: parallel.plan {path} does not exist; {tmp_path / 'run'} keeps a copy of the plan it trained under: "
+        f"pass --plan {copy}"), result.stderr
+    ok(*[copy if a == path else a for a in run[:-1]], 3, "--resume")  # the fix, followed
 
 
 def test_a_plan_saved_with_a_byte_order_mark_is_read(tmp_path):

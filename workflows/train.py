@@ -203,6 +203,10 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
     # a run that goes on from its own checkpoints does not read finetune.from_ckpt again: it may be gone by now
     resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
+    if resuming and config.parallel.plan and not Path(config.parallel.plan).exists() and \
+            (kept := _kept_plan(run_dir)):
+        raise ConfigError(f"parallel.plan {config.parallel.plan} does not exist; {run_dir} keeps a copy of the plan it "
+                          f"trained under: pass --plan {shlex.quote(str(kept))}")
     try:  # the device is not checked against a request that cannot have it
         strategy = preflight(config, request.nodes * request.tasks, None if launch_problems else local_device,
                              resuming, request.tasks)
@@ -249,6 +253,16 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     if request.executor == "local":
         wait_local(submitted, record, echo, stopped_already=stop is not None)
     return record
+
+
+def _kept_plan(run_dir: Path) -> Path | None:
+    """The run folder's copy of the plan its last checkpoint was saved under, else of the plan it trained under last."""
+    copies = sorted(run_dir.glob("plan-*.json"), key=lambda copy: copy.stat().st_mtime)
+    try:
+        planned = checkpoint.read_meta(checkpoint.list_checkpoints(run_dir)[-1])["config"].get("parallel", {})["plan"]
+    except (ConfigError, OSError, KeyError):  # a damaged checkpoint is named where the resume reads it
+        planned = None
+    return next((copy for copy in copies if str(copy) == planned), copies[-1] if copies else None)
 
 
 def _plan_copy(plan: Path, run_dir: Path) -> tuple[Path, str]:
