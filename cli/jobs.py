@@ -159,7 +159,7 @@ def jobs() -> None:
 
 @click.command(short_help=summary("logs"))
 @click.argument("job")
-@click.option("--rank", default=0, show_default=True, help="Task (rank) whose log to show.")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Task (rank) whose log to show.")
 @click.option("--follow", is_flag=True, help="Keep printing until the job ends.")
 def logs(job: str, rank: int, follow: bool) -> None:
     """A task's log: its stdout and stderr (the trainer's log, where errors end up), merged in time order."""

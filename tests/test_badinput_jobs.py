@@ -324,6 +324,20 @@ def test_a_running_job_s_eta_is_its_wall_clock_rate_since_warm_up_counted_down_b
     assert listed["state"] == "RUNNING" and 370 < listed["eta_s"] <= 380, listed
 
 
+def test_a_requeued_job_has_no_eta_until_its_new_attempt_logs_a_step(tmp_path):
+    """Before: the previous attempt's last record, the step its signal cut into (7 s where the others took 0.1 s),
+    gave the new attempt an ETA past its time limit, and the note said it would stop unfinished."""
+    record = _ended_local_job(tmp_path / "run")
+    writer, now = MetricsWriter(tmp_path / "run", True), time.time() + 1
+    step = {"total_steps": 100, "loss": 2.0, "images_per_s": 8.0}
+    writer.write({**step, "step": 40, "step_time_s": 7.0, "time": now})  # cut into by the signal
+    writer.write({"event": "stopped", "step": 40, "time": now + 1})
+    writer.write({"event": "resume", "step": 40, "time": now + 2})
+    assert status.progress(record)["eta_s"] is None
+    writer.write({**step, "step": 50, "step_time_s": 0.1, "time": now + 3})  # the new attempt's own
+    assert status.progress(record)["eta_s"] == pytest.approx(5.0)
+
+
 def _go_on(run: Path) -> str:
     """How a note on a job that ended without a word goes on: from the run's last checkpoint, or afresh (was left
     out where a rank was killed and another lost it, and said of a last checkpoint where there was none)."""

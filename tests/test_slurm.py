@@ -191,6 +191,18 @@ def test_cancel_signals_the_ranks_so_that_kill_wait_cannot_cut_their_checkpoint_
     assert listed[0]["state"] == "CANCELLED"
 
 
+def test_a_job_stopped_by_sigterm_from_outside_vitctl_is_interrupted_not_completed(prepared_shards, tmp_path):
+    """`scancel --signal=TERM` (as a batch system's own stop): the ranks checkpoint and end, which Slurm records as
+    COMPLETED. Before, status said COMPLETED, in green, of a run far from done, with no note."""
+    job = submit(prepared_shards, tmp_path / "run", "--epochs", 200)
+    wait_for_steps(tmp_path / "run", 2)
+    subprocess.run(["scancel", "--signal=TERM", job], check=True)
+    assert wait_for(job, status.TERMINAL) == "COMPLETED"
+    state = vitctl_state(job)
+    step = int(re.fullmatch(r"checkpointed at step (\d+) on a signal: --resume continues from there", state.note)[1])
+    assert state.state == "INTERRUPTED" and ckpt.list_checkpoints(tmp_path / "run")[-1].name == f"step-{step:08d}"
+
+
 def test_status_says_when_a_job_s_time_limit_and_requeues_leave_it_too_little_time(prepared_shards, tmp_path):
     """Before, the ETA column showed hours past the time limit and --max-requeues without a word."""
     job = submit(prepared_shards, tmp_path / "run", "--epochs", 100000, "--time", 3, "--max-requeues", 0)

@@ -291,6 +291,7 @@ def state_of(record: JobRecord, slurm: dict[str, JobState] | None = None) -> Job
         slurm = slurm_states([record.job_id]) if slurm is None else slurm
         state = slurm.get(record.job_id, JobState("UNKNOWN", None, "neither squeue nor sacct knows it"))
         state = _slurm_cancel_state(record, _ended_by_result(record, state) if state.unreachable else state)
+        state = _signalled_state(record, state)
     if state.state in FAILED:
         out_of_time = _out_of_time(record)  # a job that ended on its time limit is no failure of a rank
         state = JobState("TIMEOUT" if out_of_time else state.state, state.elapsed_s,
@@ -328,6 +329,14 @@ def _slurm_cancel_state(record: JobRecord, state: JobState) -> JobState:
         return state  # it had finished training when the cancel came
     killed = killed_note(record) if record.killed and not stopped else ""
     return JobState("CANCELLED", state.elapsed_s, "; ".join(filter(None, [state.note, stopped, killed])))
+
+
+def _signalled_state(record: JobRecord, state: JobState) -> JobState:
+    """A Slurm job whose ranks checkpointed on a signal from outside vitctl (`scancel --signal=TERM`, a batch system's
+    own stop) and ended: Slurm records it COMPLETED, unfinished; INTERRUPTED, as a local job stopped so."""
+    if state.state != "COMPLETED" or record.cancelled or not (stopped := _stop_note(_result(_result_path(record, 0)))):
+        return state
+    return JobState("INTERRUPTED", state.elapsed_s, "; ".join(filter(None, [state.note, stopped])))
 
 
 def _out_of_time(record: JobRecord) -> str | None:
@@ -484,10 +493,13 @@ def progress(record: JobRecord, until: float | None = None) -> dict[str, Any]:
 def _eta_s(metrics: list[dict[str, Any]], last: dict[str, Any]) -> float | None:
     """Seconds left as of the last step record: by this attempt's rate in wall-clock time from its second record on
     (the first one's interval holds compiling and warm-up; the later ones the evals and checkpoints between steps),
-    or, before there are two such records, by the last record's step time."""
+    or, before there are two such records, by the last record's step time; none before this attempt's first record
+    (the last one before it may be the step its signal cut into)."""
     if not last.get("total_steps") or last["step"] >= last["total_steps"]:
         return None
     begun = max((i for i, m in enumerate(metrics) if m.get("event") in ("resume", "stopped")), default=-1)
+    if not any(m is last for m in metrics[begun + 1:]):
+        return None
     timed = [m for m in metrics[begun + 1:] if "loss" in m and isinstance(m.get("time"), (int, float))][1:]
     if len(timed) >= 2 and timed[-1]["time"] > timed[0]["time"] and timed[-1]["step"] > timed[0]["step"]:
         per_step = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
