@@ -154,6 +154,7 @@ def job(should_stop):
     print("an ordinary line, not a log record", file=sys.stderr)
     print("note: one that looks like an exception line", file=sys.stderr)
     log.info("step=1 loss=6.9")
+    print("submitit WARNING (2026-12-01 17:59:56,043) - Bypassing signal SIGCONT", file=sys.stderr)
     try:
         worker()
     except RuntimeError as e:

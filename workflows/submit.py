@@ -648,8 +648,9 @@ def _hung_up(terminals: list[int], signum: int, frame: Any) -> None:
 
 
 class TracebackFilter:
-    """Hides the Python tracebacks of a log followed live, and submitit's line that a task raised: a failed rank is
-    reported once, in one line, and its traceback stays in the log file. A traceback ends where the trainer's logging writes again."""
+    """Hides the Python tracebacks of a log followed live, and submitit's words on them and on signals: a failed rank
+    is reported once, in one line, and its traceback stays in the log file. A traceback ends where the trainer's
+    logging writes again."""
 
     PREFIX = r"(\[rank\d+\]: )?"
     # faulthandler's dump of a crash in native code starts "Fatal Python error: Segmentation fault"
@@ -657,8 +658,9 @@ class TracebackFilter:
     # what multiprocessing's resource tracker says of a rank that was killed: the job's end says what was lost
     LEAK_WARNING = re.compile(r".*resource_tracker(\.py:\d+: UserWarning: resource_tracker)?: There appear to be |"
                               r"\s+warnings\.warn\('resource_tracker: ")
-    # what submitit logs of a task that raised, a time limit with no requeue left among them: the job's end says more
-    SUBMITIT_RAISED = re.compile(r".*\bsubmitit\b.* Submitted job triggered an exception$")
+    # what submitit logs of a task that raised (a time limit with no requeue left among them), and of a signal it
+    # ignores (SIGCONT, as a stop begins): the job's end, and vitctl's note on the stop, say what happened
+    SUBMITIT_NOISE = re.compile(r".*\bsubmitit\b.*(Submitted job triggered an exception|Bypassing signal [A-Z0-9]+)$")
     SEPARATOR = re.compile(rf"{PREFIX}(The above exception was the direct cause of the following exception:|During "
                            r"handling of the above exception, another exception occurred:)")
     LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[rank \d+\] ")
@@ -675,7 +677,7 @@ class TracebackFilter:
         """Those of the log's next `lines` to show; `final`: the log has ended, and nothing is held back any longer."""
         shown = []
         for line in lines:
-            if self.LEAK_WARNING.match(line) or self.SUBMITIT_RAISED.match(line):
+            if self.LEAK_WARNING.match(line) or self.SUBMITIT_NOISE.match(line):
                 continue
             if self.SEPARATOR.match(line):
                 self.hiding, self.held = True, []
