@@ -381,3 +381,16 @@ def test_tensor_parallel_groups_across_nodes_are_reported_with_the_other_problem
     assert "parallel.tp=2 would split tensor-parallel groups across nodes of 1 ranks" in stderr, stderr
     assert "data.batch_size 65 x 1 data-parallel ranks = 65 samples a step, more than the 64 train samples" \
         in stderr, stderr
+
+
+def test_a_resume_of_a_run_folder_whose_job_saved_no_checkpoint_is_a_note_and_of_a_missing_one_a_warning(tmp_path):
+    """Before: a rerun after a job stopped before its first checkpoint (`make demo` interrupted early) was warned to
+    `give its folder as --out`, which it was."""
+    run = tmp_path / "run"
+    said = ok("train", *LOCAL, "--out", run, "--resume", "--dry-run").stderr
+    assert f"warning: --resume, but {run} does not exist: the run starts at step 0; to continue a run, give its " \
+           "folder as --out" in " ".join(said.split()), said
+    (run / "submitit").mkdir(parents=True)  # a job's folder, as one cancelled before it saved a checkpoint leaves it
+    said = " ".join(ok("train", *LOCAL, "--out", run, "--resume", "--dry-run").stderr.split())
+    assert f"note: {run} holds no checkpoint yet (its earlier job stopped before it saved one): the run starts at " \
+           "step 0" in said and "warning" not in said, said

@@ -232,7 +232,10 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     check_resumable(found, config)  # first: where it refuses --resume, "pass --resume" is no fix
     if found and not resume:
         raise checkpoint.fresh_start_refused(run_dir, found[-1])
-    if resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
+    if resume and not found and (run_dir / "submitit").is_dir():  # a job ran there, and stopped before a checkpoint
+        echo(f"note: {run_dir} holds no checkpoint yet (its earlier job stopped before it saved one): the run starts "
+             "at step 0")
+    elif resume and not found:  # a mistyped --out would otherwise start a long run again from step 0, unsaid
         echo(f"warning: --resume, but {run_dir} {'holds no checkpoint' if existed else 'does not exist'}: the run "
              "starts at step 0; to continue a run, give its folder as --out")
     finished = bool(found) and _resume_notes(run_dir, found[-1], config, plan, echo, dry_run)
