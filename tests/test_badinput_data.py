@@ -383,3 +383,16 @@ def test_a_shard_of_both_splits_stopped_in_train_is_finished_by_verify_s_fix_val
     ok("data", "verify", out)
     manifest = json.loads((out / "manifest.json").read_text())
     assert all(manifest["splits"][split]["complete"] for split in ("train", "val"))
+
+
+def test_a_shard_folder_gone_since_launch_is_named_gone_not_unprepared(tmp_path):
+    """A job's ranks read data.path after launch checked it; deleted or moved since, it was told to be prepared with
+    `vitctl data shard` and `index`."""
+    with pytest.raises(ConfigError) as gone:
+        split_shards(tmp_path / "shards", "train")
+    assert str(gone.value) == (f"data.path {tmp_path / 'shards'} does not exist (moved or deleted?); put the shards "
+                               "back there, or give their new place as --data (with --resume, a run goes on from its "
+                               "last checkpoint)")
+    (tmp_path / "shards").mkdir()  # there, but no shard folder
+    with pytest.raises(ConfigError, match="no manifest.json; prepare it with `vitctl data shard` and `index`"):
+        split_shards(tmp_path / "shards", "train")

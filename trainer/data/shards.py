@@ -41,6 +41,9 @@ def split_shards(folder: Path, split: str) -> tuple[list[dict[str, Any]], list[s
     """The manifest's entries for a split's shards (name, samples, labels, ...), and the class list; each shard is
     checked to be on disk at the size the manifest records (a stat: reading them all is `vitctl data verify`'s job)."""
     manifest = mf.load(folder)
+    if manifest is None and not folder.exists():  # launch checked it: a job's ranks see it gone since
+        raise ConfigError(f"data.path {folder} does not exist (moved or deleted?); put the shards back there, or give "
+                          "their new place as --data (with --resume, a run goes on from its last checkpoint)")
     if manifest is None:
         raise ConfigError(f"data.path {folder}: no manifest.json; prepare it with `vitctl data shard` and `index`")
     info, quoted = manifest["splits"].get(split), shlex.quote(str(folder))
