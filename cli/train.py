@@ -142,24 +142,31 @@ def _run(o: dict, finetune: bool = False) -> None:
     print_summary(Path(config.train.out_dir), config.model.num_classes)
 
 
-SUMMARY_STEPS = 5  # logged steps the end-of-run table shows (beside every eval)
+SUMMARY_STEPS = 5  # logged steps the end-of-run table shows
+SUMMARY_EVALS = 10  # evals it shows (a run of 300 epochs evaluates 300 times), and the best one
 
 
 def print_summary(run_dir: Path, classes: int) -> None:
-    """The end-of-run table: the last logged steps and every eval (top-5 where the model has more than 5 classes)."""
+    """The end-of-run table: the last logged steps and evals, and the best eval (top-5 where the model has more than 5
+    classes)."""
     records = wf.read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
-    evals = {r["step"]: r for r in records if "eval_top1" in r}
+    every_eval = {r["step"]: r for r in records if "eval_top1" in r}
+    kept = sorted(every_eval)[-SUMMARY_EVALS:] + [max(every_eval, key=lambda s: every_eval[s]["eval_top1"])] \
+        if every_eval else []
+    evals = {step: every_eval[step] for step in kept}
     ema = any("eval_ema_top1" in r for r in evals.values())  # runs with train.ema_decay
     top5 = classes > 5  # of 5 classes or fewer, every image is in its top 5
     keys = ["eval_top1", *(["eval_top5"] if top5 else []), *(["eval_ema_top1"] if ema else [])]
     by_step = {r["step"]: r for r in steps}
     shown = sorted({r["step"] for r in steps[-SUMMARY_STEPS:]} | evals.keys())
-    cut = len(by_step) > SUMMARY_STEPS
+    cut = len(by_step) > SUMMARY_STEPS or len(every_eval) > len(evals)
+    evals_shown = f"the last {SUMMARY_EVALS} of {len(every_eval)} evals and the best one" \
+        if len(every_eval) > len(evals) else "every eval"
     table = Table("step", "loss", "images/s", "eval top-1", *(["eval top-5"] if top5 else []),
                   *(["EMA top-1"] if ema else []),
-                  title=f"{run_dir}", caption=f"the last {SUMMARY_STEPS} of {len(by_step)} logged steps, and every "
-                                              "eval; all in metrics.jsonl" if cut else None)
+                  title=f"{run_dir}", caption=f"the last {min(SUMMARY_STEPS, len(by_step))} of {len(by_step)} logged "
+                                              f"steps, and {evals_shown}; all in metrics.jsonl" if cut else None)
     for step in shown:
         record, match = by_step.get(step, {}), evals.get(step, {})
         table.add_row(str(step), f"{record['loss']:.4f}" if record else "",

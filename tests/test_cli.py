@@ -247,6 +247,21 @@ def test_the_summary_of_a_long_run_shows_every_eval_and_says_it_shows_the_last_s
     assert rows == ["20", "50", "60", "70", "80", "90", "100"], rows
 
 
+def test_the_summary_of_a_run_of_many_evals_shows_the_last_ones_and_the_best(tmp_path, capsys):
+    """Before: every eval, 200 rows after a resume of a finished 200-epoch run (one eval an epoch)."""
+    from vitctl.cli.train import print_summary
+
+    records = [{"step": step, "loss": 1.0, "images_per_s": 10.0} for step in range(1, 201)]
+    records += [{"step": step, "eval_top1": 90.0 if step == 7 else 50.0 + step / 10} for step in range(1, 201)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    print_summary(tmp_path, 1000)
+    out = capsys.readouterr().out
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    assert rows == ["7", *map(str, range(191, 201))], rows  # the best eval (step 7) and the last 10
+    assert "the last 5 of 200 logged steps, and the last 10 of 200 evals and the best one; all in metrics.jsonl" \
+        in " ".join(out.split()), out
+
+
 @pytest.mark.parametrize("width", [200, 120, 100, 80])
 def test_the_status_table_keeps_every_cell_and_note_whole_in_a_terminal(width):
     """Before, at 120 columns: `vit_micr…` and `step-000…` beside empty ETA and note columns; at 100, `COMPL…`; at
