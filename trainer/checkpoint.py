@@ -507,9 +507,12 @@ def resolve_checkpoint(path: Path, step: int | None = None) -> Path:
         return found[-1]
     match = [p for p in found if int(NAME.fullmatch(p.name).group(1)) == step]
     if not match:
-        raise ConfigError(f"{path} has no checkpoint of step {step}; it has steps "
-                          f"{', '.join(str(int(p.name[5:])) for p in found)}")
+        raise ConfigError(f"{path} has no checkpoint of step {step}; it has {_steps([int(p.name[5:]) for p in found])}")
     return match[0]
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
 
 
 def _no_checkpoint(path: Path) -> str:
@@ -540,8 +543,7 @@ def _not_of_step(path: Path, saved: int, step: int) -> str:
     if path in (found := list_checkpoints(run)):
         steps = [int(NAME.fullmatch(p.name).group(1)) for p in found]
         within = (f", or give its run folder {run} with --step {step}" if step in steps else
-                  f"; its run {run} has no checkpoint of step {step} either (it has steps "
-                  f"{', '.join(map(str, steps))})")
+                  f"; its run {run} has no checkpoint of step {step} either (it has {_steps(steps)})")
     return f"{path} is the checkpoint of step {saved}, not of --step {step}: drop --step to take this one{within}"
 
 
