@@ -18,7 +18,7 @@ from vitctl.trainer import runlock
 from vitctl.trainer.config import ConfigError, load_config
 from vitctl.trainer.loop import Diverged, Trainer, train
 from vitctl.trainer.metrics import read_metrics
-from vitctl.workflows import registry
+from vitctl.workflows import registry, status
 
 TINY = ["model.name=vit_micro", "model.img_size=32", f"model.num_classes={CLASSES}", "model.drop_path=0.1",
         "data.batch_size=8", "data.workers=0", "data.source=webdataset", "train.precision=fp32",
@@ -225,6 +225,10 @@ def test_cancel_of_a_local_job_checkpoints_every_rank_at_one_step(tmp_path):
     assert f"Job stopped by SIGTERM once every rank had checkpointed at step {step} (a requeue" in logs
     subprocess.run([*args, "--resume", "--steps", str(step + 1)], check=True, capture_output=True)
     assert [e["step"] for e in metrics_events(run, "resume")] == [step] and last_meta(run)["step"] == step + 1
+    resumed_by = registry.load_records()[-1].job_id  # the stopped job's advice is taken: was still "--resume ..."
+    stopped = next(s for s in status.collect(registry.load_records()) if s.job_id == job)
+    assert stopped.note == f"checkpointed at step {step} on a signal; job {resumed_by} was started in its run folder " \
+        "since"
 
 
 HOLD_RUN_DIR = """

@@ -267,11 +267,14 @@ def elsewhere(record: JobRecord) -> str | None:
     return None if record.pid_namespace == namespace else f"in another PID namespace (a container) of host {host}"
 
 
+RESUME_HINT = ": --resume continues from there"
+
+
 def _stop_note(result: tuple[tuple[str, Any], float] | None) -> str:
     """Where a job stopped on a signal checkpointed, from rank 0's result (`_result`); '' if it did not stop so."""
     value = result[0][1] if result and result[0][0] == "success" else None
     if isinstance(value, dict) and value.get("stopped"):
-        return f"checkpointed at step {value['step']} on a signal: --resume continues from there"
+        return f"checkpointed at step {value['step']} on a signal{RESUME_HINT}"
     return ""
 
 
@@ -577,6 +580,9 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
         parallel, quiet, unsaved = done.pop("parallel"), done.pop("quiet"), done.pop("unsaved")
         layout = f"{r.nodes}x{unit}" + (f" {parallel}" if parallel and parallel != "1 rank" else "")
         requeued_now = state.state == "PENDING" and state.note.startswith("requeued")  # not yet resumed
+        if RESUME_HINT in state.note and (next_job := _later_job(r)):  # advice taken already
+            state = replace(state, note=state.note.replace(RESUME_HINT, f"; job {next_job.job_id} was started in its "
+                                                                        "run folder since"))
         note = "; ".join(filter(None, [state.note, _unsaved_note(unsaved, requeued_now),
                                        quiet if state.state == "RUNNING" else "", _time_limit_note(r, state, done),
                                        _run_dir_gone(r)]))
