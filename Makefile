@@ -54,6 +54,7 @@ bench: $(BIN)/.installed
 clean-demo:
 	if [ -x $(BIN)/vitctl ]; then $(BIN)/vitctl jobs | awk -F '\t' -v demo="$(abspath $(DEMO_DIR))/" \
 		'NR > 1 && index($$4, demo) == 1 { print $$4 }' | sort -u | xargs -r -d '\n' $(BIN)/vitctl forget; fi
+	@echo "removing $(DEMO_DIR)/: the demo's archives, images, shards and runs (forget only took its jobs off the list)"
 	rm -rf $(DEMO_DIR)
 
 image: $(BIN)/.installed
