@@ -72,15 +72,16 @@ class GivenText(click.ParamType):
 
 
 class SlurmTime(GivenText):
-    """A time limit in one of Slurm's formats (30, 4:00:00, 1-12:00:00); whether it leaves time to train is checked
-    at launch."""
+    """A positive time limit in one of Slurm's formats (30, 4:00:00, 1-12:00:00); whether it leaves time to train is
+    checked at launch."""
 
     name = "time"
 
     def convert(self, value, param, ctx) -> str:
         value = super().convert(value, param, ctx)
-        if value.strip().lower() not in ("unlimited", "infinite") and slurm_time.seconds(value) is None:
-            self.fail(f"{value!r} is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)", param, ctx)
+        problem = slurm_time.limit_problem(value)
+        if problem:
+            self.fail(problem, param, ctx)
         return value
 
 

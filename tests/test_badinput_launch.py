@@ -318,8 +318,8 @@ def test_a_finetuning_preset_without_weights_is_refused_and_both_ways_out_work(t
 
 def test_an_unlimited_time_says_a_limit_is_needed():
     result = vitctl("train", *SLURM, "--time", "UNLIMITED", "--dry-run")
-    assert result.exit_code == 1 and "--time UNLIMITED: vitctl needs a time limit, to checkpoint before it and " \
-        "requeue; give the partition's longest" in result.stderr, result.stderr
+    assert result.exit_code == 2 and "Invalid value for '--time': 'UNLIMITED' is no limit: vitctl needs one, to " \
+        "checkpoint before it and requeue; give the partition's longest" in result.stderr, result.stderr
 
 
 def test_a_run_folder_entry_of_the_wrong_kind_is_refused_before_launch_and_status_reads_around_it(tmp_path):

@@ -368,7 +368,8 @@ def test_an_empty_slurm_setting_is_a_usage_error(tmp_path, option):
     ("--model", "", "is empty (an unset shell variable?); give a model name, e.g. vit_b16 or swin_t, or leave the "
                     "option out"),
     ("--time", "", "is empty (an unset shell variable?); give a value, or leave the option out"),
-    ("--time", "1:xx", "'1:xx' is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)")])
+    ("--time", "1:xx", "'1:xx' is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)"),
+    ("--time", "0", "'0' is no time to train; give a positive limit, e.g. --time 4:00:00")])
 def test_an_empty_model_or_a_time_that_is_none_is_a_usage_error(tmp_path, option, value, said):
     """Before: exit 1 where `--out ""` and the other options' values exit 2."""
     result = vitctl(*DRY_RUN, "--out", tmp_path / "run", option, value)

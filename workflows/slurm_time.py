@@ -21,3 +21,16 @@ def seconds(text: str) -> int | None:
     if match.group(4):  # HH:MM:SS
         return first * 3600 + second * 60 + third
     return first * 60 + second  # MM[:SS]
+
+
+def limit_problem(text: str) -> str | None:
+    """Why `text` cannot be vitctl's time limit (--time), or None where it can."""
+    if text.strip().lower() in ("unlimited", "infinite"):
+        return (f"{text!r} is no limit: vitctl needs one, to checkpoint before it and requeue; give the partition's "
+                "longest (`sinfo -o '%P %l'` lists them), e.g. --time 7-00:00:00")
+    limit = seconds(text)
+    if limit is None:
+        return f"{text!r} is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)"
+    if limit <= 0:
+        return f"{text!r} is no time to train; give a positive limit, e.g. --time 4:00:00"
+    return None

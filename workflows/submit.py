@@ -115,15 +115,10 @@ def default_executor() -> str:
 
 def parse_time(text: str) -> int:
     """Slurm's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> whole minutes, at least 1."""
-    if text.strip().lower() in ("unlimited", "infinite"):
-        raise ConfigError(f"--time {text}: vitctl needs a time limit, to checkpoint before it and requeue; give the "
-                          "partition's longest (`sinfo -o '%P %l'` lists them), e.g. --time 7-00:00:00")
-    seconds = slurm_time.seconds(text)
-    if seconds is None:
-        raise ConfigError(f"--time {text!r} is not a Slurm time (e.g. 30, 4:00:00, 1-12:00:00)")
-    if seconds <= 0:
-        raise ConfigError(f"--time {text!r} must be positive")
-    return max(1, round(seconds / 60))
+    problem = slurm_time.limit_problem(text)
+    if problem:
+        raise ConfigError(f"--time {problem}")
+    return max(1, round(slurm_time.seconds(text) / 60))
 
 
 def check_time(request: LaunchRequest) -> int:
