@@ -152,17 +152,19 @@ def print_summary(run_dir: Path, classes: int) -> None:
     records = wf.read_metrics(run_dir)
     steps = [r for r in records if "loss" in r]
     every_eval = {r["step"]: r for r in records if "eval_top1" in r}
-    kept = sorted(every_eval)[-SUMMARY_EVALS:] + [max(every_eval, key=lambda s: every_eval[s]["eval_top1"])] \
-        if every_eval else []
-    evals = {step: every_eval[step] for step in kept}
+    last_evals = sorted(every_eval)[-SUMMARY_EVALS:]
+    # of evals tied at the best top-1, the latest: nearest the checkpoint the run ends with
+    best = max(every_eval, key=lambda s: (every_eval[s]["eval_top1"], s), default=None)
+    extra = [] if best is None or best in last_evals else [best]
+    evals = {step: every_eval[step] for step in [*last_evals, *extra]}
     ema = any("eval_ema_top1" in r for r in evals.values())  # runs with train.ema_decay
     top5 = classes > 5  # of 5 classes or fewer, every image is in its top 5
     keys = ["eval_top1", *(["eval_top5"] if top5 else []), *(["eval_ema_top1"] if ema else [])]
     by_step = {r["step"]: r for r in steps}
     shown = sorted({r["step"] for r in steps[-SUMMARY_STEPS:]} | evals.keys())
     cut = len(by_step) > SUMMARY_STEPS or len(every_eval) > len(evals)
-    evals_shown = f"the last {SUMMARY_EVALS} of {len(every_eval)} evals and the best one" \
-        if len(every_eval) > len(evals) else "every eval"
+    evals_shown = "every eval" if len(evals) == len(every_eval) else \
+        f"the last {SUMMARY_EVALS} of {len(every_eval)} evals" + (f" and the best one (step {best})" if extra else "")
     table = Table("step", "loss", "images/s", "eval top-1", *(["eval top-5"] if top5 else []),
                   *(["EMA top-1"] if ema else []),
                   title=f"{run_dir}", caption=f"the last {min(SUMMARY_STEPS, len(by_step))} of {len(by_step)} logged "

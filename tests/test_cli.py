@@ -247,19 +247,24 @@ def test_the_summary_of_a_long_run_shows_every_eval_and_says_it_shows_the_last_s
     assert rows == ["20", "50", "60", "70", "80", "90", "100"], rows
 
 
-def test_the_summary_of_a_run_of_many_evals_shows_the_last_ones_and_the_best(tmp_path, capsys):
-    """Before: every eval, 200 rows after a resume of a finished 200-epoch run (one eval an epoch)."""
+@pytest.mark.parametrize(("best_steps", "rows", "said"), [
+    ((7,), ["7", *map(str, range(191, 201))], "the last 10 of 200 evals and the best one (step 7)"),
+    ((7, 150), ["150", *map(str, range(191, 201))], "the last 10 of 200 evals and the best one (step 150)"),
+    ((195,), list(map(str, range(191, 201))), "the last 10 of 200 evals;")])
+def test_the_summary_of_a_run_of_many_evals_shows_the_last_ones_and_the_best(tmp_path, capsys, best_steps, rows,
+                                                                              said):
+    """Before: every eval, 200 rows after a resume of a finished 200-epoch run (one eval an epoch). Of tied bests the
+    latest is shown; where the best is among the last 10, the caption does not speak of another row."""
     from vitctl.cli.train import print_summary
 
     records = [{"step": step, "loss": 1.0, "images_per_s": 10.0} for step in range(1, 201)]
-    records += [{"step": step, "eval_top1": 90.0 if step == 7 else 50.0 + step / 10} for step in range(1, 201)]
+    records += [{"step": step, "eval_top1": 99.0 if step in best_steps else 50.0 + step / 10} for step in range(1, 201)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     print_summary(tmp_path, 1000)
     out = capsys.readouterr().out
-    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
-    assert rows == ["7", *map(str, range(191, 201))], rows  # the best eval (step 7) and the last 10
-    assert "the last 5 of 200 logged steps, and the last 10 of 200 evals and the best one; all in metrics.jsonl" \
-        in " ".join(out.split()), out
+    shown = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    assert shown == rows, shown
+    assert f"the last 5 of 200 logged steps, and {said}" in " ".join(out.split()), out
 
 
 @pytest.mark.parametrize("width", [200, 120, 100, 80])
