@@ -77,6 +77,9 @@ def test_a_plan_is_copied_into_the_run_folder_only_for_a_job_that_starts_and_a_s
     assert result.exit_code == 1 and " ".join(result.stderr.split()) == (
         f"error: parallel.plan {path} does not exist; {tmp_path / 'run'} keeps a copy of the plan it trained under: "
         f"pass --plan {copy}"), result.stderr
+    result = vitctl(*run[:-1], 3)  # and without --resume (was: only that the plan does not exist)
+    assert result.exit_code == 1 and f"pass --plan {copy} with --resume, to go on from its checkpoints" in \
+        " ".join(result.stderr.split()), result.stderr
     ok(*[copy if a == path else a for a in run[:-1]], 3, "--resume")  # the fix, followed
 
 

@@ -202,11 +202,12 @@ def launch(config: RunConfig, request: LaunchRequest, resume: bool, dry_run: boo
     # A local job's device is this machine's; a Slurm job's is checked by its ranks when they start.
     local_device = torch.device("cuda" if request.gpus_per_node else "cpu") if request.executor == "local" else None
     # a run that goes on from its own checkpoints does not read finetune.from_ckpt again: it may be gone by now
-    resuming = resume and bool(checkpoint.list_checkpoints(run_dir))
-    if resuming and config.parallel.plan and not Path(config.parallel.plan).exists() and \
-            (kept := _kept_plan(run_dir)):
+    trained = bool(checkpoint.list_checkpoints(run_dir))
+    resuming = resume and trained
+    if trained and config.parallel.plan and not Path(config.parallel.plan).exists() and (kept := _kept_plan(run_dir)):
         raise ConfigError(f"parallel.plan {config.parallel.plan} does not exist; {run_dir} keeps a copy of the plan it "
-                          f"trained under: pass --plan {shlex.quote(str(kept))}")
+                          f"trained under: pass --plan {shlex.quote(str(kept))}"
+                          + ("" if resume else " with --resume, to go on from its checkpoints"))
     try:  # the device is not checked against a request that cannot have it
         strategy = preflight(config, request.nodes * request.tasks, None if launch_problems else local_device,
                              resuming, request.tasks)
