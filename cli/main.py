@@ -5,6 +5,7 @@ import errno
 import os
 import signal
 import sys
+from pathlib import Path
 
 from .commands import INTERRUPTED, quiet_interrupt
 
@@ -16,6 +17,7 @@ with quiet_interrupt():
     from rich.markup import escape
 
     from vitctl.datasets.errors import DataError
+    from vitctl.datasets.oserrors import as_data_error
     from vitctl.datasets.parallel import hangup_as_interrupt, terminated, termination_as_interrupt
     from vitctl.trainer.config import ConfigError
     from vitctl.workflows.errors import Interrupted, LaunchError
@@ -28,8 +30,9 @@ with quiet_interrupt():
 
 class VitctlGroup(click.Group):
     """Loads each command as it runs (`status`, `logs`, `cancel` and `jobs` import no torch, which takes seconds, and
-    `--help` lists the commands from their table); turns bad input (data, config, a failed rank) anywhere below into
-    a one-screen message and exit status 1, and Ctrl-C into one line and exit status 130."""
+    `--help` lists the commands from their table); turns bad input (data, config, a failed rank, a file this user may
+    not read) anywhere below into a one-screen message and exit status 1, and Ctrl-C into one line and exit status
+    130."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -63,11 +66,15 @@ class VitctlGroup(click.Group):
             if _output_lost(e):
                 _say_output_lost(e)
                 ctx.exit(READER_LEFT if e.errno == errno.EPIPE else 1)
-            if e.errno != errno.ENAMETOOLONG:  # a path (--out, --data, a config file) that no file system takes
-                raise
-            err_console.print(f"[bold red]error:[/] a name in {escape(str(e.filename))} is longer than the file "
-                              "system allows (255 bytes a name): shorten it", highlight=False, soft_wrap=True)
-            ctx.exit(1)
+            if e.errno == errno.ENAMETOOLONG:  # a path (--out, --data, a config file) that no file system takes
+                err_console.print(f"[bold red]error:[/] a name in {escape(str(e.filename))} is longer than the file "
+                                  "system allows (255 bytes a name): shorten it", highlight=False, soft_wrap=True)
+                ctx.exit(1)
+            if e.errno in (errno.EACCES, errno.EPERM) and e.filename is not None:  # a file inside a folder given
+                err_console.print(f"[bold red]error:[/] {escape(str(as_data_error(e, Path.cwd())))}", highlight=False,
+                                  soft_wrap=True)
+                ctx.exit(1)
+            raise
 
 
 READER_LEFT = 128 + signal.SIGPIPE  # what a shell reports for a writer whose reader (`| head`) left: not a failure

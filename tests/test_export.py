@@ -5,6 +5,7 @@ import errno
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,35 @@ def test_out_in_a_folder_this_user_may_not_write_is_one_clear_line(micro_run, tm
             "there, or choose another --out") in result.stderr, result.stderr
     assert list(out.parent.iterdir()) == []
     ok("export", micro_run, "--out", tmp_path / "w.safetensors")
+
+
+# Root reads any file whatever its mode; without these capabilities it reads as the file's mode says, as users do.
+AS_A_USER = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
+             "-dac_override,-dac_read_search", sys.executable, "-m", "vitctl.cli"]
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize(("denied", "said"), [
+    ("checkpoints/step-00000003/meta.json", "checkpoint {step}: this user may not read meta.json (permission denied); "
+                                            "give this user read access to it (`ls -l {step}` shows owner and mode)"),
+    ("checkpoints/step-00000003/__0_0.distcp", "checkpoint {step}: this user may not read __0_0.distcp"),
+    ("checkpoints", "error: {run}/checkpoints: permission denied fix: give this user access to it")])
+def test_a_checkpoint_file_this_user_may_not_read_is_one_clear_line_before_launch(micro_run, prepared_shards, tmp_path,
+                                                                                  denied, said):
+    """Before: a traceback ending in PermissionError from export and finetune's preflight; a shard file of the
+    checkpoint let finetune launch, and its rank failed."""
+    run = tmp_path / "run"
+    shutil.copytree(micro_run, run)
+    (run / denied).chmod(0)
+    said = said.format(run=run, step=run / "checkpoints/step-00000003")
+    finetune = ["finetune", "--from-ckpt", run, "--data", prepared_shards, "--out", tmp_path / "ft", "--executor",
+                "local", "--gpus", 0, "--dry-run", *(arg for key in BASE for arg in ("--set", key))]
+    for args in (["export", run, "--out", tmp_path / "w.safetensors"], finetune):
+        done = subprocess.run([*AS_A_USER, *map(str, args)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and said in " ".join(done.stderr.split()), done.stderr
+        assert "Traceback" not in done.stderr
+    (run / denied).chmod(0o755 if (run / denied).is_dir() else 0o644)
+    ok("export", run, "--out", tmp_path / "w.safetensors")  # the fix followed
 
 
 def test_out_in_an_immutable_folder_is_told_the_flag_that_stops_root(micro_run, tmp_path):

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from vitctl.datasets.atomic import fsync_dir, write_json_atomic
+from vitctl.datasets.errors import listed
 from vitctl.datasets.oserrors import as_data_error
 
 from .checkpoint_files import META, NAME, checkpoint_dir, is_checkpoint, list_checkpoints
@@ -95,8 +96,11 @@ def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
+    """meta.json, checked; also that this user may read the files it lists (the ranks read them after launch)."""
     try:
         meta = json.loads((path / META).read_text())
+    except PermissionError:
+        raise ConfigError(_not_readable(path, [META])) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(_damaged(path, f"{META} is not readable JSON ({e})")) from None
     if not isinstance(meta, dict):
@@ -105,7 +109,25 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a vitctl checkpoint ({FORMAT})")
     if problems := _meta_problems(meta):
         raise ConfigError(_damaged(path, f"{META}: {', '.join(problems)}"))
+    if denied := [name for name in meta.get("files", {}) if not _may_read(path / name)]:
+        raise ConfigError(_not_readable(path, denied))
     return meta
+
+
+def _may_read(path: Path) -> bool:
+    """False only where opening `path` is refused: a missing or damaged file is named by the checksums' check."""
+    try:
+        path.open("rb").close()
+    except PermissionError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def _not_readable(path: Path, names: list[str]) -> str:
+    return (f"checkpoint {path}: this user may not read {listed(names)} (permission denied); give this user read "
+            f"access to {'it' if len(names) == 1 else 'them'} (`ls -l {shlex.quote(str(path))}` shows owner and mode)")
 
 
 def _meta_problems(meta: dict[str, Any]) -> list[str]:
