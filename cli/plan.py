@@ -29,6 +29,8 @@ class GiB(click.FloatRange):
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number; give the memory of one GPU in GiB, e.g. 80", param, ctx)
+        if number < 1 / 1024:  # the search's memory units would underflow (1e-308: an OverflowError)
+            self.fail(f"{value!r} GiB is less than one MiB; give the memory of one GPU in GiB, e.g. 80", param, ctx)
         if number > wf.MOST_GIB:  # nvidia-smi shows MiB: 81559 for an 80 GB GPU
             self.fail(f"{number:g} GiB is more than any GPU holds (this takes {wf.MOST_GIB} at most); if that figure "
                       f"is MiB, as nvidia-smi shows it, pass --memory-gib {math.floor(number / 1024)}", param, ctx)

@@ -665,13 +665,15 @@ def test_cli_where_no_gpu_could_hold_a_plan_names_no_memory_to_pass(tmp_path):
                      r"\(--nodes, --gpus\) or lower --batch", result.stderr), result.stderr
 
 
-@pytest.mark.parametrize("budget", ["nan", "inf"])
-def test_cli_refuses_a_memory_budget_that_is_not_a_finite_number(tmp_path, budget):
+@pytest.mark.parametrize(("budget", "said"), [("nan", "'nan' is not a finite number"),
+                                              ("inf", "'inf' is not a finite number"),
+                                              ("1e-308", "'1e-308' GiB is less than one MiB")])  # was: OverflowError
+def test_cli_refuses_a_memory_budget_that_is_not_a_finite_number_or_too_small(tmp_path, budget, said):
     profile_path, out = tmp_path / "profile.json", tmp_path / "plan.json"
     profile_path.write_text(hand_made_profile().to_json())
     result = vitctl(*_plan_args(profile_path, out, budget))
     assert result.exit_code == 2 and "Traceback" not in result.output + result.stderr
-    assert f"Invalid value for '--memory-gib': '{budget}' is not a finite number; give the memory of one GPU in GiB" \
+    assert f"Invalid value for '--memory-gib': {said}; give the memory of one GPU in GiB" \
            in result.output + result.stderr
     assert not out.exists()
 
@@ -700,6 +702,29 @@ def test_cli_refuses_an_out_under_a_regular_file_before_searching(tmp_path, out)
                             f"another --out\n"
     assert "searched plan" not in result.output and blocker.read_text() == "mine"
     ok(*_plan_args(profile_path, tmp_path / "plan.json", 80))
+
+
+def test_cli_refuses_an_out_that_writing_would_replace_or_that_lies_in_a_checkpoint(tmp_path):
+    """Before: /dev/null was to be moved away; a link was replaced by the plan, its target left as it was; a plan
+    written into a checkpoint folder stopped keep-last-K from removing that checkpoint."""
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(hand_made_profile().to_json())
+    (tmp_path / "target.json").write_text("")
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+    step = tmp_path / "run/checkpoints/step-00000004"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (step / ".metadata").write_text("")
+    for out, said in (("/dev/null", "--out /dev/null is not a regular file: writing would replace it, not write "
+                                    "through it; choose another --out"),
+                      (tmp_path / "link.json", f"--out {tmp_path / 'link.json'} is a symbolic link: writing would "
+                                               "replace it, not write through it"),
+                      (step / "plan.json", f"--out {step / 'plan.json'} lies in the checkpoint folder {step}, which "
+                                           "holds what training wrote there alone")):
+        result = vitctl(*_plan_args(profile_path, out, 80))
+        assert result.exit_code == 1 and said in " ".join(result.stderr.split()), result.stderr
+    assert (tmp_path / "link.json").is_symlink() and sorted(p.name for p in step.iterdir()) == [".metadata",
+                                                                                                 "meta.json"]
 
 
 def test_cli_says_which_folder_it_may_not_write(tmp_path, monkeypatch):

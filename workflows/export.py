@@ -12,13 +12,15 @@ from safetensors.torch import save
 
 from vitctl.datasets.atomic import atomic_open
 from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is, write_refusal
-from vitctl.trainer.checkpoint import consolidated, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
+from vitctl.trainer.checkpoint import consolidated, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
 from vitctl.trainer.models import MODELS, default_window
 from vitctl.trainer.models.layers import timm_layout
 from vitctl.trainer.pretrained import EXPORT_SHA256
 from vitctl.trainer.recipe import model_eval
+
+from .out_file import replacing_refusal
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,8 @@ def _check_out(out: Path) -> None:
                           f"name it {out.with_suffix('.safetensors')}")
     if blocker := file_in_the_way(out.parent):
         raise ConfigError(f"--out {out}: {what_it_is(blocker)}, not a folder; move it away or choose another --out")
-    if inside := next((p for p in out.absolute().parents if is_checkpoint(p)), None):
-        raise ConfigError(f"--out {out} lies in the checkpoint folder {inside}, which holds what training wrote "
-                          "there alone: writing there could destroy the checkpoint; choose an --out outside "
-                          f"{inside.parent}")
-    if out.is_symlink() or (out.exists() and not out.is_file()):  # the rename would put a file in its place
-        raise ConfigError(f"--out {out} is {'a symbolic link' if out.is_symlink() else 'not a regular file'}: "
-                          "writing would replace it, not write through it; choose another --out")
+    if refusal := replacing_refusal(out):
+        raise ConfigError(refusal)
     if out.is_file() and out.stat().st_size and not _is_export(out):
         raise ConfigError(f"--out {out} exists and is not a vitctl export (no {EXPORT_SHA256} in its safetensors "
                           "header): writing over it would destroy it; choose another --out, or move the file away "

@@ -38,6 +38,8 @@ from vitctl.trainer.planner.profile import (
 )
 from vitctl.trainer.planner.search import SearchResult, search
 
+from .out_file import replacing_refusal
+
 PROFILE_BATCH = {"cuda": 32, "cpu": 4}  # samples per measurement (and a quarter of it); lines are fitted through both
 MOST_GIB = 1024  # --memory-gib at most: above any GPU's memory (the largest, in 2026, hold under 300 GiB)
 
@@ -120,6 +122,8 @@ def per_rank_batch(outcome: PlanOutcome) -> int:
 def check_out(out: Path) -> None:
     """Refuse an --out that cannot be written before the search, whose profile may first take minutes to measure, or
     that holds something other than a plan (the profile, notes), which the plan would replace."""
+    if refusal := replacing_refusal(out):
+        raise ConfigError(refusal)
     if out.exists() and not is_plan(out):
         raise ConfigError(f"--out {out} already holds a file that is not a plan; choose another --out, or move {out} "
                           "away first")
