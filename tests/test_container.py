@@ -435,6 +435,20 @@ def test_in_the_image_a_missing_op_is_an_error_not_a_build(monkeypatch):
         cuda.extension.cache_clear()
 
 
+@pytest.mark.parametrize(("value", "said"), [
+    (None, "VITCTL_PREBUILT_OPS= (unset: a missing op would be compiled on first use)"),
+    ("yes", "VITCTL_PREBUILT_OPS=yes ('yes': only 1 turns it on: a missing op would be compiled on first use)")])
+def test_doctor_names_the_prebuilt_ops_setting_as_it_is(monkeypatch, value, said):
+    """Before: `VITCTL_PREBUILT_OPS=yes` was reported unset."""
+    if value is None:
+        monkeypatch.delenv(cuda.PREBUILT_ONLY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cuda.PREBUILT_ONLY_ENV, value)
+    result = vitctl("doctor", "--expect-image")
+    cells = " ".join(result.output.replace("│", " ").split())  # a cell wrapped over lines reads as one
+    assert result.exit_code == 1 and said in cells, result.output
+
+
 def test_doctor_in_an_image_without_apex_exits_1_naming_what_is_missing(monkeypatch):
     monkeypatch.setenv(cuda.PREBUILT_ONLY_ENV, "1")  # as in the image: the self-test runs without --expect-image
     result = vitctl("doctor")

@@ -2,6 +2,7 @@
 promises (prebuilt ops, apex, DALI for the image's CUDA, submitit, webdataset), none of which needs a GPU."""
 
 import importlib
+import os
 from dataclasses import dataclass
 from importlib.metadata import distributions
 
@@ -47,6 +48,15 @@ def op_builds() -> list[tuple[str, str]]:
             for name in OP_FUNCTIONS]
 
 
+def _prebuilt_only_setting() -> str:
+    """The variable as set, and what it means here: only 1 turns the check on."""
+    value = os.environ.get(cuda.PREBUILT_ONLY_ENV)
+    if value == "1":
+        return f"{cuda.PREBUILT_ONLY_ENV}=1"
+    said = "unset" if value is None else f"{value!r}: only 1 turns it on"
+    return f"{cuda.PREBUILT_ONLY_ENV}={value or ''} ({said}: a missing op would be compiled on first use)"
+
+
 def _imports(module: str) -> str | None:
     try:
         importlib.import_module(module)
@@ -75,8 +85,7 @@ def image_checks() -> list[Check]:
         Check("CUDA ops prebuilt", not not_prebuilt,
               f"all {len(ops)} in {cuda.prebuilt()[0].__file__}" if not not_prebuilt else
               f"{', '.join(not_prebuilt)}: {ops[0][1] if len(not_prebuilt) == len(ops) else 'missing'}"),
-        Check("no just-in-time builds", cuda.prebuilt_only(), f"{cuda.PREBUILT_ONLY_ENV}="
-              f"{'1' if cuda.prebuilt_only() else ' (unset: a missing op would be compiled on first use)'}"),
+        Check("no just-in-time builds", cuda.prebuilt_only(), _prebuilt_only_setting()),
     ]
     for module in APEX_MODULES:
         problem = _imports(module)
