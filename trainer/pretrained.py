@@ -28,6 +28,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.serialization import MAGIC_NUMBER, get_unsafe_globals_in_checkpoint
 
+from vitctl.datasets.errors import count
+
 from .checkpoint import consolidated, read_meta, resolve_checkpoint, stored_tensors
 from .config import ConfigError
 from .integrity import nonfinite, tensors_sha256
@@ -135,8 +137,9 @@ def read_state_dict(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
     else:
         state = _tensors_of(path, _read_torch(path, trust))
     if bad := nonfinite(state):
-        raise ConfigError(f"finetune.from_ckpt {path}: tensor {bad[0]} holds {bad[1]} non-finite values (inf or "
-                          "nan); the weights are damaged or come from a run that diverged: use another checkpoint")
+        raise ConfigError(f"finetune.from_ckpt {path}: tensor {bad[0]} holds {count(bad[1], 'non-finite value')} "
+                          "(inf or nan); the weights are damaged or come from a run that diverged: use another "
+                          "checkpoint")
     return packed_layout(state)
 
 
