@@ -198,7 +198,8 @@ def test_bench_without_cuda_says_where_to_run_it():
     result = vitctl("bench", "train", "--model", "vit_micro", "--steps", 5)
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert "error: vitctl bench train times a training step on a CUDA GPU" in result.stderr
-    assert "srun --gpus 1 vitctl bench train" in result.stderr
+    assert "run it on a GPU node: `srun --gpus 1` before this same command (`srun --gpus 1 vitctl bench train ...`, " \
+        "with the options given here)" in " ".join(result.stderr.split()), result.stderr  # was: without its options
 
 
 def test_the_summary_of_a_run_resumed_without_its_ema_shows_both_evals(tmp_path, capsys):

@@ -118,7 +118,8 @@ def require_cuda(command: str, what: str) -> None:
     """ConfigError, for a benchmark on a machine whose torch sees no CUDA GPU."""
     if not torch.cuda.is_available():
         raise ConfigError(f"{command} {what} on a CUDA GPU, and torch {torch.__version__} sees none on this machine; "
-                          f"run it on a GPU node (e.g. `srun --gpus 1 {command}`)")
+                          f"run it on a GPU node: `srun --gpus 1` before this same command (`srun --gpus 1 "
+                          f"{command} ...`, with the options given here)")
 
 
 def cuda_or_exit(command: str) -> None:
