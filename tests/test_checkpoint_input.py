@@ -287,6 +287,27 @@ def test_an_export_carries_a_checksum_that_is_verified(pretrained, weights, tmp_
 # ---------------------------------------------------------------- foreign weights: finite values
 
 
+def test_a_damaged_export_whose_checkpoint_is_gone_is_told_the_run_s_last_one(run_copy, weights, tmp_path):
+    """Before: `export it again (vitctl export RUN/checkpoints/step-00000002 ...)`, a folder keep_checkpoints had
+    removed since, which the command then said does not exist."""
+    export = tmp_path / "w.safetensors"
+    ok("export", run_copy, "--step", 2, "--out", export)
+    shutil.rmtree(run_copy / "checkpoints/step-00000002")
+    header = int.from_bytes(export.read_bytes()[:8], "little")
+    flip_bytes(export, 8 + header + (export.stat().st_size - 8 - header) // 2)
+    with pytest.raises(ConfigError) as error:
+        read_state_dict(export)
+    assert (f"its checkpoint {run_copy / 'checkpoints/step-00000002'} is gone since; export that run's last one in "
+            f"its place (vitctl export {run_copy} --out {export})") in str(error.value), error.value
+    ok(*follow(str(error.value), "vitctl"))
+    got = read_state_dict(export)
+    assert all(torch.equal(got[k], weights[k]) for k in weights)  # step 3's
+    shutil.rmtree(run_copy)
+    flip_bytes(export, 8 + header + (export.stat().st_size - 8 - header) // 2)
+    with pytest.raises(ConfigError, match="is gone too: copy the export again from where it is kept"):
+        read_state_dict(export)
+
+
 @pytest.mark.parametrize(("suffix", "bad", "said"), [(".pth", [float("inf"), float("nan")], "2 non-finite values"),
                                                      (".safetensors", [float("nan")], "1 non-finite value"),
                                                      (".safetensors", [float("inf")] * 2, "2 non-finite values")])

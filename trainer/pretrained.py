@@ -31,6 +31,7 @@ from torch.serialization import MAGIC_NUMBER, get_unsafe_globals_in_checkpoint
 from vitctl.datasets.errors import count
 
 from .checkpoint import consolidated, read_meta, resolve_checkpoint, stored_tensors
+from .checkpoint_files import list_checkpoints
 from .config import ConfigError
 from .integrity import nonfinite, tensors_sha256
 from .models import weights_of
@@ -167,12 +168,23 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     except SafetensorError as e:
         raise ConfigError(_unreadable_safetensors(path, e)) from None
     if EXPORT_SHA256 in metadata and tensors_sha256(state) != metadata[EXPORT_SHA256]:
-        again = shlex.join(["vitctl", "export", str(metadata.get("vitctl_checkpoint", "RUN")), "--out", str(path)])
-        if metadata.get("vitctl_weights") == "ema":
-            again += " --ema"
         raise ConfigError(f"finetune.from_ckpt {path} is damaged: its tensors do not match the sha256 `vitctl export` "
-                          f"recorded in it; export it again ({again})")
+                          f"recorded in it; {_export_again(path, metadata)}")
     return state
+
+
+def _export_again(path: Path, metadata: dict[str, str]) -> str:
+    """The export command that writes `path` again, from its checkpoint, else from the last one of that run."""
+    source = Path(metadata.get("vitctl_checkpoint", "RUN"))
+    ema = " --ema" if metadata.get("vitctl_weights") == "ema" else ""
+    if source.is_dir() or str(source) == "RUN":
+        return f"export it again ({shlex.join(['vitctl', 'export', str(source), '--out', str(path)])}{ema})"
+    run = source.parent.parent
+    if source.parent.name == "checkpoints" and list_checkpoints(run):  # keep_checkpoints removed it since
+        return (f"its checkpoint {source} is gone since; export that run's last one in its place ("
+                f"{shlex.join(['vitctl', 'export', str(run), '--out', str(path)])}{ema}), or copy the export again "
+                "from where it is kept")
+    return f"its checkpoint {source} is gone too: copy the export again from where it is kept"
 
 
 def _unreadable_safetensors(path: Path, error: Exception) -> str:
