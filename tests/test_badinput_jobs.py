@@ -426,6 +426,27 @@ def test_jobs_whose_run_folder_was_removed_and_made_again_are_not_called_failed(
     assert status.local_state(later).state == "FAILED"  # its own log is there: killed before its result
 
 
+def test_a_local_job_whose_run_folder_is_moved_while_it_runs_says_so(tmp_path):
+    """Before: `error: job N failed: ` and no reason: the rank's error went with the folder, into its moved log."""
+    run, moved = tmp_path / "run", tmp_path / "moved"
+
+    def move_once_it_trains():
+        for _ in range(600):
+            if (run / "metrics.jsonl").is_file():
+                shutil.move(run, moved)
+                return
+            time.sleep(0.2)
+
+    mover = threading.Thread(target=move_once_it_trains)
+    mover.start()
+    result = vitctl("train", *QUICK, "--steps", 100_000, "--set", "data.train_samples=400000", "--out", run)
+    mover.join()
+    assert moved.is_dir() and result.exit_code == 1, result.stderr
+    assert f"failed: its run folder {run} no longer exists (moved or deleted): its progress, checkpoints and logs " \
+        "went with it; if you moved it, `vitctl status NEW_PLACE` records where" in " ".join(result.stderr.split()), \
+        result.stderr
+
+
 def test_a_job_killed_before_it_left_a_result_shows_how_long_it_ran_until_its_last_log_line(tmp_path):
     """Before: a local job killed by SIGKILL (or the OOM killer) had an empty elapsed time in `vitctl status`."""
     record = _ended_local_job(tmp_path / "run")

@@ -585,7 +585,7 @@ def collect(records: list[JobRecord]) -> list[JobStatus]:
                                                                         "run folder since"))
         note = "; ".join(filter(None, [state.note, _unsaved_note(unsaved, requeued_now),
                                        quiet if state.state == "RUNNING" else "", _time_limit_note(r, state, done),
-                                       _run_dir_gone(r)]))
+                                       run_dir_gone(r)]))
         statuses.append(JobStatus(r.job_id, r.name, r.executor, state.state, layout,
                                   _format_seconds(state.elapsed_s), **done, run_dir=r.run_dir, note=note))
     return statuses
@@ -660,7 +660,7 @@ def _folder(run_dir: str) -> str:
     return str(Path(run_dir).resolve())
 
 
-def _run_dir_gone(record: JobRecord) -> str:
+def run_dir_gone(record: JobRecord) -> str:
     """Why a job shows no progress when its run folder is gone (else its row looks like a job that never started)."""
     if Path(record.run_dir).is_dir():
         return ""

@@ -731,7 +731,8 @@ def wait_local(submitted: Any, record: JobRecord, echo: Callable[[str], None],
         raise Interrupted(f"job {record.job_id} was stopped: {state.note} (its log: {log_paths(record, 0)[1]})")
     if state.state in ("INTERRUPTED", "CANCELLED", "TIMEOUT"):
         raise LaunchError(f"job {record.job_id} was stopped ({state.state.lower()}): {state.note}")
-    raise LaunchError(f"job {record.job_id} failed: {state.note}")
+    why = state.note or status.run_dir_gone(record) or f"no rank reported why; see {log_paths(record, 0)[1]}"
+    raise LaunchError(f"job {record.job_id} failed: {why}")
 
 
 def _terminals() -> list[int]:
