@@ -56,6 +56,10 @@ def plan(model_name, nodes, gpus, memory_gib, batch, out, img_size, profile, pro
     """Search the fastest layerwise strategy (tensor and pipeline parallel degrees, and per block FSDP or
     replicated weights and activation checkpointing) whose predicted memory fits --memory-gib per GPU, and write it
     for `vitctl train --plan OUT`."""
+    try:
+        wf.model_layout(model_name, img_size)  # a size the model cannot take is a usage error, as in bench
+    except wf.ConfigError as e:
+        raise click.UsageError(str(e)) from None
     if profile_only:
         if unused := _unused_by_profile_only():
             raise click.UsageError(f"--profile-only measures and caches this machine's profile, and plans nothing: it "

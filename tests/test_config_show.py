@@ -99,7 +99,7 @@ def test_a_config_train_would_refuse_is_shown_then_refused_as_train_refuses_it(t
     trained = vitctl("train", "--config", "demo_vit", *sets, "--set", "data.source=synthetic",
                      "--out", tmp_path / "r", "--executor", "local", "--gpus", 0)
     assert trained.exit_code == 1 and "image size 200" in trained.stderr and "unknown op 'bogus'" in trained.stderr
-    nearest = re.search(r"the nearest size that works with window 7 is (\d+);", shown.stderr).group(1)
+    nearest = re.search(r"the nearest size that works with window 7 is (\d+) ", shown.stderr).group(1)
     ok("config", "show", "demo_vit", "--set", "model.name=swin_micro", "--set", f"model.img_size={nearest}")
 
 

@@ -853,3 +853,16 @@ def test_a_plan_records_its_image_size_and_batch_and_train_refuses_others_until_
         f"this batch (vitctl plan --batch GLOBAL ..., the samples of all data-parallel ranks together), or pass "
         f"--batch {batch}\n")
     ok(*train, "--batch", batch)  # both fixes followed: the plan's size (demo_vit's) and batch
+
+
+@pytest.mark.parametrize(("model", "size", "said"), [
+    ("vit_micro", 36, "model vit_micro: image size 36 is not a multiple of the patch size 8; the nearest that is: 32"),
+    ("swin_micro", 32, "model swin_micro: image size 32 with window 7 gives feature maps [8, 4, 2, 1]; each must be a "
+                       "multiple of the window; the nearest size that works with window 7 is 224 (the default window "
+                       "at 32 px, 12 at multiples of 384; `vitctl train` takes another as --set model.window_size=W, "
+                       "`vitctl plan` and `bench` only the default)")])
+def test_cli_an_image_size_the_model_cannot_take_is_a_usage_error(tmp_path, model, size, said):
+    """Before: exit 1 (bench: 2); for a Swin, no word that the window is the default one, which plan cannot change."""
+    result = vitctl("plan", "--model", model, "--img-size", size, "--gpus", 2, "--memory-gib", 8, "--batch", 8,
+                    "--out", tmp_path / "p.json")
+    assert result.exit_code == 2 and f"Error: {said}" in " ".join(result.stderr.split()), result.stderr

@@ -41,6 +41,9 @@ def model_error(config: ModelConfig) -> str | None:
     if spec.family == "swin":
         error = swin.geometry_error(config.img_size, config.window_size or default_window(config.img_size),
                                     spec.kwargs["depths"])
+        if error and config.window_size is None:  # plan and bench have no window option: say where 7 came from
+            error += (f" (the default window at {config.img_size} px, 12 at multiples of 384; `vitctl train` takes "
+                      "another as --set model.window_size=W, `vitctl plan` and `bench` only the default)")
         if config.pre_logits:  # a ViT setting: Swin would build without it, unsaid
             error = "model.pre_logits=true is a ViT setting (its head's hidden layer), and Swin has none; pass --set " \
                     "model.pre_logits=false"
