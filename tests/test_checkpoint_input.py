@@ -376,6 +376,16 @@ def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, name, saved
     assert not (tmp_path / "ft").exists()  # nothing was launched
 
 
+def test_a_qkv_of_another_width_is_named_in_the_file_s_shapes(pretrained, tmp_path):
+    """Before: in the packed (3, out, in) shapes the model keeps, as if the file's: (3, 192, 96) for its (576, 96)."""
+    state = timm_layout(ckpt.consolidated(ckpt.list_checkpoints(pretrained)[-1]))
+    state |= {"blocks.0.attn.qkv.weight": torch.zeros(576, 96), "blocks.0.attn.qkv.bias": torch.zeros(576)}
+    save_file(state, tmp_path / "wider.safetensors")
+    result = finetune(tmp_path / "wider.safetensors", tmp_path / "ft")
+    assert result.exit_code == 1 and "shape mismatch, file -> model (2): blocks.0.attn.qkv.bias (576,) -> (288,), " \
+        "blocks.0.attn.qkv.weight (576, 96) -> (288, 96)" in result.stderr, result.stderr
+
+
 def test_a_run_folder_whose_head_does_not_fit_is_refused_before_launch_and_the_fix_works(pretrained, tmp_path):
     """Before, a run folder's format alone was checked before launch: --dry-run passed, and on Slurm the ranks named
     the head's shapes after the queue wait."""

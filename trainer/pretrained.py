@@ -35,7 +35,7 @@ from .checkpoint_files import list_checkpoints
 from .config import ConfigError
 from .integrity import nonfinite, tensors_sha256
 from .models import weights_of
-from .models.layers import copy_whole, init_module, packed_layout
+from .models.layers import copy_whole, init_module, packed_layout, timm_layout
 
 log = logging.getLogger("vitctl.finetune")
 HEAD_PREFIXES = ("head.", "pre_logits.")
@@ -397,7 +397,10 @@ def fit(state: dict[str, torch.Tensor], path: Path, model: nn.Module, reset_head
         def few(keys: list[str]) -> str:
             return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
 
-        shapes = [f"{k} {tuple(state[k].shape)} -> {tuple(target[k].shape)}" for k in mismatched]
+        # in timm's shapes, as exports and timm's files hold them (not the packed qkv the model keeps)
+        ours, theirs = (timm_layout({k: torch.empty(d[k].shape, device="meta") for k in mismatched})
+                        for d in (state, target))
+        shapes = [f"{k} {tuple(ours[k].shape)} -> {tuple(theirs[k].shape)}" for k in mismatched]
         details = [f"{name} ({len(keys)}): {few(keys)}" for name, keys in
                    (("missing", missing), ("unexpected", unexpected), ("shape mismatch, file -> model", shapes))
                    if keys]
