@@ -157,6 +157,20 @@ def test_a_missing_source_from_a_config_file_is_named_by_its_key_and_where_a_rel
     assert vitctl(*args).stderr.startswith("error: finetune.from_ckpt cfgs/../../run1: no such file or folder")
 
 
+def test_a_broken_link_as_source_is_named_with_where_it_points(pretrained, tmp_path):
+    """Before: `no such file or folder`, of a link that is there."""
+    link = tmp_path / "w.safetensors"
+    link.symlink_to(tmp_path / "moved/w.safetensors")
+    result = finetune(link, tmp_path / "ft", "--dry-run")
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: --from-ckpt {link} is a broken symbolic link (to {tmp_path / 'moved/w.safetensors'}): restore what "
+        "it points to, or pass the weights' own path\n"), result.stderr
+    (tmp_path / "moved").mkdir()
+    ok("export", pretrained, "--out", tmp_path / "moved/w.safetensors")  # restored
+    restored = finetune(link, tmp_path / "ft", "--dry-run")
+    assert restored.exit_code == 0, restored.stderr
+
+
 def test_a_torch_save_file_named_safetensors_is_told_to_be_renamed_and_that_works(weights, tmp_path):
     """torch.load goes by the suffix and handed it to safetensors: a SafetensorError traceback ('header too large')."""
     source = tmp_path / "model.safetensors"

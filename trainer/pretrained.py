@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import pickle
 import re
 import shlex
@@ -54,6 +55,9 @@ def missing_source(source: str, key: str) -> str:
     """Weights that are not there; a timm model name (or hf-hub id) in their place is told how to save its weights
     where there is network, as vitctl downloads nothing."""
     said = f"{key} {source}: no such file or folder"
+    if Path(source).is_symlink():  # the link is there; what it points to is not
+        return (f"{key} {source} is a broken symbolic link (to {os.readlink(source)}): restore what it points to, or "
+                "pass the weights' own path")
     if "/" in source and not Path(source).is_absolute():  # in a config file it reads as relative to that file
         said += f" (a relative path is read from the current folder, {Path.cwd()})"
     if OFFICIAL_SWIN.fullmatch(Path(source).name):
