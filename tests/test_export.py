@@ -15,12 +15,15 @@ from safetensors.torch import load_file
 from conftest import CLASSES, ok, vitctl
 from vitctl.datasets import atomic
 from vitctl.trainer import checkpoint as ckpt
-from vitctl.trainer.config import ConfigError, load_config
+from vitctl.trainer.config import ConfigError, ModelConfig, load_config
 from vitctl.trainer.data.augment import recipe_of
 from vitctl.trainer.loop import train
+from vitctl.trainer.models import build_model
 from vitctl.trainer.models.layers import timm_layout
-from vitctl.trainer.pretrained import read_state_dict
+from vitctl.trainer.ops import resolve
+from vitctl.trainer.pretrained import load_pretrained, read_state_dict
 
+CPU = torch.device("cpu")
 BASE = [f"model.num_classes={CLASSES}", "model.img_size=32", "data.batch_size=8", "data.workers=0",
         "data.source=webdataset", "train.precision=fp32", "augment.mixup=0", "augment.cutmix=0",
         "train.checkpoint_every=2", "train.ema_decay=0.9"]
@@ -70,13 +73,17 @@ def test_export_of_a_model_timm_lacks_names_what_reads_it(micro_run, tmp_path):
     assert f"`vitctl finetune --from-ckpt '{spaced}'` reads it" in printed, printed
 
 
-def test_export_of_a_step_and_of_the_ema(micro_run, tmp_path):
+def test_export_of_a_step_and_of_the_ema(micro_run, tmp_path, caplog):
     result = ok("export", micro_run, "--step", 2, "--ema", "--out", tmp_path / "ema.safetensors")
     assert "EMA of" in result.output and "step-00000002" in result.output
     ema = load_file(tmp_path / "ema.safetensors")
     saved = timm_layout(ckpt.consolidated(micro_run / "checkpoints/step-00000002", "ema"))
     assert all(torch.equal(ema[k], v) for k, v in saved.items())
     assert not list(tmp_path.glob(".*partial"))
+    model = build_model(ModelConfig(name="vit_micro", num_classes=CLASSES, img_size=32), resolve("none", CPU))
+    with caplog.at_level("INFO", logger="vitctl.finetune"):  # before: as if the weights it trained
+        load_pretrained(model, tmp_path / "ema.safetensors", None, "vit_micro")
+    assert f"loaded {tmp_path / 'ema.safetensors'} (EMA weights exported from step 2 of " in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -350,12 +350,14 @@ class Pretrained:
 
 
 def _origin(path: Path) -> str:
-    """The step a checkpoint folder holds, or the step and checkpoint a `vitctl export` recorded, for the log."""
+    """The step a checkpoint folder holds, or the step, checkpoint and weights (EMA) a `vitctl export` recorded, for the
+    log."""
     if path.is_dir():
         return f"step {read_meta(path)['step']}, "
     with contextlib.suppress(ConfigError, OSError):  # a file gone since it was read: the log just says less
         if looks_like_safetensors(path) and "vitctl_step" in (meta := _safetensors_metadata(path)):
-            return f"exported from step {meta['vitctl_step']} of {meta.get('vitctl_checkpoint', 'a run')}, "
+            ema = "EMA weights " if meta.get("vitctl_weights") == "ema" else ""
+            return f"{ema}exported from step {meta['vitctl_step']} of {meta.get('vitctl_checkpoint', 'a run')}, "
     return ""
 
 
