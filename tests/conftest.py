@@ -4,6 +4,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -22,6 +23,11 @@ from vitctl.workflows.process import children, start_time
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 5, 12, 4
+
+
+# `vitctl` as root without its override of file modes: it reads and writes as a file's mode says, as users do.
+AS_A_USER = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
+             "-dac_override,-dac_read_search", sys.executable, "-m", "vitctl.cli"]
 
 
 def vitctl(*args: object) -> Result:

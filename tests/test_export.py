@@ -5,14 +5,13 @@ import errno
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CLASSES, ok, vitctl
+from conftest import AS_A_USER, CLASSES, ok, vitctl
 from vitctl.datasets import atomic
 from vitctl.trainer import checkpoint as ckpt
 from vitctl.trainer.config import ConfigError, ModelConfig, load_config
@@ -183,11 +182,6 @@ def test_out_in_a_folder_this_user_may_not_write_is_one_clear_line(micro_run, tm
             "there, or choose another --out") in result.stderr, result.stderr
     assert list(out.parent.iterdir()) == []
     ok("export", micro_run, "--out", tmp_path / "w.safetensors")
-
-
-# Root reads any file whatever its mode; without these capabilities it reads as the file's mode says, as users do.
-AS_A_USER = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
-             "-dac_override,-dac_read_search", sys.executable, "-m", "vitctl.cli"]
 
 
 @pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv (util-linux)")

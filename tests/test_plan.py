@@ -8,8 +8,10 @@ import errno
 import functools
 import itertools
 import json
+import os
 import random
 import re
+import shutil
 import subprocess
 from dataclasses import replace
 
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import ok, spawn_ranks, vitctl
+from conftest import AS_A_USER, ok, spawn_ranks, vitctl
 from vitctl.trainer.config import ConfigError, ParallelConfig
 from vitctl.trainer.parallel.strategy import (
     CHECKPOINT,
@@ -866,3 +868,36 @@ def test_cli_an_image_size_the_model_cannot_take_is_a_usage_error(tmp_path, mode
     result = vitctl("plan", "--model", model, "--img-size", size, "--gpus", 2, "--memory-gib", 8, "--batch", 8,
                     "--out", tmp_path / "p.json")
     assert result.exit_code == 2 and f"Error: {said}" in " ".join(result.stderr.split()), result.stderr
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv (util-linux)")
+def test_a_cached_profile_this_user_may_not_read_is_told_so_not_to_measure_it_again(tmp_path):
+    """Before: `is not a profile this vitctl reads ([Errno 13] Permission denied ...); measure it again ... on a GPU
+    node`, of this machine's (a CPU's) cached profile. (A --profile click finds unreadable is a usage error.)"""
+    cached = tmp_path / "cache/vitctl/profiles" / profile_file("cpu", torch.__version__, "vit_mini", 32)
+    cached.parent.mkdir(parents=True)
+    cached.write_text(hand_made_profile().to_json())
+    cached.chmod(0)
+    args = [*AS_A_USER, *map(str, _plan_args(None, tmp_path / "plan.json", 80)[:-2])]  # no --profile: the cached
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1 and done.stderr == (
+        f"error: profile {cached}: this user may not read it (permission denied); give this user read access to it "
+        f"(`ls -l {cached}` shows owner and mode)\n"), done.stderr
+    cached.chmod(0o644)  # the fix followed
+    assert subprocess.run(args, capture_output=True, timeout=300, env=env).returncode == 0
+
+
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv (util-linux)")
+def test_profile_only_into_a_cache_this_user_may_not_write_is_refused_before_measuring(tmp_path):
+    """Before: the whole profile was measured (minutes on a GPU), then `cannot write ... (Permission denied)`."""
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o555)
+    args = [*AS_A_USER, "plan", "--profile-only", "--model", "vit_micro", "--img-size", "32", "--gpus", "2"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    assert done.returncode == 1 and done.stderr.endswith(
+        f"error: cannot write {cache / 'vitctl/profiles'}/{profile_file('cpu', torch.__version__, 'vit_micro', 32)}: "
+        f"this user may not write in {cache} (give this user write access to {cache}); point XDG_CACHE_HOME at a "
+        "folder this user can write, where profiles are cached\n"), done.stderr
+    assert "profile:" not in done.stdout

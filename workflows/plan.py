@@ -169,6 +169,7 @@ def load_profile(model: str, img_size: int, path: Path | None,
         if path is None and device.type == "cpu":
             raise ConfigError(_missing(model, img_size, name))
         if path is None:
+            _check_cache(model, img_size, device)
             echo(f"no profile of {model} at {img_size} px for {device_name(device)} yet: measuring it (minutes)")
             path = save_profile(measure_profile(model, img_size, device,
                                                 *local_measurements(model, img_size, visible_gpus(), device)))
@@ -193,10 +194,22 @@ def measure_profile(model: str, img_size: int, device: torch.device, collectives
                    profile_optimizer(device), collectives, fsdp_hosts)
 
 
+CACHE_FIX = "point XDG_CACHE_HOME at a folder this user can write, where profiles are cached"
+
+
 def save_profile(profile: Profile, folder: Path | None = None) -> Path:
     path = (folder or cache_dir()) / profile_file(profile.device, profile.torch, profile.model, profile.img_size)
-    _write(path, profile.to_json(), "point XDG_CACHE_HOME at a folder this user can write, where profiles are cached")
+    _write(path, profile.to_json(), CACHE_FIX)
     return path
+
+
+def _check_cache(model: str, img_size: int, device: torch.device) -> None:
+    """Refuse before minutes of measuring a profile that could not be cached."""
+    path = cache_dir() / profile_file(device_name(device), torch.__version__, model, img_size)
+    if blocker := file_in_the_way(path.parent):
+        raise ConfigError(_file_in_the_way(path, blocker, CACHE_FIX))
+    if refusal := write_refusal(path):
+        raise ConfigError(f"cannot write {path}: {refusal}; {CACHE_FIX}")
 
 
 def _write(path: Path, text: str, fix: str) -> None:
@@ -231,6 +244,7 @@ def profile_only(model: str, img_size: int, ranks: int | None) -> Path | None:
     which rank 0 then measures the rest and returns the file (the others None)."""
     model_layout(model, img_size)  # a bad model or image size fails before minutes of measuring
     device = local_device()
+    _check_cache(model, img_size, device)
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         among = local_measurements(model, img_size, ranks or visible_gpus() or 2, device)
         return save_profile(measure_profile(model, img_size, device, *among))

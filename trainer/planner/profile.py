@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import re
+import shlex
 import socket
 import statistics
 import time
@@ -234,6 +235,9 @@ def read_profile(path: Path, model: str, img_size: int) -> Profile:
         profile = Profile.from_json(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"profile {path} does not exist; measure one with {measure}") from None
+    except PermissionError:  # a cached or shipped one too: measuring again would not help
+        raise ConfigError(f"profile {path}: this user may not read it (permission denied); give this user read access "
+                          f"to it (`ls -l {shlex.quote(str(path))}` shows owner and mode)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         if is_plan(path):  # both are JSON files that `vitctl plan` writes
             raise ConfigError(f"--profile {path} is a plan (`vitctl plan --out` wrote it), not a profile; pass the "
