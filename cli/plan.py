@@ -115,12 +115,13 @@ def _train_flags(outcome: wf.PlanOutcome, out: Path) -> str:
 
 
 def _indivisible_batch(outcome: wf.PlanOutcome) -> str:
-    """Every layout divides the batch over its data-parallel ranks: with one rank a GPU (DDP), over all of them."""
+    """No layout runs the batch (it does not divide over its data-parallel ranks, or gives a pipeline too few
+    micro-batches); a multiple of the GPUs divides over every layout's, as one rank a GPU (DDP) has them all."""
     r, world = outcome.request, outcome.world
     fitting = [b for b in (r.batch // world * world, (r.batch // world + 1) * world) if b]
-    return (f"no strategy can run a global batch of {r.batch} on {r.nodes} x {r.gpus} GPUs: it divides over the "
-            f"data-parallel ranks of none of them (the table says why each cannot run); give a multiple of "
-            f"{world}, e.g. --batch {' or --batch '.join(map(str, fitting))}")
+    return (f"no strategy can run a global batch of {r.batch} on {r.nodes} x {r.gpus} GPUs (the table says why each "
+            f"cannot run); give a multiple of {world}, which divides over every layout's data-parallel ranks, e.g. "
+            f"--batch {' or --batch '.join(map(str, fitting))}")
 
 
 def _plan_table(outcome: wf.PlanOutcome) -> Table:

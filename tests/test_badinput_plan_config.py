@@ -178,9 +178,9 @@ def test_plan_with_a_batch_no_layout_divides_says_so(tmp_path, profile, gpus, ba
     out = tmp_path / "plan.json"
     result = vitctl(*_plan_args(profile, out, batch=batch, gpus=gpus))
     assert result.exit_code == 1 and "Traceback" not in result.stderr and "cannot run" in result.stdout
-    assert result.stderr == (f"error: no strategy can run a global batch of {batch} on 1 x {gpus} GPUs: it divides "
-                             f"over the data-parallel ranks of none of them (the table says why each cannot run); give "
-                             f"a multiple of {gpus}, e.g. --batch {fix}\n")
+    assert result.stderr == (f"error: no strategy can run a global batch of {batch} on 1 x {gpus} GPUs (the table "
+                             f"says why each cannot run); give a multiple of {gpus}, which divides over every layout's "
+                             f"data-parallel ranks, e.g. --batch {fix}\n")
     assert not out.exists()
     ok(*_plan_args(profile, out, batch=int(fix.split()[0]), gpus=gpus))
 
