@@ -89,13 +89,14 @@ def extract(train_tar: Path | None, val_tar: Path | None, root: Path, workers: i
     if train_tar is None and val_tar is None:
         raise click.UsageError("pass --train-tar, --val-tar or both")
     table = Table("split", "classes", "images", "resumed", title=f"extracted into {root}")
+    val_members = ex.check_val_archive(val_tar, root) if val_tar else None  # not after hours of train
     if train_tar:
         with progress_bar("train", unit="bytes") as bar:
             report = ex.extract_train(train_tar, root, workers, bar.advance, bar.set_total)
         table.add_row("train", str(len(report.classes)), f"{report.train_images:,}", f"{len(report.skipped)} classes")
     if val_tar:
         with progress_bar("val", unit="bytes") as bar:
-            count = ex.extract_val(val_tar, root, workers, bar.advance, bar.set_total)
+            count = ex.extract_val(val_tar, root, workers, bar.advance, bar.set_total, val_members)
         table.add_row("val", "", f"{count:,}", "")
     console.print(table)
     if train_tar and (len(report.classes), report.train_images) != (FULL_IMAGENET["classes"], FULL_IMAGENET["train"]):

@@ -376,14 +376,21 @@ def _images_under(folder: Path) -> int:
     return sum(1 for _, _, files in os.walk(folder) for name in files if not name.startswith("."))
 
 
-def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_total: Progress) -> int:
-    """Extract the flat val tar into `root/val/`; returns the image count."""
+def check_val_archive(archive: Path, root: Path) -> list[TarMember] | None:
+    """The val tar's images, checked before anything is written (also before the train tar, hours earlier); None
+    where `root/val` exists: a finished val/ is not read again."""
     with os_errors_explained(root):
         _check_archive(archive, VAL_ARCHIVE)
         _check_not_shards(root)
-        _load_ledger(root)  # refused before anything is written
-        # checked before --out is made; a finished val/ is not read again
-        members = None if os.path.lexists(root / "val") else _val_images(archive)
+        _load_ledger(root)
+        return None if os.path.lexists(root / "val") else _val_images(archive)
+
+
+def extract_val(archive: Path, root: Path, workers: int, progress: Progress, on_total: Progress,
+                members: list[TarMember] | None = None) -> int:
+    """Extract the flat val tar into `root/val/`; returns the image count. `members`: check_val_archive's."""
+    members = check_val_archive(archive, root) if members is None else members
+    with os_errors_explained(root):
         make_folder(root, "--out")
         with writing_in(root):  # a second extract into `root` at once would remove this one's val/.partial
             return _extract_val(archive, root, members, workers, progress, on_total)

@@ -388,6 +388,15 @@ def test_the_train_archive_given_as_val_is_refused(small_archives, tmp_path):
     assert "pass ILSVRC2012_img_val.tar" in result.stderr and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("val", [TRAIN_TAR, "ILSVRC2012_devkit_t12.tar.gz"])
+def test_a_wrong_val_archive_beside_the_train_one_is_refused_before_train_is_extracted(small_archives, tmp_path, val):
+    """Before: found after the whole train archive was extracted, hours in on ImageNet."""
+    result = vitctl("data", "extract", "--train-tar", small_archives / TRAIN_TAR, "--val-tar", small_archives / val,
+                    "--out", tmp_path / "r")
+    assert result.exit_code == 1 and str(small_archives / val) in result.stderr, result.stderr
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_an_empty_tar_is_refused_before_anything_is_recorded(small_archives, small_extracted, tmp_path, split):
     """Before: extracted as 0 images and recorded as done; the real archive was then refused as another."""
