@@ -27,7 +27,7 @@ from .extract import (
 )
 from .ilsvrc import DEVKIT_NAME, WNID
 from .images import to_rgb_jpeg
-from .lock import writing_in
+from .lock import check_no_writer, writing_in
 from .oserrors import make_folder, os_errors_explained
 from .parallel import run_tasks
 from .tarscan import BLOCK, padded
@@ -229,6 +229,9 @@ def read_source(root: Path, splits: Sequence[str]) -> Source:
     """
     with os_errors_explained(root):
         check_finished(root, splits)
+        for split in splits:  # valprep sorting val/ now: its images would read as flat files, with valprep as the fix
+            if (root / split).is_dir():
+                check_no_writer(root / split, "vitctl data shard")
         classes = list_classes(root)
         check_train_intact(root, "train" in splits)  # before any split's images: a lost class shifts the labels
         samples = {split: list_samples(root, split, classes) for split in splits}

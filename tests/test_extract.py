@@ -638,6 +638,20 @@ def test_shard_refuses_a_root_whose_extraction_was_interrupted(small_archives, t
                                                       "ILSVRC2012_img_train.tar (2 classes extracted)", "train")
 
 
+def test_shard_while_valprep_sorts_val_is_told_to_wait_for_it(small_extracted, tmp_path):
+    """Before: `N files lie directly in val/`, with valprep as the fix, which the running valprep then refused."""
+    root = Path(shutil.copytree(small_extracted, tmp_path / "r"))
+    fd = os.open(root / "val", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a valprep running in val/ holds
+    try:
+        result = vitctl("data", "shard", root, "--out", tmp_path / "s")
+        assert result.exit_code == 1 and result.stderr.endswith(
+            f"error: {root / 'val'}: another vitctl command is writing in this folder right now\nfix: run `vitctl "
+            "data shard` once it has ended\n"), result.stderr
+    finally:
+        os.close(fd)
+
+
 def test_a_tree_extract_did_not_write_shards_as_before(small_extracted, tmp_path):
     root = Path(shutil.copytree(small_extracted, tmp_path / "mine"))
     (root / LEDGER).unlink()
