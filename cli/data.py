@@ -165,9 +165,9 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
             notes += [f"  and {len(skipped) - SHOWN} more"] if len(skipped) > SHOWN else []
         if result.kept:
             total = len(result.info["shards"])
-            which = f"all {total}" if result.kept == total else f"{result.kept} of {total}"
-            notes.append(f"{name}: kept {which} shards an earlier run wrote (each checked against its recorded "
-                         "sha256)")
+            which = ("the one shard" if total == 1 else f"all {total} shards") if result.kept == total else \
+                f"{result.kept} of {total} shards"
+            notes.append(f"{name}: kept {which} an earlier run wrote (each checked against its recorded sha256)")
         if result.rewritten:
             which = "shard that was" if len(result.rewritten) == 1 else "shards that were"
             notes.append(f"{name}: wrote again {len(result.rewritten)} {which} missing or did not match the "
@@ -184,7 +184,8 @@ def index(shards: Path, workers: int) -> None:
     """Write a DALI index file (v1.2) beside each shard that SHARDS/manifest.json lists.
 
     SHARDS is the folder `vitctl data shard --out` wrote; run this after every `vitctl data shard` into it. Exits 1
-    if a split's shards are not all written yet (those written are indexed).
+    if a split's shards are not all written yet (those written are indexed), or if a shard the manifest lists is
+    missing or changed (none is indexed: the error names the shard command to rerun first).
     """
     with progress_bar("index", unit="shards") as bar:
         files, samples = index_folder(shards, workers, bar.advance, bar.set_total)

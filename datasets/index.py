@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import manifest as mf
 from .atomic import write_text_atomic
-from .errors import DataError
+from .errors import DataError, are, count
 from .lock import writing_in
 from .oserrors import os_errors_explained
 from .parallel import run_tasks
@@ -155,7 +155,8 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
         paths = [folder / entry["name"] for entry in entries]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
-            raise DataError(f"{len(missing)} shards in the manifest are missing, e.g. {missing[0]}", str(folder),
+            raise DataError(f"{count(len(missing), 'shard')} in the manifest {are(len(missing))} missing, e.g. "
+                            f"{missing[0]}", str(folder),
                             "rerun the `vitctl data shard` command that wrote this folder (`vitctl data verify` "
                             "prints it)")
         sizes = [(p, p.stat().st_size, e["bytes"]) for p, e in zip(paths, entries, strict=True)]
@@ -170,8 +171,8 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
         tasks = [(p, e["samples"]) for p, e in zip(paths, entries, strict=True)]
         try:
             with closing(run_tasks(build_index, tasks, workers)) as built:
-                for _, count in built:
-                    samples += count
+                for _, held in built:
+                    samples += held
                     progress(1)
         except DataError as e:  # a shard `vitctl data shard` wrote, damaged since: verify names how to write it again
             raise DataError(e.what, e.where, mf.repair_advice(folder)) from None

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import manifest as mf
 from .atomic import PARTIAL_SUFFIX, partial_open, partial_path, publish
-from .errors import DataError, listed
+from .errors import DataError, count, listed
 from .extract import (
     ARCHIVE_NAMES,
     beside_archives,
@@ -169,8 +169,9 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
         devkit = beside_archives(root, DEVKIT_NAME)
         fix = (f"run `vitctl data valprep {shlex.quote(str(folder))} --devkit {shlex.quote(devkit)}` (or "
                "--solution LOC_val_solution.csv) to move them into WNID folders" if split == "val"
-               else "move them out: train/ holds one folder per class")
-        raise DataError(f"{len(flat)} files lie directly in {split}/ (e.g. {flat[0]})", str(folder), fix)
+               else f"move {'it' if len(flat) == 1 else 'them'} out: train/ holds one folder per class")
+        raise DataError(f"{count(len(flat), 'file')} {'lies' if len(flat) == 1 else 'lie'} directly in {split}/ (e.g. "
+                        f"{flat[0]})", str(folder), fix)
     label_of = {wnid: i for i, wnid in enumerate(classes)}
     samples, keys, empty = [], {}, []
     for class_dir in entries:

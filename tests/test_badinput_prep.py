@@ -195,6 +195,17 @@ def test_shard_before_extracting_val_or_before_valprep_names_the_commands(archiv
     ok("data", "shard", root, "--out", tmp_path / "s-train", "--split", "train", "--maxcount", 16)
 
 
+@pytest.mark.parametrize(("files", "said", "fix"), [(["a.JPEG"], "1 file lies directly in train/ (e.g. a.JPEG)",
+                                                     "move it out: train/ holds one folder per class"),
+                                                    (["a.JPEG", "b.JPEG"], "2 files lie directly in train/",
+                                                     "move them out: train/ holds one folder per class")])
+def test_files_lying_in_train_are_counted_in_words_that_agree(root_copy, tmp_path, files, said, fix):
+    """Before: `1 files lie directly in train/`, and `move them out` for one."""
+    for name in files:
+        (root_copy / "train" / name).write_bytes(b"x")
+    assert _error(vitctl("data", "shard", root_copy, "--out", tmp_path / "s"), str(root_copy / "train"), said) == fix
+
+
 @pytest.mark.parametrize("target", ["itself", "missing"])
 def test_a_class_folder_that_is_a_link_leading_nowhere_is_named_as_such(root_copy, tmp_path, target):
     link = root_copy / "train/n01440764"

@@ -155,6 +155,16 @@ def test_a_damaged_shard_names_verify_which_prints_the_command_that_mends_it(sha
     assert (" run:\n" if "count" not in damage else "describes the shard (it was edited after") in verified.output
 
 
+@pytest.mark.parametrize("gone", [1, 2])
+def test_missing_shards_are_counted_in_words_that_agree(shards_copy, gone):
+    """Before: `1 shards in the manifest are missing`."""
+    for shard in sorted(shards_copy.glob("*.tar"))[:gone]:
+        shard.unlink()
+    result = vitctl("data", "index", shards_copy)
+    said = "1 shard in the manifest is missing" if gone == 1 else "2 shards in the manifest are missing"
+    assert result.exit_code == 1 and f"{shards_copy}: {said}, e.g. " in result.stderr, result.stderr
+
+
 def test_members_webdataset_leaves_out_are_not_indexed(tmp_path):
     names = ["__info__", ".hidden.jpg", "README", "a.cls", "a.JPG", "b.cls", "__meta__/c.jpg"]
     shard = tmp_path / "x.tar"

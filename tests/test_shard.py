@@ -193,6 +193,14 @@ def test_a_rerun_over_finished_shards_writes_nothing_so_a_read_only_copy_checks(
     assert re.search(r"train: kept all \d+ shards an earlier run wrote", result.output), result.output
 
 
+def test_a_rerun_that_keeps_a_split_s_one_shard_says_so_in_the_singular(prepared_root, tmp_path):
+    """Before: `kept all 1 shards`."""
+    ok("data", "shard", prepared_root, "--out", tmp_path / "s", "--maxcount", 100_000)
+    said = ok("data", "shard", prepared_root, "--out", tmp_path / "s", "--maxcount", 100_000).output
+    assert "train: kept the one shard an earlier run wrote (each checked against its recorded sha256)" in \
+        " ".join(said.split()), said
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
 def test_ctrl_c_halfway_leaves_only_complete_shards_and_a_rerun_finishes(prepared_root, tmp_path, stop):
     """SIGHUP (a closed terminal) and SIGTERM (`kill`, a batch system's stop) as Ctrl-C: before, each killed vitctl
