@@ -81,7 +81,8 @@ def make_folder(path: Path, option: str) -> None:
     """Create the folder `path` (given as `option`) and its parents; a file or a broken link in the way is bad input."""
     if blocker := file_in_the_way(path):
         raise DataError(f"{what_it_is(blocker)}, not a folder", str(path),
-                        f"choose another {option}: each part of its path must be a folder or not exist yet")
+                        f"move {blocker} away, or choose another {option}: each part of its path must be a folder or "
+                        "not exist yet")
     path.mkdir(parents=True, exist_ok=True)
 
 

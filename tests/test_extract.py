@@ -570,8 +570,8 @@ def test_out_under_a_regular_file_is_a_clear_error(archives, tmp_path, blocker, 
     blocker.write_text("mine")
     result = vitctl("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
     assert result.exit_code == 1 and f"{blocker} is a file, not a folder" in result.stderr
-    assert "choose another --out" in result.stderr and blocker.read_text() == "mine"
-    blocker.unlink()
+    assert f"fix: move {blocker} away, or choose another --out" in result.stderr and blocker.read_text() == "mine"
+    blocker.rename(tmp_path / "kept.txt")  # the fix followed (was: only "choose another --out")
     ok("data", "extract", "--train-tar", archives / TRAIN_TAR, "--out", out)
 
 
