@@ -63,8 +63,9 @@ def _not_a_plain_tar(header: bytes, where: str) -> DataError | None:
             if where.endswith(suffix):
                 plain = where[:-len(suffix)]
                 how = f"`{command} {shlex.quote(where)}` writes {plain}"
-            else:
-                how, plain = f"e.g. with `{command}`", "the .tar"
+            else:  # without the suffix, gunzip and the others refuse the name ("unknown suffix")
+                plain = (where[:-4] if where.endswith(".tar") else where) + "-decompressed.tar"
+                how = f"`{name} -dc {shlex.quote(where)} > {shlex.quote(plain)}` writes {plain}"
             return DataError(f"the file is {name}-compressed (it begins with the {name} bytes {magic.hex(' ')}), not "
                              "an uncompressed tar", where,
                              f"decompress it ({how}) and pass {plain}: vitctl reads tar members in place")

@@ -695,6 +695,20 @@ def test_a_compressed_archive_is_named_as_such_and_the_fix_works(small_archives,
     assert _tree(out / split) == _tree(small_extracted / split)
 
 
+def test_a_compressed_archive_named_as_a_plain_tar_is_told_a_command_that_takes_its_name(small_archives,
+                                                                                         small_extracted, tmp_path):
+    """Before: `decompress it (e.g. with gunzip --keep)`, which refuses a name without .gz ("unknown suffix")."""
+    packed = tmp_path / VAL_TAR
+    subprocess.run(f"gzip -c {small_archives / VAL_TAR} > {packed}", shell=True, check=True)
+    result = vitctl("data", "extract", "--val-tar", packed, "--out", tmp_path / "r")
+    plain = tmp_path / "ILSVRC2012_img_val-decompressed.tar"
+    assert result.exit_code == 1 and f"fix: decompress it (`gzip -dc {packed} > {plain}` writes {plain}) and pass " \
+        f"{plain}:" in " ".join(result.stderr.split()), result.stderr
+    subprocess.run(result.stderr.split("decompress it (`")[1].split("`")[0], shell=True, check=True)  # followed
+    ok("data", "extract", "--val-tar", plain, "--out", tmp_path / "r")
+    assert _tree(tmp_path / "r/val") == _tree(small_extracted / "val")
+
+
 def test_a_rerun_over_a_finished_val_counts_the_bytes_a_fresh_run_counted(small_archives, tmp_path):
     """Before: the progress bar read 373.1 kB on the first run and 450.6 kB (the archive file's size) on the next."""
     archive = small_archives / "ILSVRC2012_img_val.tar"
