@@ -81,6 +81,28 @@ def _damaged(known: str, then: str = "rerun") -> str:
     return f"the archive is damaged or not the original: download {known} again and {then}"
 
 
+def split_folder_around(path: Path) -> Path | None:
+    """The split folder (ROOT/train, ROOT/val) that `path` is or lies in, of a dataset root extract wrote (its ledger)
+    or holding both splits; None where there is none."""
+    for folder in (path.absolute(), *path.absolute().parents):
+        other = {"train": "val", "val": "train"}.get(folder.name)
+        if other and ((folder.parent / LEDGER).is_file() or (folder.parent / other).is_dir()):
+            return folder
+    return None
+
+
+def _check_places(archive: Path, root: Path) -> None:
+    """Refuse a root that lies in another root's split folder, and an archive in this root's: shard would read either
+    as a class folder or an image."""
+    if split := split_folder_around(root):
+        raise DataError(f"lies in {split}, a split folder of the dataset root {split.parent}: extract writes a root's "
+                        "train/ and val/ itself", f"--out {root}", f"pass the dataset root, --out {split.parent}")
+    for split in (root / "train", root / "val"):
+        if archive.absolute().is_relative_to(split.absolute()):
+            raise DataError(f"lies in {split}, which extract fills with class folders (and shard reads as such)",
+                            str(archive), f"move it out of {split}, e.g. into {root}, and pass it from there")
+
+
 def _check_archive(path: Path, wanted: str) -> None:
     if not path.is_file():
         raise DataError("not found" if not path.exists() else "not a file", str(path), "pass the archive file")
@@ -326,6 +348,7 @@ def extract_train(archive: Path, root: Path, workers: int, progress: Progress,
     """Extract the nested train tar into `root/train/<wnid>/`, keeping classes an earlier run completed."""
     with os_errors_explained(root):
         _check_archive(archive, TRAIN_ARCHIVE)
+        _check_places(archive, root)
         _check_not_shards(root)
         dest = root / "train"
         _load_ledger(root)  # refused before the archive is read
@@ -381,6 +404,7 @@ def check_val_archive(archive: Path, root: Path) -> list[TarMember] | None:
     where `root/val` exists: a finished val/ is not read again."""
     with os_errors_explained(root):
         _check_archive(archive, VAL_ARCHIVE)
+        _check_places(archive, root)
         _check_not_shards(root)
         _load_ledger(root)
         return None if os.path.lexists(root / "val") else _val_images(archive)

@@ -14,6 +14,7 @@ from PIL import Image
 
 from .atomic import partial_open, partial_path, publish, write_json_atomic
 from .errors import DataError
+from .extract import LEDGER, split_folder_around
 from .ilsvrc import DEVKIT_DIR, GROUND_TRUTH, META_MAT, SYNSET_FIELDS, VAL_NAME
 from .manifest import MANIFEST, file_sha256
 from .oserrors import make_folder, os_errors_explained
@@ -157,15 +158,20 @@ def write_synthetic(out: Path, spec: SynthSpec) -> dict[str, Path]:
         if kind := _other_kind(out):
             raise DataError(f"is {kind}: the archives would lie among its files", str(out),
                             f"choose a folder of their own, e.g. {out.parent / 'archives'}")
+        if split := split_folder_around(out):  # shard would read the archives as images, or their folder as a class
+            raise DataError(f"lies in {split}, a split folder of the dataset root {split.parent}", str(out),
+                            f"choose a folder of their own, e.g. {split.parent.parent / 'archives'}")
         make_folder(out, "OUT")
         _write_archives(paths, spec, _Recorder(out, marker, {path.name: _digest(path) for path in existing}))
         return paths
 
 
 def _other_kind(out: Path) -> str | None:
-    """What vitctl wrote `out` as, where it is a folder another command writes into (shards, a run)."""
+    """What vitctl wrote `out` as, where it is a folder another command writes into (shards, a dataset root, a run)."""
     if (out / MANIFEST).is_file():
         return "a shard folder (`vitctl data shard` wrote it)"
+    if (out / LEDGER).is_file():
+        return "a dataset root (`vitctl data extract` wrote it)"
     if (out / "checkpoints").is_dir() or (out / "metrics.jsonl").is_file():
         return "a run folder (`vitctl train` wrote it)"
     return None

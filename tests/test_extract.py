@@ -652,6 +652,36 @@ def test_shard_while_valprep_sorts_val_is_told_to_wait_for_it(small_extracted, t
         os.close(fd)
 
 
+@pytest.mark.parametrize("inside", ["train", "train/n01440764", "val"])
+def test_an_out_in_a_split_folder_of_another_root_is_refused_and_the_root_named(small_archives, small_extracted,
+                                                                               tmp_path, inside):
+    """Before: extracted into ROOT/train/train/ (or a class folder), which `shard ROOT` then refused."""
+    root = Path(shutil.copytree(small_extracted, tmp_path / "r"))
+    before = _tree(root)
+    result = vitctl("data", *_extract_args(small_archives, root / inside))
+    split = root / inside.split("/")[0]
+    assert result.exit_code == 1 and result.stderr == (
+        f"error: --out {root / inside}: lies in {split}, a split folder of the dataset root {root}: extract writes a "
+        f"root's train/ and val/ itself\nfix: pass the dataset root, --out {root}\n"), result.stderr
+    assert _tree(root) == before
+    ok("data", *_extract_args(small_archives, root))  # the fix followed: the root goes on as it was
+    assert _tree(root) == before
+
+
+def test_an_archive_inside_the_out_s_train_folder_is_refused(small_archives, tmp_path):
+    """Before: extracted, and `shard` then refused the archive it found among the class folders."""
+    root = tmp_path / "r"
+    (root / "train").mkdir(parents=True)
+    archive = Path(shutil.copy(small_archives / TRAIN_TAR, root / "train"))
+    result = vitctl("data", "extract", "--train-tar", archive, "--out", root)
+    assert result.exit_code == 1 and f"error: {archive}: lies in {root / 'train'}, which extract fills with class " \
+        f"folders (and shard reads as such)\nfix: move it out of {root / 'train'}, e.g. into {root}" in \
+        result.stderr, result.stderr
+    archive.rename(root / TRAIN_TAR)
+    ok("data", "extract", "--train-tar", root / TRAIN_TAR, "--out", root)
+    ok("data", "shard", root, "--out", tmp_path / "s", "--split", "train")
+
+
 def test_a_tree_extract_did_not_write_shards_as_before(small_extracted, tmp_path):
     root = Path(shutil.copytree(small_extracted, tmp_path / "mine"))
     (root / LEDGER).unlink()

@@ -87,6 +87,19 @@ def test_synth_into_a_shard_or_run_folder_is_refused(prepared_shards, tmp_path):
         assert sorted(p.name for p in folder.iterdir()) == before
 
 
+@pytest.mark.parametrize("inside", ["", "train", "val/n01440764"])
+def test_synth_into_a_dataset_root_or_its_split_folders_is_refused(prepared_root, inside):
+    """Before: archives among a root's class folders (or images), which `shard ROOT` then refused."""
+    out = prepared_root / inside if inside else prepared_root
+    before = sorted(p.relative_to(prepared_root) for p in prepared_root.rglob("*"))
+    result = vitctl("data", "synth", out)
+    said = "is a dataset root (`vitctl data extract` wrote it)" if not inside else \
+        f"lies in {prepared_root / inside.split('/')[0]}, a split folder of the dataset root {prepared_root}"
+    assert result.exit_code == 1 and f"error: {out}: {said}" in result.stderr, result.stderr
+    assert f"fix: choose a folder of their own, e.g. {prepared_root.parent / 'archives'}" in result.stderr
+    assert sorted(p.relative_to(prepared_root) for p in prepared_root.rglob("*")) == before
+
+
 @pytest.mark.parametrize("classes", [0, 2, 37])
 def test_classes_out_of_range_give_the_range_synth_accepts(tmp_path, classes):
     result = vitctl("data", "synth", tmp_path / "a", "--classes", classes)
