@@ -133,8 +133,9 @@ def valprep_command(val_dir: Path, devkit: Path | None, solution: Path | None) -
 @click.option("--maxcount", type=click.IntRange(min=1), default=10_000, show_default=True, help="Samples per shard.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Shuffle seed.")
 @click.option("--on-bad-image", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
-              help="An image that cannot be read: leave it out (manifest.json lists it) or stop. A rerun may change "
-                   "this.")
+              help="An image found unreadable: leave it out (manifest.json lists it) or stop. RGB JPEGs are checked by "
+                   "their headers and end marker, not decoded (`vitctl data verify --decode N` decodes them); others "
+                   "are decoded to convert them. A rerun may change this.")
 @workers_option
 def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: int, on_bad_image: str,
           workers: int) -> None:
