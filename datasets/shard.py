@@ -444,8 +444,9 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
             if name is not None:
                 intact.add(name)
                 progress(len(planned[name]))
-    if recorded_complete and len(intact) == len(planned) and added == []:
-        return SplitResult(recorded_info, [], len(intact))  # nothing to write: a read-only copy checks too
+    # nothing to write (a read-only copy checks too); a planned_shards edited by hand is written again, as planned
+    if recorded_complete and len(intact) == len(planned) == recorded_info["planned_shards"] and added == []:
+        return SplitResult(recorded_info, [], len(intact))
     todo = []
     for name, samples in planned.items():
         path = out / name

@@ -340,6 +340,20 @@ def test_a_plan_count_edited_below_the_shards_listed_is_named_as_an_edit(shards_
         "holds" in said and "manifest.json no longer describes the shard" in said, result.output
 
 
+def test_a_plan_count_edited_above_the_shards_is_repaired_by_the_shard_command_verify_names(prepared_root,
+                                                                                           shards_copy):
+    """Before: `incomplete: 6 of 10 shards written`, whose fix, the shard command, kept every shard and the edited
+    count, so that verify said the same again, for ever."""
+    listed = len(json.loads((shards_copy / "manifest.json").read_text())["splits"]["train"]["shards"])
+    _edit_manifest(shards_copy, lambda m: m["splits"]["train"].update(planned_shards=listed + 4))
+    said = " ".join(_verify(shards_copy).output.split())
+    assert f"incomplete: {listed} of {listed + 4} shards written" in said, said
+    command = re.search(r"run: (vitctl data shard [^&]*?) && vitctl data index", said).group(1)
+    ok(*shlex.split(command)[1:])
+    ok("data", "index", shards_copy)
+    assert _verify(shards_copy).exit_code == 0
+
+
 def test_index_of_an_unfinished_split_fails_with_the_command_that_finishes_it(prepared_root, tmp_path):
     """An index of a folder a `shard` stopped in (a full disk) said `index: 8 index files` and nothing more; then it
     warned, and exited 0, so that `shard && index && train` went on."""
