@@ -7,7 +7,7 @@ from contextlib import closing
 from pathlib import Path
 
 from . import manifest as mf
-from .atomic import write_text_atomic
+from .atomic import partial_path, write_text_atomic
 from .errors import DataError, are, count
 from .lock import writing_in
 from .oserrors import os_errors_explained
@@ -176,4 +176,7 @@ def index_folder(folder: Path, workers: int, progress: Callable[[int], None],
                     progress(1)
         except DataError as e:  # a shard `vitctl data shard` wrote, damaged since: verify names how to write it again
             raise DataError(e.what, e.where, mf.repair_advice(folder)) from None
+        finally:  # a worker stopped mid-write (Ctrl-C) leaves its temporary file; every worker has stopped by now
+            for path in paths:
+                partial_path(index_path(path)).unlink(missing_ok=True)
     return len(paths), samples
