@@ -96,7 +96,6 @@ def checkpoints_to_resume(run_dir: Path, resume: bool) -> list[Path]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """meta.json, checked; also that this user may read the files it lists (the ranks read them after launch)."""
     try:
         meta = json.loads((path / META).read_text())
     except PermissionError:
@@ -109,8 +108,6 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a vitctl checkpoint ({FORMAT})")
     if problems := _meta_problems(meta):
         raise ConfigError(_damaged(path, f"{META}: {', '.join(problems)}"))
-    if denied := [name for name in meta.get("files", {}) if not _may_read(path / name)]:
-        raise ConfigError(_not_readable(path, denied))
     return meta
 
 
@@ -209,12 +206,14 @@ def read_checked(path: Path) -> dict[str, Any]:
     return meta
 
 
-def check_sizes(path: Path) -> None:
-    """ConfigError where a file the checkpoint's meta.json records is missing or of another size: what a launch
-    checks at once, before any rank starts (the ranks compare every file's sha256 too)."""
+def check_files(path: Path) -> None:
+    """ConfigError where a file the checkpoint's meta.json records is missing, of another size or one this user may
+    not read: what a launch checks at once, before any rank starts (the ranks compare every file's sha256 too)."""
     recorded = read_meta(path).get("files", {})
     if problems := _size_problems(path, sorted(recorded), recorded)[0]:
         raise ConfigError(_damaged(path, "; ".join(problems)))
+    if denied := [name for name in sorted(recorded) if not _may_read(path / name)]:
+        raise ConfigError(_not_readable(path, denied))
 
 
 def _size_problems(path: Path, names: list[str], recorded: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:

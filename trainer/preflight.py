@@ -17,7 +17,7 @@ from vitctl.datasets.index import index_path
 from vitctl.datasets.manifest import MANIFEST
 from vitctl.datasets.oserrors import file_in_the_way, what_it_is
 
-from .checkpoint import checkpoint_dir, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
+from .checkpoint import check_files, checkpoint_dir, is_checkpoint, list_checkpoints, read_meta, resolve_checkpoint
 from .config import ConfigError, RunConfig
 from .data import dali_installed
 from .data.images import gpu_decode_available
@@ -200,6 +200,7 @@ def _source_error(config: RunConfig, fits: bool) -> str | None:
     try:
         if source.is_dir():  # what source_kind checks of a folder, its meta.json kept for the model's name
             weights = resolve_checkpoint(source)
+            check_files(weights)  # a file missing or unreadable would fail the ranks, after the queue on Slurm
             if error := _architecture_error(config, source, read_meta(weights)):
                 return error
             kind = "folder"

@@ -12,7 +12,7 @@ from safetensors.torch import save
 
 from vitctl.datasets.atomic import atomic_open
 from vitctl.datasets.oserrors import as_data_error, file_in_the_way, what_it_is, write_refusal
-from vitctl.trainer.checkpoint import consolidated, list_checkpoints, read_meta, resolve_checkpoint
+from vitctl.trainer.checkpoint import check_files, consolidated, list_checkpoints, read_meta, resolve_checkpoint
 from vitctl.trainer.config import ConfigError
 from vitctl.trainer.integrity import nonfinite, tensors_sha256
 from vitctl.trainer.models import MODELS, default_window
@@ -91,6 +91,7 @@ def _read(run: Path, step: int | None, part: str) -> tuple[Path, dict, dict[str,
     while True:
         source = resolve_checkpoint(run, step)
         try:
+            check_files(source)  # named as a checkpoint's file, not by the OS error consolidated would meet
             return source, read_meta(source), consolidated(source, part)
         except (OSError, ConfigError):
             attempts += 1

@@ -292,7 +292,7 @@ def _resume_notes(run_dir: Path, last: Path, config: RunConfig, plan: Schedule |
     """What a resumed run should know of its last checkpoint `last`: nothing left to train (then True, and nothing
     is started), other settings, other train samples; a file of it missing, before any rank starts."""
     started = "a job of the script below would train nothing" if dry_run else "no job was started"
-    checkpoint.check_sizes(last)
+    checkpoint.check_files(last)
     meta = checkpoint.read_meta(last)
     step = meta["step"]
     if config.train.max_steps and step > config.train.max_steps:
