@@ -625,15 +625,8 @@ def test_shard_refuses_a_root_whose_extraction_was_interrupted(small_archives, t
     with monkeypatch.context() as patch:
         patch.setattr(extract_module, "extract_class", ctrl_c_at_the_third_class)
         assert vitctl("data", *_extract_args(small_archives, root), "--workers", 1).exit_code == 130
-    fd = os.open(root, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what an extract still running holds
-    try:  # before: "stopped before the end", and its fix, an extract, was then refused for the running one
-        result = vitctl("data", "shard", root, "--out", tmp_path / "s")
-        assert result.exit_code == 1 and result.stderr.endswith(
-            f"error: {root}: another vitctl command is writing in this folder right now\nfix: run `vitctl data "
-            "shard` once it has ended\n"), result.stderr
-    finally:
-        os.close(fd)
+    # before: "stopped before the end", and its fix, an extract, was then refused for the running one
+    _shard_is_told_to_wait_for_the_writer_of(root, root, tmp_path / "s")  # an extract still running
     _shard_refuses_then_the_named_rerun_lets_it_shard(small_archives, root, tmp_path,
                                                       "ILSVRC2012_img_train.tar (2 classes extracted)", "train")
 
@@ -641,13 +634,18 @@ def test_shard_refuses_a_root_whose_extraction_was_interrupted(small_archives, t
 def test_shard_while_valprep_sorts_val_is_told_to_wait_for_it(small_extracted, tmp_path):
     """Before: `N files lie directly in val/`, with valprep as the fix, which the running valprep then refused."""
     root = Path(shutil.copytree(small_extracted, tmp_path / "r"))
-    fd = os.open(root / "val", os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a valprep running in val/ holds
+    _shard_is_told_to_wait_for_the_writer_of(root / "val", root, tmp_path / "s")  # a valprep running in val/
+
+
+def _shard_is_told_to_wait_for_the_writer_of(folder: Path, root: Path, out: Path) -> None:
+    """`shard root` while `folder` is locked as a data command writing there holds it."""
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        result = vitctl("data", "shard", root, "--out", tmp_path / "s")
+        result = vitctl("data", "shard", root, "--out", out)
         assert result.exit_code == 1 and result.stderr.endswith(
-            f"error: {root / 'val'}: another vitctl command is writing in this folder right now\nfix: run `vitctl "
-            "data shard` once it has ended\n"), result.stderr
+            f"error: {folder}: another vitctl command is writing in this folder right now\nfix: run `vitctl data "
+            "shard` once it has ended\n"), result.stderr
     finally:
         os.close(fd)
 

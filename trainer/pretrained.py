@@ -179,10 +179,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _export_again(path: Path, metadata: dict[str, str]) -> str:
     """The export command that writes `path` again, from its checkpoint, else from the last one of that run."""
-    source = Path(metadata.get("vitctl_checkpoint", "RUN"))
+    recorded = metadata.get("vitctl_checkpoint")
     ema = " --ema" if metadata.get("vitctl_weights") == "ema" else ""
-    if source.is_dir() or str(source) == "RUN":
-        return f"export it again ({shlex.join(['vitctl', 'export', str(source), '--out', str(path)])}{ema})"
+    if recorded is None or Path(recorded).is_dir():
+        return f"export it again ({shlex.join(['vitctl', 'export', recorded or 'RUN', '--out', str(path)])}{ema})"
+    source = Path(recorded)
     run = source.parent.parent
     if source.parent.name == "checkpoints" and list_checkpoints(run):  # keep_checkpoints removed it since
         return (f"its checkpoint {source} is gone since; export that run's last one in its place ("
