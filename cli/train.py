@@ -61,7 +61,7 @@ def run_options(command):
                      help="CPUs per task (data loading) [default: data.workers + 1, at most a node's share]."),
         click.option("--mem", type=GivenText(), help="Memory per node, e.g. 400G."),
         click.option("--container-image", type=GivenText(),
-                     help="pyxis/enroot image, e.g. nvcr.io#nvidia/pytorch:25.10-py3."),
+                     help="pyxis/enroot image that holds this vitctl: `vitctl image build` writes one (a .sqsh)."),
         click.option("--container-mounts", type=GivenText(), help="pyxis mounts, e.g. /data:/data."),
         click.option("--max-requeues", type=click.IntRange(min=0), default=3, show_default=True,
                      help="Times a timed-out job is requeued from its checkpoint."),
@@ -192,8 +192,8 @@ def train(**options) -> None:
               help="Our checkpoint, a timm or official Swin checkpoint, or a plain state_dict (or --set "
                    "finetune.from_ckpt=PATH, or a preset that sets it).")
 @click.option("--trust-checkpoint", is_flag=True,
-              help="Unpickle --from-ckpt in full when it holds Python objects besides tensors (official Swin "
-                   "checkpoints do). That can run code: only for files you trust.")
+              help="Unpickle --from-ckpt in full when it holds Python objects besides tensors (as checkpoints saved by "
+                   "official Swin's or timm's training code do). That can run code: only for files you trust.")
 @run_options
 def finetune(**options) -> None:
     """Finetune from a checkpoint: new head when classes differ, position tables resized to the new resolution."""
