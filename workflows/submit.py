@@ -850,4 +850,5 @@ def srun_torch_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
     hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
                            text=True, check=True, timeout=30).stdout.split()
     return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env["SLURM_LOCALID"],
-            "MASTER_ADDR": hosts[0], "MASTER_PORT": str(rendezvous_port(env["SLURM_JOB_ID"]))}
+            "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1"), "MASTER_ADDR": hosts[0],
+            "MASTER_PORT": str(rendezvous_port(env["SLURM_JOB_ID"]))}

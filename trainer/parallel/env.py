@@ -55,6 +55,8 @@ def init_distributed(use_cuda: bool) -> DistEnv:
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    else:
+        share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if world > 1 and not dist.is_initialized():
         if missing := [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]:
             raise ConfigError(f"WORLD_SIZE={world}, but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
@@ -64,6 +66,15 @@ def init_distributed(use_cuda: bool) -> DistEnv:
             dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                     device_id=device if use_cuda else None)
     return DistEnv(rank, world, local_rank, device)
+
+
+def share_cpu_threads(local_ranks: int) -> None:
+    """Give each of a machine's CPU ranks its share of the CPUs for torch's threads, unless OMP_NUM_THREADS sets them.
+
+    By default each rank takes every CPU, and their threads contend (torchrun sets one a rank for the same reason):
+    four vit_mini ranks on two cores took 15 s for 10 steps, against 4.4 s with one thread each."""
+    if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
 
 
 @contextlib.contextmanager
