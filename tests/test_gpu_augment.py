@@ -194,10 +194,10 @@ from vitctl.trainer.data import augment_kernels, gpu_augment
 from vitctl.trainer.data.augment import KINDS, draw_rand_augment
 from vitctl.trainer.recipe import parse_rand_augment
 
-rng = np.random.default_rng(3)
-ops = [draw_rand_augment(rng, parse_rand_augment("rand-m9-mstd0.5-inc1-n2-p0.9"), 64) for _ in range(48)]
+rng = np.random.default_rng(2)  # a seed whose 16 samples draw every kind (asserted): the interpreter is slow
+ops = [draw_rand_augment(rng, parse_rand_augment("rand-m9-mstd0.5-inc1-n2-p0.9"), 64) for _ in range(16)]
 assert {{KINDS[op.kind] if op else "identity" for sample in ops for op in sample}} == set(KINDS)
-images = torch.stack([torch.from_numpy(smooth_image(64, 72, seed=i)).permute(2, 0, 1) for i in range(48)])
+images = torch.stack([torch.from_numpy(smooth_image(64, 72, seed=i)).permute(2, 0, 1) for i in range(16)])
 kinds, params, matrices = _inputs(ops)
 for interpolation in ("bicubic", "bilinear"):
     expected = gpu_augment.rand_augment(images, kinds, params, matrices, FILL, interpolation)
@@ -205,7 +205,7 @@ for interpolation in ("bicubic", "bilinear"):
     got = augment_kernels.rand_augment(images.contiguous(), kinds, *on, FILL, interpolation)
     wrong = (got != expected).flatten(1).any(1).nonzero().flatten().tolist()
     assert not wrong, [(i, [op and op.name for op in ops[i]]) for i in wrong]
-boxes, seeds, _ = _erasures(3, 48)
+boxes, seeds, _ = _erasures(3, 16)
 mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 for mode in ("const", "rand", "pixel"):
     expected = gpu_augment.erase(gpu_augment._normalized(images, mean, std), boxes, seeds, mode)
