@@ -336,25 +336,28 @@ def test_widened_cuda_queues_leave_a_user_s_setting_alone(monkeypatch):
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
-@pytest.mark.parametrize(("env", "threads"), [
-    ({}, lambda cpus: cpus),  # one rank: all of them
-    ({"LOCAL_WORLD_SIZE": "2"}, lambda cpus: max(1, cpus // 2)),
-    ({"LOCAL_WORLD_SIZE": str(4 * len(os.sched_getaffinity(0)))}, lambda cpus: 1),
-    ({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "3"}, lambda cpus: 3),  # the user's setting, as torch read it
-], ids=["one-rank", "two-ranks", "more-ranks-than-cpus", "omp-num-threads"])
-def test_cpu_ranks_of_one_machine_share_its_cpus_unless_omp_num_threads_says(monkeypatch, env, threads):
+@pytest.mark.parametrize(("env", "machine", "allowed", "threads"), [
+    ({}, 8, 8, 8),  # one rank: all of them
+    ({"LOCAL_WORLD_SIZE": "2"}, 8, 8, 4),
+    ({"LOCAL_WORLD_SIZE": "16"}, 8, 8, 1),
+    ({"LOCAL_WORLD_SIZE": "4"}, 64, 3, 3),  # bound by Slurm to 3 CPUs of its own: all 3
+    ({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "3"}, 8, 8, 3),  # the user's setting, as torch read it
+], ids=["one-rank", "two-ranks", "more-ranks-than-cpus", "bound-rank", "omp-num-threads"])
+def test_cpu_ranks_of_one_machine_share_its_cpus_unless_omp_num_threads_says(monkeypatch, env, machine, allowed,
+                                                                            threads):
     from vitctl.trainer.parallel import init_distributed
 
     before = torch.get_num_threads()
-    cpus = len(os.sched_getaffinity(0))
     for name in ("LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", cpus)))  # as a fresh process starts
+    monkeypatch.setattr(os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(allowed)))
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", allowed)))  # as a fresh process starts
     try:
         init_distributed(use_cuda=False)
-        assert torch.get_num_threads() == threads(cpus)
+        assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
 
