@@ -55,8 +55,8 @@ def test_the_fused_mlp_leaves_cpu_tensors_to_the_exact_gelu_reference():
 
 
 def test_sdpa_attention_matches_reference():
-    q, k, v = (torch.randn(2, 3, 17, 8) for _ in range(3))
-    torch.testing.assert_close(sdpa.attention(q, k, v), reference.attention(q, k, v))
+    qkv = torch.randn(2, 17, 3 * 3 * 8)
+    torch.testing.assert_close(sdpa.attention(qkv, 3), reference.attention(qkv, 3))
 
 
 def test_fused_spec_parsing():

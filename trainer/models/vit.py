@@ -26,9 +26,8 @@ class Attention(nn.Module):
         self.qkv, self.proj = PackedQKV(dim), nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape  # widths from the heads this module holds: a share of them under tensor parallelism
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        return self.proj(self.ops.attention(q, k, v).transpose(1, 2).reshape(B, N, -1))
+        # the heads this module holds: a share of them under tensor parallelism
+        return self.proj(self.ops.attention(self.qkv(x), self.heads))
 
 
 class Block(CheckpointableBlock):

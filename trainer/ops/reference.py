@@ -61,9 +61,11 @@ def window_attention(qkv: torch.Tensor, heads: int, scale: float, bias_table: to
 
 
 @register("attention", "reference", 0)
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, N, 3C) packed qkv -> (B, N, C)."""
+    q, k, v = split_heads(qkv, heads)
     attn = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-    return attn.softmax(dim=-1) @ v
+    return merge_heads(attn.softmax(dim=-1) @ v)
 
 
 @register("layer_norm", "reference", 0)

@@ -8,8 +8,8 @@ from .reference import merge_heads, relative_position_bias, split_heads
 
 
 @register("attention", "sdpa", 20)
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v)
+def attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    return merge_heads(F.scaled_dot_product_attention(*split_heads(qkv, heads)))
 
 
 @register("window_attention", "sdpa", 20)
