@@ -9,7 +9,7 @@ import torch
 from vitctl.trainer.config import ModelConfig, load_config
 from vitctl.trainer.loop import Trainer, train
 from vitctl.trainer.models import build_model
-from vitctl.trainer.ops import resolve
+from vitctl.trainer.ops import cudnn_attention, reference, resolve, sdpa
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
@@ -35,6 +35,29 @@ def test_fused_ops_match_reference_forward_and_backward(name, dtype, tol):
         assert (ga - gb).norm() <= tol * ga.norm() + 1e-6
 
 
+@pytest.mark.skipif(cudnn_attention.unavailable(CUDA) is not None, reason="needs nvidia-cudnn-frontend")
+@pytest.mark.parametrize(("batch", "tokens", "heads", "width"), [(3, 197, 4, 64), (2, 50, 3, 32), (1, 7, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cudnn_attention_reads_and_writes_packed_qkv_as_sdpa_does(batch, tokens, heads, width, dtype):
+    """Its output and packed qkv gradient against float32 attention: no further from it than SDPA's on the same
+    inputs (a wrong stride or an unwritten part of the gradient would be far off)."""
+    torch.manual_seed(0)
+    qkv = torch.randn(batch, tokens, 3 * heads * width, device=CUDA, dtype=dtype)
+    grad = torch.randn(batch, tokens, heads * width, device=CUDA, dtype=dtype)
+    results = []
+    for attention, inputs in ((reference.attention, qkv.float()), (sdpa.attention, qkv),
+                              (cudnn_attention.attention, qkv)):
+        leaf = inputs.detach().requires_grad_()
+        out = attention(leaf, heads)
+        out.backward(grad.to(out.dtype))
+        results.append((out.float(), leaf.grad.float()))
+    (ref_out, ref_grad), *others = results
+    (sdpa_out, sdpa_grad), (out, grad_qkv) = others
+    for x, bound, ref in ((out, sdpa_out, ref_out), (grad_qkv, sdpa_grad, ref_grad)):
+        assert x.isfinite().all()
+        assert (x - ref).norm() <= 1.5 * (bound - ref).norm() + 1e-3 * ref.norm()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-pure"])
 def test_trains_on_the_gpu(prepared_shards, tmp_path, precision):
     config = load_config(None, ["model.name=vit_micro", "model.img_size=32", "model.num_classes=5",
@@ -45,10 +68,12 @@ def test_trains_on_the_gpu(prepared_shards, tmp_path, precision):
     assert result["step"] == 4 and result["eval_samples"] == 20
 
 
-def test_trains_compiled_with_cuda_graphs(prepared_shards, tmp_path):
+@pytest.mark.parametrize("model", ["swin_micro", "vit_micro"])
+def test_trains_compiled_with_cuda_graphs(prepared_shards, tmp_path, model):
     """Training and eval run under compile_mode=reduce-overhead (CUDA graphs) through our custom ops."""
+    window = ["model.window_size=4"] if model.startswith("swin") else []
     config = load_config(None, [
-        "model.name=swin_micro", "model.img_size=32", "model.window_size=4", "model.num_classes=5",
+        f"model.name={model}", "model.img_size=32", *window, "model.num_classes=5",
         f"data.path={prepared_shards}", "data.source=webdataset", "data.batch_size=8", "data.workers=2",
         "train.precision=bf16", "train.max_steps=6", "train.compile=true", "train.compile_mode=reduce-overhead",
         "train.eval_every_epochs=0.5", f"train.out_dir={tmp_path}", "augment.mixup=0", "augment.cutmix=0"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vitctl.trainer.models.swin import relative_position_index, shift_mask
-from vitctl.trainer.ops import REGISTRY, cuda, parse_fused, reference, resolve, sdpa
+from vitctl.trainer.ops import REGISTRY, cuda, cudnn_attention, parse_fused, reference, resolve, sdpa
 
 
 def test_partition_then_merge_is_the_identity_and_matches_a_loop():
@@ -52,6 +52,14 @@ def test_the_one_kernel_attention_takes_only_what_its_kernel_can():
 def test_the_fused_mlp_leaves_cpu_tensors_to_the_exact_gelu_reference():
     x, w1, b1, w2, b2 = (torch.randn(*s, dtype=torch.bfloat16) for s in ((2, 5, 16), (64, 16), (64,), (16, 64), (16,)))
     assert torch.equal(cuda.mlp(x, w1, b1, w2, b2), reference.mlp(x, w1, b1, w2, b2))
+
+
+def test_cudnn_attention_leaves_to_sdpa_what_cudnn_takes_not():
+    """Off a GPU the cuDNN attention is unavailable (resolve picks SDPA), and a CPU tensor reaching it goes to SDPA."""
+    assert cudnn_attention.unavailable(torch.device("cpu")) == "needs CUDA"
+    qkv = torch.randn(2, 17, 3 * 3 * 8, dtype=torch.bfloat16)
+    assert not cudnn_attention.fits(qkv, 3)
+    torch.testing.assert_close(cudnn_attention.attention(qkv, 3), sdpa.attention(qkv, 3))
 
 
 def test_sdpa_attention_matches_reference():

@@ -1,5 +1,6 @@
 """`vitctl doctor`'s checks beyond the op table: how the CUDA ops were built, and everything the container image
-promises (prebuilt ops, apex, DALI for the image's CUDA, submitit, webdataset), none of which needs a GPU."""
+promises (prebuilt ops, apex, DALI for the image's CUDA, the cuDNN frontend, submitit, webdataset), none of which
+needs a GPU."""
 
 import importlib
 import os
@@ -91,7 +92,7 @@ def image_checks() -> list[Check]:
         problem = _imports(module)
         checks.append(Check(f"apex: {module}", problem is None, problem or "imports"))
     checks.append(_dali_cuda())
-    for module in ("submitit", "webdataset"):
+    for name, module in (("cuDNN frontend", "cudnn"), ("submitit", "submitit"), ("webdataset", "webdataset")):
         problem = _imports(module)
-        checks.append(Check(module, problem is None, problem or "imports"))
+        checks.append(Check(name, problem is None, problem or "imports"))
     return checks

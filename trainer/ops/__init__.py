@@ -1,4 +1,4 @@
-"""Op seams and the registry that maps each seam to implementations: reference, sdpa, apex, torch-fused, cuda.
+"""Op seams and the registry that maps each seam to implementations: reference, sdpa, apex, torch-fused, cuda, cudnn.
 
 A model is built with an `Ops` bundle; `resolve` picks, per seam, the best available implementation that
 `--fused` allows, and logs every fallback.
@@ -120,4 +120,4 @@ def resolve(fused: str, device: torch.device, compiling: bool = False) -> Ops:
                chosen=tuple((seam, impl.name) for seam, impl in chosen.items()))
 
 
-from . import apex_ops, cuda, reference, sdpa  # noqa: E402, F401  (importing them registers the implementations)
+from . import apex_ops, cuda, cudnn_attention, reference, sdpa  # noqa: E402, F401  (importing them registers the implementations)
