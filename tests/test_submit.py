@@ -16,7 +16,7 @@ from vitctl.trainer.config import ConfigError
 from vitctl.trainer.data.shards import read_table, split_shards
 from vitctl.workflows import registry, status
 from vitctl.workflows.process import start_time
-from vitctl.workflows.submit import TracebackFilter, parse_time, rendezvous_port
+from vitctl.workflows.submit import TracebackFilter, parse_time, rendezvous_port, srun_torch_env
 
 
 @pytest.mark.parametrize(("text", "minutes"), [("30", 30), ("4:00:00", 240), ("1-12", 2160), ("1-00:00:00", 1440),
@@ -41,6 +41,22 @@ def test_rendezvous_ports_are_below_the_ephemeral_range():
     ports = [rendezvous_port(str(job)) for job in range(100_000, 100_300)]
     assert all(20000 <= port < 32768 for port in [*ports, rendezvous_port("4242_7")])
     assert len(set(ports)) == len(ports)  # consecutive jobs on one node do not collide
+
+
+@pytest.mark.parametrize(("tasks_per_node", "node", "local"), [("4", 0, 4), ("2(x3)", 2, 2), ("2(x2),1", 2, 1),
+                                                             ("3,1(x2)", 0, 3)])
+def test_a_plain_sbatch_rank_s_local_world_size_is_its_own_node_s_task_count(tmp_path, monkeypatch, tasks_per_node,
+                                                                           node, local):
+    """From SLURM_TASKS_PER_NODE, which Slurm sets for every job: before, SLURM_NTASKS_PER_NODE, which only
+    --ntasks-per-node sets (else 1: CPU ranks of one node then each took all its cores for their threads)."""
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho node1 node2 node3\n")  # show hostnames node[1-3]
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env = {"SLURM_JOB_NODELIST": "node[1-3]", "SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0",
+           "SLURM_JOB_ID": "42", "SLURM_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": str(node)}
+    torch_env = srun_torch_env(env)
+    assert torch_env["LOCAL_WORLD_SIZE"] == str(local) and torch_env["MASTER_ADDR"] == "node1"
+    assert torch_env["RANK"] == "5" and torch_env["WORLD_SIZE"] == "7"
 
 
 @pytest.fixture(scope="module")

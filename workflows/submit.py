@@ -849,6 +849,17 @@ def srun_torch_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
     """torch.distributed's variables from an srun task's: rendezvous on the job's first node."""
     hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
                            text=True, check=True, timeout=30).stdout.split()
+    local = tasks_on_node(env.get("SLURM_TASKS_PER_NODE", "1"), int(env.get("SLURM_NODEID", "0")))
     return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env["SLURM_LOCALID"],
-            "LOCAL_WORLD_SIZE": env.get("SLURM_NTASKS_PER_NODE", "1"), "MASTER_ADDR": hosts[0],
+            "LOCAL_WORLD_SIZE": str(local), "MASTER_ADDR": hosts[0],
             "MASTER_PORT": str(rendezvous_port(env["SLURM_JOB_ID"]))}
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """The tasks on the job's `node`-th node, from SLURM_TASKS_PER_NODE's list of counts, where `2(x3)` stands for
+    three nodes of 2: set for every job (SLURM_NTASKS_PER_NODE only with --ntasks-per-node)."""
+    counts = []
+    for item in tasks_per_node.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts[node]
