@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import register, sdpa
 from .cuda import aligned
+from .reference import split_heads
 
 DTYPES = (torch.bfloat16, torch.float16)
 # uids of the graphs' tensors
@@ -114,13 +115,6 @@ def _graphs_for(qkv: Tensor, heads: int) -> _Graphs:
                    torch.are_deterministic_algorithms_enabled())
 
 
-def _views(packed: Tensor, heads: int) -> list[Tensor]:
-    """q, k, v (or their gradients) as (B, heads, N, width) views of a (B, N, 3 * heads * width) tensor."""
-    batch, tokens, width3 = packed.shape
-    parts = packed.view(batch, tokens, 3, heads, width3 // (3 * heads))
-    return [parts[:, :, i].transpose(1, 2) for i in range(3)]
-
-
 def _heads_view(x: Tensor, heads: int) -> Tensor:
     """(B, N, heads * width) -> (B, heads, N, width), a view."""
     batch, tokens, width = x.shape
@@ -134,7 +128,7 @@ def cudnn_attention_op(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     batch, tokens, width3 = qkv.shape
     out = qkv.new_empty(batch, tokens, width3 // 3)
     stats = qkv.new_empty(batch, heads, tokens, 1, dtype=torch.float32)
-    q, k, v = _views(qkv, heads)
+    q, k, v = split_heads(qkv, heads)
     graphs = _graphs_for(qkv, heads)
     graphs.run(graphs.forward, {Q: q, K: k, V: v, OUT: _heads_view(out, heads), STATS: stats})
     return out, stats
@@ -152,7 +146,8 @@ def cudnn_attention_backward_op(grad: Tensor, qkv: Tensor, out: Tensor, stats: T
     grad, qkv, out, stats = (aligned(t) for t in (grad, qkv, out, stats))
     grad_qkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
     graphs = _graphs_for(qkv, heads)
-    pack = dict(zip((Q, K, V, GRAD_Q, GRAD_K, GRAD_V), _views(qkv, heads) + _views(grad_qkv, heads), strict=True))
+    pack = dict(zip((Q, K, V, GRAD_Q, GRAD_K, GRAD_V), (*split_heads(qkv, heads), *split_heads(grad_qkv, heads)),
+                    strict=True))
     graphs.run(graphs.backward, pack | {OUT: _heads_view(out, heads), GRAD_OUT: _heads_view(grad, heads),
                                         STATS: stats})
     return grad_qkv
@@ -179,7 +174,7 @@ cudnn_attention_op.register_autograd(_backward, setup_context=_setup)
 
 @register("attention", "cudnn", 30, unavailable)
 def attention(qkv: Tensor, heads: int) -> Tensor:
-    """SDPA where cuDNN's attention takes no such heads (float32 ones, wider than 128)."""
+    """SDPA for what cuDNN's attention does not take (`fits`)."""
     if not fits(qkv, heads):
         return sdpa.attention(qkv, heads)
     return cudnn_attention_op(qkv, heads)[0]
