@@ -62,6 +62,21 @@ def test_cudnn_attention_leaves_to_sdpa_what_cudnn_takes_not():
     torch.testing.assert_close(cudnn_attention.attention(qkv, 3), sdpa.attention(qkv, 3))
 
 
+def test_a_gpu_whose_cudnn_builds_no_attention_graph_runs_sdpa_and_says_why(monkeypatch):
+    """A V100's cuDNN, say: found before training by building a small graph, not by the first step failing."""
+    def declines(*shape):
+        raise RuntimeError("no engine proposed a plan for this graph\nmore detail")
+
+    monkeypatch.setattr(cudnn_attention, "_cudnn", lambda: None)
+    monkeypatch.setattr(cudnn_attention, "_graphs", declines)
+    cudnn_attention._declined.cache_clear()
+    try:
+        assert cudnn_attention.unavailable(torch.device("cuda", 3)) == (
+            "cuDNN builds no attention graph on cuda:3 (no engine proposed a plan for this graph)")
+    finally:
+        cudnn_attention._declined.cache_clear()
+
+
 def test_sdpa_attention_matches_reference():
     qkv = torch.randn(2, 17, 3 * 3 * 8)
     torch.testing.assert_close(sdpa.attention(qkv, 3), reference.attention(qkv, 3))

@@ -33,8 +33,23 @@ def unavailable(device: torch.device) -> str | None:
     try:
         _cudnn()
     except Exception as e:  # not installed, or no libcudnn for it to load
-        return f"needs nvidia-cudnn-frontend ({str(e).splitlines()[0][:200]}): pip install 'vitctl[cudnn]'"
+        return f"needs nvidia-cudnn-frontend ({_first_line(e)}): pip install 'vitctl[cudnn]'"
+    return _declined(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _declined(device: int) -> str | None:
+    """Why cuDNN builds no attention graphs on this GPU (before Ampere, or too old a cuDNN), found by building a
+    small one: otherwise the first step would fail."""
+    try:
+        _graphs(1, 8, 1, 64, torch.bfloat16, device, False)
+    except Exception as e:
+        return f"cuDNN builds no attention graph on cuda:{device} ({_first_line(e)})"
     return None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def fits(qkv: Tensor, heads: int) -> bool:
