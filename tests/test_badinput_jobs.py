@@ -35,11 +35,16 @@ QUICK = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "dat
          "--executor", "local", "--gpus", "0"]
 
 
+# `--steps` ends these jobs, not demo_vit's 8 epochs: 128 steps, which two ranks of one thread each can train in the
+# seconds a test waits to see the job still running
+LONG = ["--epochs", "1000", "--tasks-per-node", "2", "--set", "train.log_every=1"]
+
+
 def _start(out: Path, steps: int) -> subprocess.Popen:
     """`vitctl train` of two CPU ranks in a session of its own (a terminal's process group), logging every step."""
-    return subprocess.Popen([VITCTL, "train", *QUICK, "--tasks-per-node", "2", "--steps", str(steps), "--set",
-                             "train.log_every=1", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=os.environ, start_new_session=True)
+    return subprocess.Popen([VITCTL, "train", *QUICK, *LONG, "--steps", str(steps), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ,
+                            start_new_session=True)
 
 
 def _wait_for_step(out: Path, step: int, terminal: int | None = None) -> None:
@@ -107,7 +112,7 @@ def test_ctrl_c_sigterm_or_a_hangup_stops_a_local_job_with_a_checkpoint_and_resu
     assert (out / f"checkpoints/step-{int(said[1]):08d}").is_dir()
     assert not Path(f"/proc/{record.job_id}").exists()  # the controller has ended: nothing left running
     if signum == signal.SIGINT:  # the fix it names
-        ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 40, "--out", out, "--resume")
+        ok("train", *QUICK, *LONG, "--steps", 40, "--out", out, "--resume")
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert steps[-1]["step"] == 40 and any(s.get("event") == "resume" for s in steps)
 
@@ -240,9 +245,8 @@ def test_a_busy_run_folder_named_through_dotdot_or_a_link_is_refused_too(tmp_pat
 def test_under_nohup_a_hangup_leaves_the_local_job_training(tmp_path):
     """nohup ignores the hangup for vitctl and the job it starts: it must not be taken for a Ctrl-C."""
     out = tmp_path / "run"
-    job = subprocess.Popen([VITCTL, "train", *QUICK, "--tasks-per-node", "2", "--steps", "4000", "--set",
-                            "train.log_every=1", "--out", str(out)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, env=os.environ, start_new_session=True,
+    job = subprocess.Popen([VITCTL, "train", *QUICK, *LONG, "--steps", "4000", "--out", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ, start_new_session=True,
                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup starts it
     try:
         _wait_for_step(out, 2)
@@ -280,7 +284,7 @@ def test_a_hung_rank_s_job_is_killed_by_a_second_cancel_and_resume_goes_on(tmp_p
             job.communicate()
     state = status.state_of(registry.find_record(str(out)))
     assert state.state == "CANCELLED" and state.note.startswith("killed by a second `vitctl cancel`")
-    ok("train", *QUICK, "--tasks-per-node", 2, "--steps", 3, "--out", out)  # the fix it names, with fewer steps
+    ok("train", *QUICK, *LONG, "--steps", 3, "--out", out)  # the fix it names, with fewer steps
 
 
 def test_a_running_job_whose_steps_stopped_coming_is_said_to_be_quiet(tmp_path):
@@ -394,7 +398,7 @@ def test_ranks_whose_controller_is_killed_checkpoint_and_stop(tmp_path):
     assert ckpt.list_checkpoints(out)[-1].name == f"step-{step:08d}"
     assert f"job {record.job_id}: its controller process ended while its ranks ran on" in stderr, stderr
     assert f"error: job {record.job_id} was stopped (interrupted): checkpointed at step {step}" in stderr, stderr
-    ok("train", *QUICK, "--tasks-per-node", 2, "--steps", step + 1, "--out", out, "--resume")
+    ok("train", *QUICK, *LONG, "--steps", step + 1, "--out", out, "--resume")
 
 
 def _ended_local_job(run: Path) -> registry.JobRecord:
