@@ -35,8 +35,8 @@ QUICK = ["--config", "demo_vit", "--set", "data.source=synthetic", "--set", "dat
          "--executor", "local", "--gpus", "0"]
 
 
-# `--steps` ends these jobs, not demo_vit's 8 epochs: 128 steps, which two ranks of one thread each can train in the
-# seconds a test waits to see the job still running
+# `--steps` ends these jobs, not demo_vit's 8 epochs: 64 steps (64 samples, 8 a step over the two ranks), which two
+# ranks of one thread each train in about 3 s, while a test waits to see the job still running
 LONG = ["--epochs", "1000", "--tasks-per-node", "2", "--set", "train.log_every=1"]
 
 
