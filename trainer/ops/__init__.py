@@ -28,6 +28,11 @@ class Impl:
 REGISTRY: dict[str, dict[str, Impl]] = {seam: {} for seam in SEAMS}
 
 
+def first_line(e: Exception) -> str:
+    """An exception's first line, cut to 200 characters: how an unavailable implementation says why."""
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
 def register(seam: str, name: str, priority: int,
              unavailable: Callable[[torch.device], str | None] = lambda device: None,
              under_compile: bool = True, in_eager: bool = True) -> Callable:

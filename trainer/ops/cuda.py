@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import reference, register
+from . import first_line, reference, register
 from .reference import merge_heads, split_heads
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -34,7 +34,7 @@ def prebuilt() -> tuple[object | None, str | None]:
     try:
         return importlib.import_module("vitctl_cuda_ops"), None
     except ImportError as e:
-        return None, str(e).splitlines()[0][:200]
+        return None, first_line(e)
 
 
 @functools.cache
@@ -61,7 +61,7 @@ def unavailable(device: torch.device) -> str | None:
     try:
         extension()
     except Exception as e:  # a failed build, a missing toolkit: say why, the reference op runs instead
-        return f"CUDA extension unavailable: {str(e).splitlines()[0][:200]}"
+        return f"CUDA extension unavailable: {first_line(e)}"
     return None
 
 

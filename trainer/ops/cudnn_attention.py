@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import register, sdpa
+from . import first_line, register, sdpa
 from .cuda import aligned
 from .reference import split_heads
 
@@ -33,7 +33,7 @@ def unavailable(device: torch.device) -> str | None:
     try:
         _cudnn()
     except Exception as e:  # not installed, or no libcudnn for it to load
-        return f"needs nvidia-cudnn-frontend ({_first_line(e)}): pip install 'vitctl[cudnn]'"
+        return f"needs nvidia-cudnn-frontend ({first_line(e)}): pip install 'vitctl[cudnn]'"
     return _declined(torch.cuda.current_device() if device.index is None else device.index)
 
 
@@ -44,12 +44,8 @@ def _declined(device: int) -> str | None:
     try:
         _graphs(1, 8, 1, 64, torch.bfloat16, device, False)
     except Exception as e:
-        return f"cuDNN builds no attention graph on cuda:{device} ({_first_line(e)})"
+        return f"cuDNN builds no attention graph on cuda:{device} ({first_line(e)})"
     return None
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def fits(qkv: Tensor, heads: int) -> bool:
