@@ -516,6 +516,8 @@ def test_cli_fails_clearly_when_nothing_fits(tmp_path):
     least = re.search(r"needs is (\d+(?:\.\d+)?) GiB \((\S+), ([^)]+)\): pass --memory-gib \1 or more", result.stderr)
     assert least and re.fullmatch(r"(every block|\d+ blocks) (dp|fsdp), checkpoint (none|selective|full).*",
                                   least[3]), result.stderr  # before: "every block FSDP ...", of a pp2 without FSDP
+    # 0.05 GiB is less than the 1.5 GiB a plan leaves the allocator: more GPUs or a smaller batch would not fit either
+    assert "add GPUs" not in result.stderr and result.stderr.rstrip().endswith("or more"), result.stderr
     below = vitctl(*_plan_args(profile_path, out, f"{float(least[1]) - 0.01:.2f}"))
     assert below.exit_code == 1 and not out.exists()  # the least of every strategy searched: before, one fit below it
     ok(*_plan_args(profile_path, out, least[1]))  # the figure it names fits: before, it was rounded down
@@ -532,7 +534,9 @@ def test_cli_plans_at_the_least_memory_it_names_where_the_programme_rounds_it_ou
     assert result.exit_code == 1 and not out.exists(), result.stderr
     least = re.search(r"needs is (\d+(?:\.\d+)?) GiB \(.+\): pass --memory-gib \1 or more", result.stderr)
     assert least, result.stderr
-    assert vitctl(*args(f"{float(least[1]) - 0.01:.2f}")).exit_code == 1 and not out.exists()
+    below = vitctl(*args(f"{float(least[1]) - 0.01:.2f}"))
+    assert below.exit_code == 1 and not out.exists()
+    assert "or more, or add GPUs (--nodes, --gpus) or lower --batch" in below.stderr, below.stderr  # both would help
     ok(*args(least[1]))
     assert read_plan(out, ParallelConfig(), 48).pp == 2
 

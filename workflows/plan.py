@@ -143,10 +143,13 @@ def _no_fit(outcome: PlanOutcome) -> str:
         return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
                 f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:,.1f} GiB a GPU, "
                 f"more than any GPU holds: add GPUs (--nodes, --gpus) or lower --batch")
+    # A budget within the allocator's room fits no plan on any number of GPUs or at any batch.
+    within_room = r.memory_gib * 2**30 <= min(ALLOCATOR_ROOM)
+    elsewhere = "" if within_room else ", or add GPUs (--nodes, --gpus) or lower --batch"
     return (f"no strategy for {r.model} on {r.nodes} x {r.gpus} GPUs with a global batch of {r.batch} fits in "
             f"--memory-gib {r.memory_gib:g}; the least any searched strategy needs is {least_gib:g} GiB "
             f"({least.strategy.layout(outcome.world)}, {_blocks(least.strategy)}): pass --memory-gib "
-            f"{least_gib:g} or more, or add GPUs (--nodes, --gpus) or lower --batch")
+            f"{least_gib:g} or more{elsewhere}")
 
 
 def _blocks(strategy: Strategy) -> str:
