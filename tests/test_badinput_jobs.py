@@ -380,6 +380,19 @@ def test_a_rank_that_crashes_in_native_code_is_named_with_where_it_was(tmp_path)
     assert "Fatal Python error: Segmentation fault" in Path(log).read_text()
 
 
+def test_a_crash_inside_a_comprehension_names_the_function_that_holds_it(tmp_path):
+    """Before, on Python 3.11 (which gives a comprehension its own frame): `crashed (Segmentation fault) in <listcomp>
+    (precision.py:144)`; the comprehension's line stays, the name is its function's."""
+    record = _ended_local_job(tmp_path / "run")
+    precision = Path(status.__file__).resolve().parents[1] / "trainer/precision.py"
+    log = Path(record.folder) / "1_1_log.err"
+    log.write_text(f'Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f (most recent call first):\n'
+                   f'  File "{precision}", line 144 in <listcomp>\n  File "{precision}", line 144 in clip_gradients\n'
+                   f'  File "/usr/lib/python3.11/runpy.py", line 88 in _run_code\n')
+    assert status.failure(record) == (f"rank 1 crashed (Segmentation fault) in clip_gradients (precision.py:144); "
+                                      f"see {log}")
+
+
 def test_ranks_whose_controller_is_killed_checkpoint_and_stop(tmp_path):
     """Before: kill -9 of a local job's controller (its PID is the job id) left its ranks training, orphaned: status
     said FAILED, cancel 'already ended', and --resume was refused, the ranks holding the run folder."""

@@ -410,6 +410,8 @@ CRASH = re.compile(r"^Fatal Python error: (.+)$", re.MULTILINE)
 # vitctl's own folders, to find its frames in a crash's stacks (a virtual environment may lie beside them)
 PACKAGES = tuple(Path(__file__).resolve().parents[1] / name for name in ("cli", "workflows", "trainer", "datasets"))
 FRAME = re.compile(r'^\s*File "(.+)", line (\d+) in (\S+)', re.MULTILINE)
+# Python 3.11 runs a comprehension in a frame of its own, always called from the function that holds it (3.12 inlines)
+COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>")
 
 
 def _crash(record: JobRecord, rank: int) -> tuple[str, str] | None:
@@ -425,7 +427,8 @@ def _crash(record: JobRecord, rank: int) -> tuple[str, str] | None:
         or next(filter(None, ours), [])
     if not frames:
         return f"crashed ({found[1]})", ""
-    file, line, function = frames[0][1], frames[0][2], frames[0][3]
+    file, line = frames[0][1], frames[0][2]
+    function = next((f[3] for f in frames if f[3] not in COMPREHENSIONS), frames[0][3])
     if not any(f[1].endswith("data/dali.py") for f in frames):  # not while reading DALI's batches
         return f"crashed ({found[1]}) in {function} ({Path(file).name}:{line})", ""
     data = next((m["data"] for m in reversed(read_metrics(Path(record.run_dir))) if m.get("event") == "start"
