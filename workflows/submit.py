@@ -754,9 +754,9 @@ def _stop_handlers() -> dict[int, Callable[[int, Any], None]]:
 def _first_stop(handler: Callable[[int, Any], None], signum: int, frame: Any) -> None:
     """The first stop signal ignores the next ones, then acts: `timeout -s INT` signals vitctl and then its group a
     few ms apart, and a second signal that came before the cancel had begun left the job running on."""
-    # A handler that does nothing, not SIG_IGN: a signal that came with this one is already pending in Python, which
-    # reports one whose handler became SIG_IGN as `OSError: Signal 15 ignored due to race condition` on stderr. The
-    # local cancel starts no process that could inherit SIG_IGN instead.
+    # A handler that does nothing, not SIG_IGN: a signal that came with this one may be pending in Python already,
+    # which reports one whose handler became SIG_IGN as `OSError: Signal 15 ignored due to race condition` on stderr.
+    # (SIG_IGN would also pass on to processes started from here; the local cancel starts none.)
     for other in (*TERMINAL_SIGNALS, signal.SIGTERM):
         signal.signal(other, _ignore)
     handler(signum, frame)
