@@ -173,6 +173,10 @@ def shard(root: Path, out: Path, split: str, maxsize: int, maxcount: int, seed: 
             which = "shard that was" if len(result.rewritten) == 1 else "shards that were"
             notes.append(f"{name}: wrote again {len(result.rewritten)} {which} missing or did not match the "
                          f"recorded sha256: {some(result.rewritten)}")
+        if result.changed:
+            which = "shard whose images" if len(result.changed) == 1 else "shards whose images"
+            notes.append(f"{name}: wrote again {len(result.changed)} {which} changed since they were written "
+                         f"(their modification times): {some(result.changed)}")
     console.print(table)
     for note in notes:
         console.print(note, highlight=False, markup=False, soft_wrap=True)

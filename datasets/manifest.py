@@ -72,8 +72,8 @@ _TOP = {"label_convention": str, "classes": list, "splits": dict}
 _SPLIT = {"plan": str, "maxsize": int, "maxcount": int, "seed": int, "on_bad_image": str, "planned_shards": int,
           "complete": bool, "shards": list, "source": str}
 _SHARD = {"name": str, "samples": int, "bytes": int, "sha256": str, "conversions": list, "skipped": list,
-          "labels": str}
-_OPTIONAL = {"labels", "source"}  # absent from folders sharded by older versions
+          "labels": str, "sources": str}
+_OPTIONAL = {"labels", "source", "sources"}  # absent from folders sharded by older versions
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "a list", dict: "an object"}
 
 

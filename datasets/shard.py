@@ -10,7 +10,7 @@ import shlex
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +271,15 @@ def plan_digest(shards: list[list[Sample]], spec: ShardSpec) -> str:
     return h.hexdigest()
 
 
+def sources_digest(root: Path, samples: list[Sample]) -> str:
+    """A digest of the samples' images with their modification times: a rerun writes again a shard whose images were
+    edited in place since, which the plan misses where an edit keeps an image's size."""
+    h = hashlib.sha256()
+    for source, *_ in samples:
+        h.update(f"{source}\0{(root / source).stat().st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 class _HashingFile:
     def __init__(self, f) -> None:
         self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
@@ -290,6 +299,7 @@ def _some(skipped: list[dict[str, str]]) -> str:
 def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str], on_bad_image: str) -> dict[str, Any]:
     """Write one shard under its temporary name (`publish` names it); returns its manifest entry."""
     conversions, skipped, labels = [], [], []
+    sources = sources_digest(root, samples)  # before the reads: an image edited while it is read is written again
     with partial_open(path) as f:
         out = _HashingFile(f)
         tar = UstarWriter(out)
@@ -315,7 +325,7 @@ def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str],
                             "--out folder (the plan changes with the images)")
         tar.close()
     return {"name": path.name, "samples": len(labels), "bytes": out.bytes, "sha256": out.sha256.hexdigest(),
-            "conversions": conversions, "skipped": skipped, "labels": mf.encode_labels(labels)}
+            "conversions": conversions, "skipped": skipped, "labels": mf.encode_labels(labels), "sources": sources}
 
 
 def _check_folder(out: Path, manifest: dict[str, Any] | None) -> None:
@@ -339,11 +349,18 @@ def _check_folder(out: Path, manifest: dict[str, Any] | None) -> None:
                         str(out), f"shard into an empty folder, or move those files away{again}")
 
 
-def _intact(path: Path, entry: dict[str, Any]) -> str | None:
-    """The shard's name if its file is the one its manifest entry records (size and sha256), else None."""
+def _check_shard(path: Path, entry: dict[str, Any], root: Path, samples: list[Sample]) -> tuple[str, str]:
+    """The shard's name and whether it is `intact` (the file its manifest entry records, by size and sha256, of images
+    unchanged since), `changed` (an image edited since it was written) or `damaged` (missing or another file)."""
+    try:
+        changed = "sources" in entry and sources_digest(root, samples) != entry["sources"]  # older folders: unknown
+    except FileNotFoundError:  # deleted since the plan was made: the write names it
+        changed = True
+    if changed:
+        return path.name, "changed"
     if path.is_file() and path.stat().st_size == entry["bytes"] and mf.file_sha256(path) == entry["sha256"]:
-        return path.name
-    return None
+        return path.name, "intact"
+    return path.name, "damaged"
 
 
 def shard_command(folder: Path, split: str, info: dict[str, Any]) -> str:
@@ -388,6 +405,7 @@ class SplitResult:
     info: dict[str, Any]  # the split's manifest entry
     rewritten: list[str]  # shards a run before recorded whose file was missing or damaged, written again
     kept: int = 0  # shards a run before wrote, checked against their sha256 and kept
+    changed: list[str] = field(default_factory=list)  # shards a run before wrote whose images were edited since
 
 
 def _started(root: Path, shards: list[list[Sample]], spec: ShardSpec) -> dict[str, Any]:
@@ -438,12 +456,15 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
         manifest["splits"][other] = _started(root, plan_shards(source.samples[other], spec), spec)
     on_total(sum(len(s) for s in shards))
     planned = {mf.shard_name(split, i): samples for i, samples in enumerate(shards)}
-    intact = set()
-    with contextlib.closing(run_tasks(_intact, [(out / name, e) for name, e in recorded.items()], workers)) as checked:
-        for name in checked:
-            if name is not None:
+    intact, changed = set(), []
+    checks = [(out / name, e, root, planned.get(name, [])) for name, e in recorded.items()]
+    with contextlib.closing(run_tasks(_check_shard, checks, workers)) as checked:
+        for name, state in checked:
+            if state == "intact":
                 intact.add(name)
                 progress(len(planned[name]))
+            elif state == "changed":
+                changed.append(name)
     # nothing to write (a read-only copy checks too); a planned_shards edited by hand is written again, as planned
     if recorded_complete and len(intact) == len(planned) == recorded_info["planned_shards"] and added == []:
         return SplitResult(recorded_info, [], len(intact))
@@ -492,7 +513,7 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     _check_every_class_kept(root, split, info, classes, {sample[2] for sample in source.samples[split]})
     info["complete"] = True
     record()
-    return SplitResult(info, sorted(set(recorded) - intact), len(intact))
+    return SplitResult(info, sorted(set(recorded) - intact - set(changed)), len(intact), sorted(changed))
 
 
 def _check_every_class_kept(root: Path, split: str, info: dict[str, Any], classes: list[str],

@@ -330,6 +330,29 @@ def test_a_damaged_shard_of_the_same_size_is_written_again(prepared_shards, shar
     assert not (shards_copy / "imagenet-train-000002.idx").exists()  # the index of the damaged shard is stale
 
 
+def test_an_image_edited_in_place_keeping_its_size_has_its_shard_written_again(root_copy, tmp_path):
+    """Before: the plan holds each image's size, so a rerun after a same-size edit kept the shard with the old bytes."""
+    out = tmp_path / "s"
+    ok("data", "shard", root_copy, "--out", out, "--split", "train", "--maxcount", 16)
+    before = _shard_bytes(out)
+    victim = sorted((root_copy / "train").glob("*/*.JPEG"))[5]
+    edited = bytearray(victim.read_bytes())
+    edited[-40] ^= 0x01  # in the scan data: the same size, still a JPEG shard takes as it is
+    victim.write_bytes(bytes(edited))
+    os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 2_000_000_000))
+    holder = next(name for name in before if any(
+        json.loads(s["json"])["source"] == f"train/{victim.parent.name}/{victim.name}" for s in _samples(out / name)))
+    result = ok("data", "shard", root_copy, "--out", out, "--split", "train", "--maxcount", 16)
+    assert (f"train: wrote again 1 shard whose images changed since they were written (their modification times): "
+            f"{holder}") in result.output, result.output
+    assert bytes(edited) in [s["jpg"] for s in _samples(out / holder)]
+    after = _shard_bytes(out)
+    assert after[holder] != before[holder] and {n: b for n, b in after.items() if n != holder} == \
+        {n: b for n, b in before.items() if n != holder}
+    again = ok("data", "shard", root_copy, "--out", out, "--split", "train", "--maxcount", 16)
+    assert "wrote again" not in again.output, again.output  # recorded with its new time
+
+
 def test_a_file_that_is_no_image_is_named_as_such(root_copy, tmp_path):
     """Before: notes.txt in a class folder was `unreadable image`; x.JPEG.bak beside x.JPEG `two images share the key
     'x'`, not saying what a key is."""
