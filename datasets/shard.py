@@ -155,8 +155,9 @@ def sample_key(entry: os.DirEntry, path: Path) -> str:
     return key
 
 
-def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
-    """Every image of the split, each checked to make a valid sample key; hidden files are left out."""
+def list_samples(root: Path, split: str, classes: list[str]) -> tuple[list[Sample], dict[str, int]]:
+    """Every image of the split, each checked to make a valid sample key, and each one's modification time (ns);
+    hidden files are left out."""
     folder = root / split
     if not folder.is_dir():
         alone = " (or pass --split train to shard train alone)" if split == "val" else ""
@@ -173,7 +174,7 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
         raise DataError(f"{count(len(flat), 'file')} {'lies' if len(flat) == 1 else 'lie'} directly in {split}/ (e.g. "
                         f"{flat[0]})", str(folder), fix)
     label_of = {wnid: i for i, wnid in enumerate(classes)}
-    samples, keys, empty = [], {}, []
+    samples, modified, keys, empty = [], {}, {}, []
     for class_dir in entries:
         if class_dir.name not in label_of:
             raise _not_a_train_class(root, split, class_dir.name, len(classes))
@@ -186,8 +187,9 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
                 raise DataError(f"two images share the key {key!r} (a sample's key is its file name up to the first "
                                 f"dot): {keys[key]} and {source}", str(folder),
                                 "rename one of them, or move out the one that is not an image (a .bak copy)")
-            keys[key] = source
-            samples.append((source, key, label_of[class_dir.name], entry.stat().st_size))
+            keys[key], stat = source, entry.stat()
+            samples.append((source, key, label_of[class_dir.name], stat.st_size))
+            modified[source] = stat.st_mtime_ns
     if not samples:
         raise DataError(f"no images under {split}/ (its class folders are empty)", str(folder),
                         f"put the images into their class folders ({folder}/<wnid>/<image>), or shard the folder "
@@ -199,7 +201,7 @@ def list_samples(root: Path, split: str, classes: list[str]) -> list[Sample]:
                f"put its images back into {folder / empty[0]} (valprep sorts them there), or move that folder out of "
                f"{folder} to evaluate without that class")
         raise DataError(f"class folder {empty[0]}{more} holds no images", str(folder), fix)
-    return samples
+    return samples, modified
 
 
 def _not_a_train_class(root: Path, split: str, name: str, classes: int) -> DataError:
@@ -217,10 +219,12 @@ def _not_a_train_class(root: Path, split: str, name: str, classes: int) -> DataE
 
 @dataclass(frozen=True)
 class Source:
-    """What shard reads from ROOT: the classes (sorted WNIDs) and the images of each split."""
+    """What shard reads from ROOT: the classes (sorted WNIDs), the images of each split and their modification
+    times (ns, by source)."""
 
     classes: list[str]
     samples: dict[str, list[Sample]]
+    modified: dict[str, int]
 
 
 def read_source(root: Path, splits: Sequence[str]) -> Source:
@@ -235,10 +239,12 @@ def read_source(root: Path, splits: Sequence[str]) -> Source:
                 check_no_writer(root / split, "vitctl data shard")
         classes = list_classes(root)
         check_train_intact(root, "train" in splits)  # before any split's images: a lost class shifts the labels
-        samples = {split: list_samples(root, split, classes) for split in splits}
+        listed = {split: list_samples(root, split, classes) for split in splits}
+        samples = {split: found for split, (found, _) in listed.items()}
         if "val" in samples:
             check_val_intact(root, len(samples["val"]))
-        return Source(classes, samples)
+        modified = {source: ns for _, times in listed.values() for source, ns in times.items()}
+        return Source(classes, samples, modified)
 
 
 def sample_bytes(size: int) -> int:
@@ -271,12 +277,13 @@ def plan_digest(shards: list[list[Sample]], spec: ShardSpec) -> str:
     return h.hexdigest()
 
 
-def sources_digest(root: Path, samples: list[Sample]) -> str:
-    """A digest of the samples' images with their modification times: a rerun writes again a shard whose images were
-    edited in place since, which the plan misses where an edit keeps an image's size."""
+def sources_digest(samples: list[Sample], modified: dict[str, int]) -> str:
+    """A digest of the samples' images with their modification times as listed: a rerun writes again a shard whose
+    images were edited in place since (an edit during the run too), which the plan misses where an edit keeps an
+    image's size."""
     h = hashlib.sha256()
     for source, *_ in samples:
-        h.update(f"{source}\0{(root / source).stat().st_mtime_ns}\n".encode())
+        h.update(f"{source}\0{modified[source]}\n".encode())
     return h.hexdigest()
 
 
@@ -299,7 +306,6 @@ def _some(skipped: list[dict[str, str]]) -> str:
 def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str], on_bad_image: str) -> dict[str, Any]:
     """Write one shard under its temporary name (`publish` names it); returns its manifest entry."""
     conversions, skipped, labels = [], [], []
-    sources = sources_digest(root, samples)  # before the reads: an image edited while it is read is written again
     with partial_open(path) as f:
         out = _HashingFile(f)
         tar = UstarWriter(out)
@@ -325,7 +331,7 @@ def write_shard(root: Path, path: Path, samples: list[Sample], wnids: list[str],
                             "--out folder (the plan changes with the images)")
         tar.close()
     return {"name": path.name, "samples": len(labels), "bytes": out.bytes, "sha256": out.sha256.hexdigest(),
-            "conversions": conversions, "skipped": skipped, "labels": mf.encode_labels(labels), "sources": sources}
+            "conversions": conversions, "skipped": skipped, "labels": mf.encode_labels(labels)}
 
 
 def _check_folder(out: Path, manifest: dict[str, Any] | None) -> None:
@@ -349,18 +355,11 @@ def _check_folder(out: Path, manifest: dict[str, Any] | None) -> None:
                         str(out), f"shard into an empty folder, or move those files away{again}")
 
 
-def _check_shard(path: Path, entry: dict[str, Any], root: Path, samples: list[Sample]) -> tuple[str, str]:
-    """The shard's name and whether it is `intact` (the file its manifest entry records, by size and sha256, of images
-    unchanged since), `changed` (an image edited since it was written) or `damaged` (missing or another file)."""
-    try:
-        changed = "sources" in entry and sources_digest(root, samples) != entry["sources"]  # older folders: unknown
-    except FileNotFoundError:  # deleted since the plan was made: the write names it
-        changed = True
-    if changed:
-        return path.name, "changed"
+def _intact(path: Path, entry: dict[str, Any]) -> str | None:
+    """The shard's name if its file is the one its manifest entry records (size and sha256), else None."""
     if path.is_file() and path.stat().st_size == entry["bytes"] and mf.file_sha256(path) == entry["sha256"]:
-        return path.name, "intact"
-    return path.name, "damaged"
+        return path.name
+    return None
 
 
 def shard_command(folder: Path, split: str, info: dict[str, Any]) -> str:
@@ -456,15 +455,16 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
         manifest["splits"][other] = _started(root, plan_shards(source.samples[other], spec), spec)
     on_total(sum(len(s) for s in shards))
     planned = {mf.shard_name(split, i): samples for i, samples in enumerate(shards)}
-    intact, changed = set(), []
-    checks = [(out / name, e, root, planned.get(name, [])) for name, e in recorded.items()]
-    with contextlib.closing(run_tasks(_check_shard, checks, workers)) as checked:
-        for name, state in checked:
-            if state == "intact":
+    sources = {name: sources_digest(samples, source.modified) for name, samples in planned.items()}
+    # an entry without the digest comes from an older vitctl: its images' times are unknown
+    changed = sorted(name for name, e in recorded.items() if "sources" in e and e["sources"] != sources.get(name))
+    unchanged = [(out / name, e) for name, e in recorded.items() if name not in changed]
+    intact = set()
+    with contextlib.closing(run_tasks(_intact, unchanged, workers)) as checked:
+        for name in checked:
+            if name is not None:
                 intact.add(name)
                 progress(len(planned[name]))
-            elif state == "changed":
-                changed.append(name)
     # nothing to write (a read-only copy checks too); a planned_shards edited by hand is written again, as planned
     if recorded_complete and len(intact) == len(planned) == recorded_info["planned_shards"] and added == []:
         return SplitResult(recorded_info, [], len(intact))
@@ -484,7 +484,7 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     def finish(entry: dict[str, Any]) -> None:
         nonlocal saved
         publish(out / entry["name"])
-        info["shards"].append(entry)
+        info["shards"].append({**entry, "sources": sources[entry["name"]]})
         # Recorded once a second, not after every shard: rewriting the whole manifest per shard took minutes with
         # thousands of small shards. A shard published since is rewritten by a rerun, as an unpublished one is.
         if time.monotonic() - saved >= MANIFEST_EVERY_S:
@@ -513,7 +513,7 @@ def _shard_split(root: Path, out: Path, split: str, spec: ShardSpec, workers: in
     _check_every_class_kept(root, split, info, classes, {sample[2] for sample in source.samples[split]})
     info["complete"] = True
     record()
-    return SplitResult(info, sorted(set(recorded) - intact - set(changed)), len(intact), sorted(changed))
+    return SplitResult(info, sorted(set(recorded) - intact - set(changed)), len(intact), changed)
 
 
 def _check_every_class_kept(root: Path, split: str, info: dict[str, Any], classes: list[str],
